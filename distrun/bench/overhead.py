@@ -1,0 +1,139 @@
+"""`distrun bench overhead`: distrun's cost against hand-written torchrun + DDP.
+
+Three contenders train the same model on the same data for the same steps, in
+one run, each as a fresh command as a user would start it:
+
+* ``torchrun+ddp``: ``torchrun --standalone --nproc_per_node=N`` of a
+  hand-written DDP script (the baseline);
+* ``distrun fit``: ``distrun train`` of the fit-style recipe, ``--strategy mirrored``;
+* ``distrun script``: ``distrun train`` of the very same hand-written script.
+
+Each is run ``repeats`` times in turn and the median is kept. Time to first
+step is measured from just before the command starts to the end of rank 0's
+first step (wall clock, same machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from distrun.errors import DistrunError
+
+__all__ = ["Measurement", "OverheadReport", "run_overhead"]
+
+_HERE = Path(__file__).resolve().parent
+_SCRIPT = _HERE / "_ddp_script.py"
+_RECIPE = _HERE / "_overhead_recipe.py"
+_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Measurement:
+    name: str
+    samples_per_s: float
+    time_to_first_step_s: float
+
+
+@dataclass(frozen=True)
+class OverheadReport:
+    replicas: int
+    steps: int
+    global_batch_size: int
+    repeats: int
+    rows: tuple[Measurement, ...]
+
+    def ratio(self, name: str) -> float:
+        """Throughput of ``name`` over the baseline's (1.0 = no overhead)."""
+        base = self.rows[0].samples_per_s
+        row = next(r for r in self.rows if r.name == name)
+        return row.samples_per_s / base if base else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "benchmark": "overhead",
+            "replicas": self.replicas,
+            "steps": self.steps,
+            "global_batch_size": self.global_batch_size,
+            "repeats": self.repeats,
+            "rows": [
+                {"name": r.name, "samples_per_s": r.samples_per_s, "time_to_first_step_s": r.time_to_first_step_s,
+                 "vs_ddp": self.ratio(r.name)}
+                for r in self.rows
+            ],
+        }
+
+
+def _run(argv: list[str], env: dict[str, str]) -> tuple[float, list[dict[str, object]]]:
+    t0 = time.time()
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=_TIMEOUT_S, check=False)  # noqa: S603
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise DistrunError(f"benchmark command failed ({' '.join(argv[:4])} ...): " + " | ".join(tail))
+    objects = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            objects.append(json.loads(line))
+    return t0, objects
+
+
+def _from_script_output(objects: list[dict[str, object]]) -> dict[str, object]:
+    for obj in objects:
+        if obj.get("bench") == "ddp":
+            return obj
+        if obj.get("type") == "output" and str(obj.get("line", "")).startswith("{"):
+            inner = json.loads(str(obj["line"]))
+            if inner.get("bench") == "ddp":
+                return inner
+    raise DistrunError("benchmark script printed no measurement")
+
+
+def run_overhead(
+    *, replicas: int, steps: int, global_batch_size: int, repeats: int,
+    progress: Callable[[str], None] = lambda _: None,
+) -> OverheadReport:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
+    py = sys.executable
+    script_args = ["--steps", str(steps), "--global-batch-size", str(global_batch_size)]
+    distrun = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas)]
+    contenders: dict[str, Callable[[], Measurement]] = {}
+
+    def ddp() -> Measurement:
+        t0, out = _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
+                        str(_SCRIPT), *script_args], env)
+        m = _from_script_output(out)
+        return Measurement("torchrun+ddp", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
+
+    def fit() -> Measurement:
+        t0, out = _run([*distrun, "--steps", str(steps), "--global-batch-size", str(global_batch_size), str(_RECIPE)], env)
+        summary = out[-1]
+        return Measurement("distrun fit", float(summary["samples_per_s"]), float(summary["time_to_first_step_s"]))
+
+    def script() -> Measurement:
+        t0, out = _run([*distrun, str(_SCRIPT), "--", *script_args], env)
+        m = _from_script_output(out)
+        return Measurement("distrun script", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
+
+    contenders = {"torchrun+ddp": ddp, "distrun fit": fit, "distrun script": script}
+    runs: dict[str, list[Measurement]] = {name: [] for name in contenders}
+    for i in range(repeats):
+        for name, measure in contenders.items():  # interleaved, so drift hits all alike
+            progress(f"round {i + 1}/{repeats}: {name}")
+            runs[name].append(measure())
+    rows = tuple(
+        Measurement(
+            name,
+            statistics.median(m.samples_per_s for m in ms),
+            statistics.median(m.time_to_first_step_s for m in ms),
+        )
+        for name, ms in runs.items()
+    )
+    return OverheadReport(replicas, steps, global_batch_size, repeats, rows)

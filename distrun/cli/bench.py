@@ -1,0 +1,49 @@
+"""`distrun bench WORKLOAD`: benchmarks that print ratios against the alternative."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+
+from distrun.bench.overhead import run_overhead
+from distrun.cli._app import app, stderr
+from distrun.errors import UsageError
+from distrun.ui.bench import render_overhead
+
+_PLANNED = {"resnet50", "resnet18", "mlp"}
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    workload: str = typer.Argument(..., help="overhead (built); resnet50 | resnet18 | mlp (planned, issue 6)"),
+    replicas: int = typer.Option(2, "--replicas", "-n", help="Processes for each contender."),
+    steps: int = typer.Option(200, "--steps", help="Training steps per run."),
+    global_batch_size: int = typer.Option(256, "--global-batch-size", "-b"),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per contender; the median is reported."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    """Measure distrun against the alternative, in one run (docs/performance.md)."""
+    if workload in _PLANNED:
+        raise UsageError(f"`distrun bench {workload}` is not built yet (planned: scaling report, issue 6)")
+    if workload != "overhead":
+        raise UsageError(f"bench: unknown workload {workload!r}; built: overhead")
+    if ctx.args:
+        raise UsageError(f"bench overhead: unexpected arguments {' '.join(ctx.args)}")
+    for name, value in (("--replicas", replicas), ("--steps", steps), ("--repeats", repeats), ("--global-batch-size", global_batch_size)):
+        if value < 1:
+            raise UsageError(f"{name}: expected a positive whole number. Received: {value}")
+    if steps < 2:
+        raise UsageError("--steps: at least 2 (the first step is warm-up and not timed)")
+    if global_batch_size % replicas:
+        raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by {replicas} replicas")
+    report = run_overhead(
+        replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
+        progress=lambda msg: stderr.print(f"[bench] {msg}", markup=False) if not json_output else None,
+    ).to_dict()
+    if json_output:
+        typer.echo(json.dumps(report))
+    else:
+        Console(highlight=False).print(render_overhead(report))

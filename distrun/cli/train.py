@@ -1,0 +1,163 @@
+"""`distrun train RECIPE`: train a recipe on this machine under a strategy."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.live import Live
+
+from distrun.cli._app import app, stderr
+from distrun.client import LocalJob
+from distrun.config import DEFAULT_CPU_REPLICAS, DEFAULT_KEEP_CHECKPOINTS, JobSpec, RecipeKind, StrategyName, inspect_recipe
+from distrun.errors import DistrunError, Interrupted, UsageError
+from distrun.launch import visible_gpu_count
+from distrun.protocol import Event, Output, event_to_dict
+from distrun.ui import render_progress, render_summary
+
+#: Global batch size when neither the flag nor the recipe's defaults give one.
+DEFAULT_GLOBAL_BATCH_SIZE = 64
+
+
+@app.command(context_settings={"help_option_names": ["-h", "--help"]})
+def train(
+    recipe: Path = typer.Argument(..., help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
+    recipe_args: list[str] = typer.Argument(None, help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
+    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | central-storage"),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
+    device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
+    steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
+    epochs: int | None = typer.Option(None, "--epochs", help="Train this many epochs (default: recipe defaults, else 1)."),
+    global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help=f"Samples per step over all replicas (default: recipe defaults, else {DEFAULT_GLOBAL_BATCH_SIZE})."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of initial parameters and data order (default 0)."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for ckpt-<step>.pt files."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps (always one at the end)."),
+    keep_checkpoints: int = typer.Option(DEFAULT_KEEP_CHECKPOINTS, "--keep-checkpoints", help="Keep the newest K checkpoints."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --checkpoint-dir."),
+    sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
+    json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Train RECIPE on this machine under --strategy; switching strategy never changes the recipe."""
+    spec = build_spec(
+        recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, replicas=replicas, device=device,
+        steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
+        sync_batch_norm=sync_batch_norm,
+    )
+    run_job(spec, json_output=json_output)
+
+
+def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,
+               epochs: int | None, global_batch_size: int | None, seed: int | None,
+               checkpoint_dir: Path | None, **rest: Any) -> JobSpec:
+    """Merge flags with the recipe's ``defaults`` (flags win) into a validated JobSpec."""
+    path = recipe.expanduser().resolve()
+    if not path.is_file():
+        raise UsageError(f"{recipe}: recipe not found")
+    info = inspect_recipe(str(path))
+    name = StrategyName.parse(strategy)
+    gpus = visible_gpu_count()
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    elif device == "cuda" and not gpus:
+        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
+    elif device not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
+    if replicas is None:
+        replicas = 1 if not name.distributed else (gpus if device == "cuda" else DEFAULT_CPU_REPLICAS)
+    elif device == "cuda" and replicas > gpus:
+        raise UsageError(f"--replicas {replicas}: only {gpus} GPU(s) found on this machine")
+    defaults = dict(info.defaults)
+    if steps is None and epochs is None:
+        steps, epochs = defaults.get("steps"), defaults.get("epochs")
+        if steps is not None:
+            epochs = None
+    if info.kind is not RecipeKind.SCRIPT and global_batch_size is None:
+        global_batch_size = defaults.get("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
+    return JobSpec(
+        recipe=str(path),
+        strategy=name,
+        replicas=replicas,
+        device=device,
+        steps=steps,
+        epochs=epochs,
+        global_batch_size=global_batch_size,
+        seed=seed if seed is not None else defaults.get("seed", 0),
+        checkpoint_dir=str(checkpoint_dir.expanduser().resolve()) if checkpoint_dir else None,
+        checkpoint_every=rest.pop("checkpoint_every") or defaults.get("checkpoint_every"),
+        **rest,
+    )
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_job(spec: JobSpec, *, json_output: bool) -> None:
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    job = LocalJob(spec)
+    status, error = "succeeded", None
+    try:
+        with job:
+            _consume(job, json_output)
+            try:
+                outcome = job.outcome()
+            except Interrupted as exc:
+                status, error = "interrupted", exc.message
+                raise
+            except DistrunError as exc:
+                status, error = "failed", exc.message
+                raise
+            summary = outcome.summary
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if status != "succeeded":
+            _print_summary(job.summary(status, error), json_output)
+    _print_summary(summary, json_output)
+
+
+def _consume(job: LocalJob, json_output: bool) -> None:
+    """Render events until the job ends; Ctrl-C cancels the job and keeps draining."""
+    console = Console(stderr=not json_output and not sys.stdout.isatty(), highlight=False)
+    if json_output:
+        _drain(job, lambda ev: _print_json(event_to_dict(ev)) if ev is not None else None)
+        return
+    with Live(render_progress(job.snapshot()), console=console, refresh_per_second=4, transient=False) as live:
+        def show(ev: Event | None) -> None:
+            if isinstance(ev, Output):
+                live.console.print(f"[rank {ev.rank}] {ev.line}", markup=False, highlight=False)
+            live.update(render_progress(job.snapshot()))
+
+        _drain(job, show)
+
+
+def _drain(job: LocalJob, handle: Any) -> None:
+    while True:
+        try:
+            for event in job.events():  # a fresh generator after each interrupt
+                handle(event)
+            return
+        except KeyboardInterrupt:
+            job.cancel("interrupted", interrupted=True)
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+def _print_summary(summary: Any, json_output: bool) -> None:
+    if json_output:
+        _print_json(summary.to_dict())
+    else:
+        Console(stderr=not sys.stdout.isatty(), highlight=False).print(render_summary(summary))
+
+
+__all__ = ["train", "build_spec", "run_job"]

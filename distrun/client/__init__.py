@@ -1,0 +1,6 @@
+"""Driving jobs and clusters from the user's machine (no torch here)."""
+
+from distrun.client._tracker import JobTracker
+from distrun.client.local import JobOutcome, LocalJob
+
+__all__ = ["LocalJob", "JobOutcome", "JobTracker"]

@@ -1,0 +1,101 @@
+"""Folding a job's event stream into immutable snapshots and a final summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from distrun.protocol import (
+    Checkpointed,
+    Done,
+    Eval,
+    Event,
+    Exited,
+    Failed,
+    JobSnapshot,
+    JobSummary,
+    ReplicaRow,
+    ReplicaStatus,
+    Started,
+    Step,
+)
+
+
+class JobTracker:
+    """Mutable accumulator owned by one consumer thread; hands out frozen snapshots."""
+
+    def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None) -> None:
+        self._recipe = recipe
+        self._strategy = strategy
+        self._t0 = started_at if started_at is not None else time.time()
+        self._rows = {r: ReplicaRow(rank=r) for r in range(replicas)}
+        self._seen: dict[int, float] = {}
+        self._total_steps: int | None = None
+        self._eval: dict[str, float] = {}
+        self._checkpoint: str | None = None
+        self._done: dict[int, Done] = {}
+        self._first_step_at: float | None = None
+
+    def update(self, event: Event) -> None:
+        row = self._rows.get(event.rank) or ReplicaRow(rank=event.rank)
+        self._seen[event.rank] = time.time()
+        if isinstance(event, Started):
+            row = dataclasses.replace(row, device=event.device, pid=event.pid, status=ReplicaStatus.RUNNING)
+        elif isinstance(event, Step):
+            row = dataclasses.replace(
+                row, step=event.step, epoch=event.epoch, loss=event.loss, samples_per_s=event.samples_per_s,
+                mem_mb=event.mem_mb, status=ReplicaStatus.RUNNING,
+            )
+            if event.total_steps is not None:
+                self._total_steps = event.total_steps
+            if self._first_step_at is None:
+                self._first_step_at = event.time
+        elif isinstance(event, Eval):
+            self._eval = dict(event.metrics)
+        elif isinstance(event, Checkpointed):
+            self._checkpoint = event.path
+        elif isinstance(event, Done):
+            self._done[event.rank] = event
+            row = dataclasses.replace(row, status=ReplicaStatus.DONE, samples_per_s=0.0)
+        elif isinstance(event, Failed):
+            row = dataclasses.replace(row, status=ReplicaStatus.FAILED)
+        elif isinstance(event, Exited):
+            if event.returncode != 0 and row.status not in (ReplicaStatus.FAILED, ReplicaStatus.DONE):
+                row = dataclasses.replace(row, status=ReplicaStatus.STOPPED)
+        self._rows[event.rank] = row
+
+    def snapshot(self) -> JobSnapshot:
+        now = time.time()
+        rows = tuple(
+            dataclasses.replace(r, last_seen_s=now - self._seen.get(r.rank, self._t0))
+            for _, r in sorted(self._rows.items())
+        )
+        return JobSnapshot(
+            recipe=self._recipe,
+            strategy=self._strategy,
+            rows=rows,
+            step=max((r.step for r in rows), default=0),
+            total_steps=self._total_steps,
+            elapsed_s=now - self._t0,
+            eval_metrics=dict(self._eval),
+            last_checkpoint=self._checkpoint,
+        )
+
+    def summary(self, status: str, error: str | None = None) -> JobSummary:
+        chief = self._done.get(0)
+        first = chief.first_step_time if chief and chief.first_step_time else self._first_step_at
+        steps = chief.steps if chief else max((r.step for r in self._rows.values()), default=0)
+        return JobSummary(
+            status=status,
+            recipe=self._recipe,
+            strategy=self._strategy,
+            replicas=len(self._rows),
+            steps=steps,
+            final_loss=chief.final_loss if chief else None,
+            samples_per_s=chief.samples_per_s if chief else 0.0,
+            time_to_first_step_s=(first - self._t0) if first else None,
+            wall_s=time.time() - self._t0,
+            eval_metrics=dict(self._eval),
+            last_checkpoint=self._checkpoint,
+            error=error,
+        )

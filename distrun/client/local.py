@@ -1,0 +1,120 @@
+"""Running a job on this machine: JobSpec in, events out, a JobSummary at the end.
+
+The launcher runs in a background thread; events reach the caller through a
+queue, so the caller's thread stays free to render and to receive Ctrl-C. The
+cluster path (issue 4) will offer the same ``events()``/``result`` shape.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from distrun.client._tracker import JobTracker
+from distrun.config import JobSpec
+from distrun.errors import DistrunError, Interrupted, TrainingError
+from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
+from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
+from distrun.protocol.environment import JOB_SPEC_VAR
+
+__all__ = ["LocalJob", "JobOutcome"]
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    summary: JobSummary
+    failure: Failed | None
+
+
+class LocalJob:
+    """One local training job. Use as a context manager; iterate ``events()``."""
+
+    def __init__(self, spec: JobSpec, *, python: str | None = None, stop_grace_s: float = 5.0) -> None:
+        self.spec = spec
+        self._t0 = time.time()
+        worker = WorkerSpec(
+            argv=(python or sys.executable, "-m", "distrun.runtime"),
+            local_world_size=spec.replicas,
+            env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env},
+            stop_grace_s=stop_grace_s,
+        )
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._launcher = LocalLauncher(worker, self._queue.put)
+        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0)
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
+        self._interrupted = False
+
+    def __enter__(self) -> LocalJob:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel("client exiting")
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._launcher.run()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            self._error = exc
+        finally:
+            self._queue.put(_END)
+
+    def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
+        """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""
+        while True:
+            try:
+                item = self._queue.get(timeout=poll_s)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _END:
+                return
+            self._tracker.update(item)
+            yield item
+
+    def snapshot(self) -> JobSnapshot:
+        return self._tracker.snapshot()
+
+    def summary(self, status: str, error: str | None = None) -> JobSummary:
+        return self._tracker.summary(status, error)
+
+    def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
+        self._interrupted = self._interrupted or interrupted
+        self._launcher.stop(reason)
+
+    def outcome(self) -> JobOutcome:
+        """Wait for the end; raise the DistrunError that describes a failure."""
+        self._thread.join()
+        if self._error is not None:
+            if isinstance(self._error, DistrunError):
+                raise self._error
+            raise DistrunError(f"launcher failed: {self._error}") from self._error
+        result = self._result
+        if result is None:
+            raise DistrunError("launcher ended without a result")
+        if result.state is ProcessState.SUCCEEDED:
+            return JobOutcome(self._tracker.summary("succeeded"), None)
+        if result.state is ProcessState.STOPPED or self._interrupted:
+            raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
+        failure = result.failure
+        message = _failure_message(failure)
+        raise TrainingError(message, rank=failure.rank if failure else None,
+                            detail=failure.traceback if failure else None)
+
+
+def _failure_message(failure: Failed | None) -> str:
+    if failure is None:
+        return "training failed"
+    where = f"{failure.file}:{failure.line}: " if failure.file else ""
+    at_step = f" at step {failure.step}" if failure.step else ""
+    return f"{where}rank {failure.rank} failed{at_step}: {failure.message}"

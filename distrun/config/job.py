@@ -1,0 +1,135 @@
+"""The job spec: what one `distrun train` run asks for, validated before anything starts.
+
+A JobSpec is a frozen value. The CLI builds it from flags (recipe defaults fill
+what the flags leave out), the launcher hands it to every training process as
+JSON, and the runtime reads it back; nothing mutates it on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from distrun.config._suggest import did_you_mean
+from distrun.errors import ConfigError
+
+__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS"]
+
+#: Replicas started on a machine without GPUs when --replicas is not given: two is
+#: the smallest count that exercises the distributed path (documented in docs/cli.md).
+DEFAULT_CPU_REPLICAS = 2
+DEFAULT_KEEP_CHECKPOINTS = 3
+
+
+class StrategyName(str, Enum):
+    """Strategies built so far; later issues add multi-worker and parameter-server."""
+
+    ONE_DEVICE = "one-device"
+    MIRRORED = "mirrored"
+    CENTRAL_STORAGE = "central-storage"
+
+    @classmethod
+    def parse(cls, value: str) -> StrategyName:
+        try:
+            return cls(value)
+        except ValueError:
+            names = [s.value for s in cls]
+            raise ConfigError(
+                f"--strategy: unknown strategy {value!r}{did_you_mean(value, names)}; "
+                f"choose one of {', '.join(names)}"
+            ) from None
+
+    @property
+    def distributed(self) -> bool:
+        return self is not StrategyName.ONE_DEVICE
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a training process needs to know about the job it belongs to."""
+
+    recipe: str
+    strategy: StrategyName = StrategyName.ONE_DEVICE
+    replicas: int = 1
+    device: str = "cpu"
+    steps: int | None = None
+    epochs: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    resume: bool = False
+    sync_batch_norm: bool = False
+    recipe_args: tuple[str, ...] = ()
+    log_interval_s: float = 0.25
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def per_replica_batch_size(self) -> int | None:
+        if self.global_batch_size is None:
+            return None
+        return self.global_batch_size // self.replicas
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["strategy"] = self.strategy.value
+        data["recipe_args"] = list(self.recipe_args)
+        data["extra_env"] = dict(self.extra_env)
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        data: dict[str, Any] = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"job spec: unknown keys {unknown} (client and worker versions differ?)")
+        data["strategy"] = StrategyName.parse(data.get("strategy", "one-device"))
+        data["recipe_args"] = tuple(data.get("recipe_args", ()))
+        return cls(**data)
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{name}: expected a positive whole number. Received: {value!r}")
+
+
+def _validate(spec: JobSpec) -> None:
+    if not isinstance(spec.strategy, StrategyName):
+        raise ConfigError(f"--strategy: expected a StrategyName. Received: {spec.strategy!r}")
+    if not os.path.isabs(spec.recipe):
+        raise ConfigError(f"recipe path must be absolute inside a job spec. Received: {spec.recipe!r}")
+    _positive("--replicas", spec.replicas)
+    _positive("--steps", spec.steps)
+    _positive("--epochs", spec.epochs)
+    _positive("--global-batch-size", spec.global_batch_size)
+    _positive("--checkpoint-every", spec.checkpoint_every)
+    _positive("--keep-checkpoints", spec.keep_checkpoints)
+    if spec.device not in ("cpu", "cuda"):
+        raise ConfigError(f"device: expected 'cpu' or 'cuda'. Received: {spec.device!r}")
+    if spec.steps is not None and spec.epochs is not None:
+        raise ConfigError("--steps and --epochs are exclusive: give one")
+    if spec.strategy is StrategyName.ONE_DEVICE and spec.replicas != 1:
+        raise ConfigError(
+            f"--strategy one-device runs one replica. Received: --replicas {spec.replicas}; "
+            "use --strategy mirrored for more"
+        )
+    if spec.global_batch_size is not None and spec.global_batch_size % spec.replicas:
+        raise ConfigError(
+            f"--global-batch-size {spec.global_batch_size} is not divisible by {spec.replicas} replicas; "
+            f"choose a multiple of {spec.replicas}"
+        )
+    if (spec.resume or spec.checkpoint_every) and not spec.checkpoint_dir:
+        flag = "--resume" if spec.resume else "--checkpoint-every"
+        raise ConfigError(f"{flag} needs --checkpoint-dir")
+    if spec.log_interval_s < 0:
+        raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")

@@ -1,0 +1,87 @@
+"""One exception tree for all of distrun; only the CLI turns it into exit codes.
+
+Every error carries the exit code the CLI uses for it, so the mapping lives in one
+place and docs/cli.md can list it::
+
+    DistrunError                 1  anything not classified below
+    ├── UsageError               2  bad flags, a command not built yet
+    │   └── ConfigError          2  invalid job or cluster spec (file, key path)
+    ├── RecipeError              3  the recipe cannot be loaded or breaks the contract
+    ├── TrainingError            4  a replica raised or died during training
+    ├── CheckpointError          5  no checkpoint to resume from, or an unreadable one
+    └── Interrupted            130  Ctrl-C (SIGINT) or SIGTERM stopped the job
+
+Messages are one line and name the file, key, rank or host they are about; the
+traceback, when there is one, rides along in ``detail`` and is shown only with
+``--debug``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DistrunError",
+    "UsageError",
+    "ConfigError",
+    "RecipeError",
+    "TrainingError",
+    "CheckpointError",
+    "Interrupted",
+    "EXIT_CODES",
+]
+
+
+class DistrunError(Exception):
+    """Base of every error distrun raises on purpose."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class UsageError(DistrunError):
+    """The command line asks for something that cannot be done."""
+
+    exit_code = 2
+
+
+class ConfigError(UsageError):
+    """A spec (job flags, cluster file) is invalid; the message names where."""
+
+    exit_code = 2
+
+
+class RecipeError(DistrunError):
+    """The recipe does not import, or defines only part of a contract."""
+
+    exit_code = 3
+
+
+class TrainingError(DistrunError):
+    """A replica failed while training; the message names the first failing rank."""
+
+    exit_code = 4
+
+    def __init__(self, message: str, *, rank: int | None = None, detail: str | None = None) -> None:
+        super().__init__(message, detail=detail)
+        self.rank = rank
+
+
+class CheckpointError(DistrunError):
+    """A checkpoint could not be found, read or written."""
+
+    exit_code = 5
+
+
+class Interrupted(DistrunError):
+    """The user interrupted the job; every replica was stopped."""
+
+    exit_code = 130
+
+
+EXIT_CODES: dict[str, int] = {
+    cls.__name__: cls.exit_code
+    for cls in (DistrunError, UsageError, ConfigError, RecipeError, TrainingError, CheckpointError, Interrupted)
+}

@@ -1,0 +1,44 @@
+"""The environment of one training process: torchrun's variables and TF_CONFIG.
+
+A plain torchrun script must run unchanged, so every process gets exactly the
+variables torchrun sets. TF_CONFIG describes the same cluster the TensorFlow way
+(task type and index) for recipes written against it; with no explicit chief,
+worker 0 is the chief, as in TensorFlow's MultiWorkerMirroredStrategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from distrun.launch.api import WorkerSpec
+
+
+def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, str]:
+    world = spec.effective_world_size
+    rank = spec.rank_offset + local_rank
+    cpus = os.cpu_count() or 1
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(spec.local_world_size),
+        "GROUP_RANK": str(spec.node_rank),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": spec.master_addr,
+        "MASTER_PORT": str(master_port),
+        # All ranks connect to the store as clients; rank 0 hosts it on the socket
+        # the launcher bound (see runtime bootstrap), exactly as torchrun's agent store.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TF_CONFIG": json.dumps(
+            {
+                "cluster": {"worker": [f"{spec.master_addr}:{master_port}"] * world},
+                "task": {"type": "worker", "index": rank},
+            }
+        ),
+        "PYTHONUNBUFFERED": "1",
+    }
+    # Share the cores between local replicas instead of oversubscribing them.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // spec.local_world_size)))
+    return env

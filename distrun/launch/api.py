@@ -1,0 +1,74 @@
+"""The launcher's contract: what to start (WorkerSpec) and what happened (RunResult).
+
+Modelled on torch.distributed.elastic's agent API: a frozen spec in, a result
+out, a process state machine in an Enum, and the first failing rank reported as
+the root cause (not the ranks that failed because a peer vanished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+from distrun.errors import ConfigError
+from distrun.protocol import PEER_LOST, Failed
+
+__all__ = ["WorkerSpec", "ProcessState", "RunResult", "PEER_LOST"]
+
+
+
+class ProcessState(str, Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # stopped by request (Ctrl-C, cancel) or because a peer failed
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Processes to start on this machine, one per local rank.
+
+    ``master_port=None`` means this launcher hosts the rendezvous: it binds a
+    listening socket on an OS-chosen port and hands the open socket to global
+    rank 0, so there is no probe-then-bind race for the port.
+    """
+
+    argv: tuple[str, ...]
+    local_world_size: int
+    world_size: int | None = None
+    rank_offset: int = 0
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    cwd: str | None = None
+    stop_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1:
+            raise ConfigError(f"local_world_size must be >= 1. Received: {self.local_world_size}")
+        if self.world_size is not None and self.rank_offset + self.local_world_size > self.world_size:
+            raise ConfigError(
+                f"ranks {self.rank_offset}..{self.rank_offset + self.local_world_size - 1} "
+                f"exceed world_size {self.world_size}"
+            )
+        if not self.argv:
+            raise ConfigError("argv must name the program to start")
+
+    @property
+    def effective_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else self.local_world_size
+
+    @property
+    def hosts_rendezvous(self) -> bool:
+        return self.master_port is None
+
+
+@dataclass(frozen=True)
+class RunResult:
+    state: ProcessState
+    returncodes: Mapping[int, int]
+    failure: Failed | None = None

@@ -1,0 +1,290 @@
+"""Starting and supervising the training processes of one machine.
+
+The client runs this for local jobs; the worker server will run the same code
+for the ranks of its host. It never imports torch: it starts processes, turns
+their pipes into events, and tears everything down when any rank fails or a
+stop is requested.
+
+Guarantees (each held by a test):
+
+* every process runs in its own session, so the launcher, not the terminal,
+  decides when it stops, and stopping kills its whole process group (DataLoader
+  workers included): SIGTERM, then SIGKILL after ``stop_grace_s``;
+* a rank that exits non-zero stops all others at once; no rank is left waiting
+  on a collective for the backend's 30-minute timeout;
+* training processes ask the kernel to kill them if the launcher dies
+  (PR_SET_PDEATHSIG, set by the runtime bootstrap), so even a SIGKILLed
+  launcher leaves no orphans;
+* the first failure is the root cause: a primary failure beats a ``peer-lost``
+  one, and among equals the earliest wins.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from distrun.launch._env import rank_env
+from distrun.launch._lines import LineBuffer
+from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
+from distrun.protocol import Event, EventDecodeError, Exited, Failed, Output, decode_event
+from distrun.protocol.environment import EVENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR
+
+__all__ = ["LocalLauncher", "EventSink"]
+
+EventSink = Callable[[Event], None]
+
+_TICK_S = 0.05
+_DRAIN_S = 2.0
+
+
+@dataclass
+class _Proc:
+    local_rank: int
+    rank: int
+    popen: subprocess.Popen[bytes]
+    fds: dict[int, tuple[str, LineBuffer]] = field(default_factory=dict)
+    returncode: int | None = None
+
+
+class LocalLauncher:
+    """Starts ``spec.local_world_size`` processes and supervises them to the end.
+
+    ``run()`` blocks until every process has exited; ``stop()`` may be called from
+    any thread (or a signal handler's thread) and makes ``run()`` return soon.
+    """
+
+    def __init__(self, spec: WorkerSpec, sink: EventSink) -> None:
+        self._spec = spec
+        self._sink = sink
+        self._procs: list[_Proc] = []
+        self._stop_requested = threading.Event()
+        self._stop_reason: str | None = None
+        self._selector = selectors.DefaultSelector()
+        self._failures: list[Failed] = []
+        self._started = False
+
+    # -- public ---------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        self._start()
+        try:
+            state = self._supervise()
+        finally:
+            self._kill_all(signal.SIGKILL)
+            self._reap_all()
+            self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
+            self._selector.close()
+        return RunResult(
+            state=state,
+            returncodes={p.rank: (p.returncode if p.returncode is not None else -signal.SIGKILL) for p in self._procs},
+            failure=self._root_cause() if state is ProcessState.FAILED else None,
+        )
+
+    def stop(self, reason: str = "stop requested") -> None:
+        if not self._stop_requested.is_set():
+            self._stop_reason = reason
+            self._stop_requested.set()
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self._procs]
+
+    # -- start ----------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._started:
+            raise RuntimeError("a LocalLauncher runs once")
+        self._started = True
+        spec = self._spec
+        listener: socket.socket | None = None
+        if spec.master_port is None:
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((spec.master_addr, 0))
+            listener.listen(1024)
+            port = int(listener.getsockname()[1])
+        else:
+            port = spec.master_port
+        try:
+            for local_rank in range(spec.local_world_size):
+                self._procs.append(self._spawn(local_rank, port, listener))
+        except BaseException:
+            self._kill_all(signal.SIGKILL)
+            self._reap_all()
+            raise
+        finally:
+            if listener is not None:
+                listener.close()  # rank 0 holds its own copy of the socket now
+
+    def _spawn(self, local_rank: int, port: int, listener: socket.socket | None) -> _Proc:
+        spec = self._spec
+        rank = spec.rank_offset + local_rank
+        event_r, event_w = os.pipe()
+        env = dict(os.environ)
+        env.update(spec.env)
+        env.update(rank_env(spec, local_rank, port))
+        env[EVENT_FD_VAR] = str(event_w)
+        env[PARENT_PID_VAR] = str(os.getpid())
+        pass_fds = [event_w]
+        if listener is not None and rank == 0:
+            env[STORE_FD_VAR] = str(listener.fileno())
+            pass_fds.append(listener.fileno())
+        else:
+            env.pop(STORE_FD_VAR, None)
+        try:
+            popen = subprocess.Popen(  # noqa: S603 - argv list, no shell
+                list(spec.argv),
+                env=env,
+                cwd=spec.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=pass_fds,
+                start_new_session=True,
+            )
+        finally:
+            os.close(event_w)
+        proc = _Proc(local_rank=local_rank, rank=rank, popen=popen)
+        streams = ((popen.stdout, "stdout"), (popen.stderr, "stderr"))
+        pairs = [(pipe.fileno(), name) for pipe, name in streams if pipe is not None] + [(event_r, "events")]
+        for fd, stream in pairs:
+            os.set_blocking(fd, False)
+            proc.fds[fd] = (stream, LineBuffer())
+            self._selector.register(fd, selectors.EVENT_READ, proc)
+        return proc
+
+    # -- supervise ------------------------------------------------------------
+
+    def _supervise(self) -> ProcessState:
+        stopping_since: float | None = None
+        state: ProcessState | None = None
+        while True:
+            self._pump(_TICK_S)
+            self._poll_exits()
+            running = [p for p in self._procs if p.returncode is None]
+            if stopping_since is None:
+                if self._failures:
+                    state = ProcessState.FAILED
+                elif self._stop_requested.is_set():
+                    state = ProcessState.STOPPED
+                if state is not None:
+                    stopping_since = time.monotonic()
+                    self._kill_all(signal.SIGTERM)
+            if not running:
+                return state if state is not None else ProcessState.SUCCEEDED
+            if stopping_since is not None and time.monotonic() - stopping_since > self._spec.stop_grace_s:
+                self._kill_all(signal.SIGKILL)
+
+    def _pump(self, timeout_s: float) -> None:
+        for key, _ in self._selector.select(timeout_s):
+            proc: _Proc = key.data
+            fd = key.fd
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            stream, buf = proc.fds[fd]
+            if not data:
+                self._selector.unregister(fd)
+                if stream == "events":  # stdout/stderr belong to the Popen object
+                    os.close(fd)
+                for line in buf.flush():
+                    self._deliver(proc, stream, line)
+                continue
+            for line in buf.feed(data):
+                self._deliver(proc, stream, line)
+
+    def _deliver(self, proc: _Proc, stream: str, line: bytes) -> None:
+        if stream == "events":
+            try:
+                event = decode_event(line)
+            except EventDecodeError as exc:
+                event = Output(rank=proc.rank, time=time.time(), stream="stderr", line=f"[distrun] bad event: {exc}")
+            if isinstance(event, Failed):
+                self._failures.append(event)
+        else:
+            event = Output(rank=proc.rank, time=time.time(), stream=stream, line=line.decode("utf-8", "replace"))
+        self._sink(event)
+
+    def _poll_exits(self) -> None:
+        for proc in self._procs:
+            if proc.returncode is not None:
+                continue
+            rc = proc.popen.poll()
+            if rc is None:
+                continue
+            proc.returncode = rc
+            # Anything it spawned goes with it; then read its last words (its
+            # Failed event) before deciding whether it failed.
+            self._kill_group(proc, signal.SIGKILL)
+            self._drain_proc(proc, deadline=time.monotonic() + 0.5)
+            now = time.time()
+            self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
+            stopping = self._stop_requested.is_set() or bool(self._failures)
+            if rc != 0 and not stopping and not any(f.rank == proc.rank for f in self._failures):
+                self._failures.append(
+                    Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
+                )
+
+    def _root_cause(self) -> Failed | None:
+        if not self._failures:
+            return None
+        primary = [f for f in self._failures if f.kind != PEER_LOST] or self._failures
+        return min(primary, key=lambda f: f.time)
+
+    # -- tear down ------------------------------------------------------------
+
+    def _kill_group(self, proc: _Proc, sig: int) -> None:
+        try:
+            os.killpg(proc.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _kill_all(self, sig: int) -> None:
+        for proc in self._procs:
+            self._kill_group(proc, sig)
+
+    def _reap_all(self) -> None:
+        for proc in self._procs:
+            try:
+                rc = proc.popen.wait(timeout=self._spec.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                self._kill_group(proc, signal.SIGKILL)
+                rc = proc.popen.wait()
+            if proc.returncode is None:
+                proc.returncode = rc
+                self._sink(Exited(rank=proc.rank, time=time.time(), returncode=rc))
+
+    def _drain_proc(self, proc: _Proc, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            if not any(fd in self._selector.get_map() for fd in proc.fds):
+                return
+            self._pump(0.02)
+
+    def _drain_pipes(self, deadline: float) -> None:
+        while self._selector.get_map() and time.monotonic() < deadline:
+            self._pump(0.02)
+        for key in list(self._selector.get_map().values()):
+            self._selector.unregister(key.fd)
+            try:
+                os.close(key.fd)
+            except OSError:
+                pass
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exited with code {returncode}"

@@ -1,0 +1,10 @@
+"""Environment variables by which a launcher talks to the training processes it starts.
+
+Both sides (``distrun.launch`` and ``distrun.runtime``) import these names from
+here, so the contract is written once.
+"""
+
+EVENT_FD_VAR = "DISTRUN_EVENT_FD"  # write end of the event pipe (NDJSON events)
+STORE_FD_VAR = "DISTRUN_STORE_FD"  # rank 0 only: listening socket for the TCPStore
+PARENT_PID_VAR = "DISTRUN_PARENT_PID"  # the launcher; training processes die with it
+JOB_SPEC_VAR = "DISTRUN_JOB_SPEC"  # JobSpec as JSON

@@ -1,0 +1,182 @@
+"""Events: what training processes report, as small frozen dataclasses.
+
+Events travel as one JSON object per line (NDJSON) over a pipe from a training
+process to its launcher, and from there to the client (``--json`` prints them
+unchanged). JSON, never pickle: a reader can decode an event without executing
+anything, and a client of another language can read the stream.
+
+``type`` names the class; decoding rejects unknown types and unknown or missing
+fields, so a corrupted line is an error, not a half-filled event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "Event",
+    "Started",
+    "Step",
+    "Log",
+    "Eval",
+    "Checkpointed",
+    "Output",
+    "Failed",
+    "Done",
+    "Exited",
+    "PEER_LOST",
+    "EventDecodeError",
+    "encode_event",
+    "decode_event",
+]
+
+#: Failed.kind of an error raised because another rank vanished mid-collective. Such
+#: failures are consequences: the launcher never reports one as the root cause while
+#: a primary failure exists.
+PEER_LOST = "peer-lost"
+
+#: Lines longer than this are not decoded (a runaway writer must not exhaust memory).
+MAX_EVENT_BYTES = 1 << 20
+
+
+class EventDecodeError(ValueError):
+    """A line on an event channel is not a valid event."""
+
+
+@dataclass(frozen=True)
+class Event:
+    type: ClassVar[str] = "event"
+    rank: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Started(Event):
+    """A training process is up: its device and pid (for the live view)."""
+
+    type: ClassVar[str] = "started"
+    pid: int
+    device: str
+    world_size: int
+    recipe_kind: str
+
+
+@dataclass(frozen=True)
+class Step(Event):
+    """Training progress of one replica; throttled, always sent for the first and last step."""
+
+    type: ClassVar[str] = "step"
+    step: int
+    epoch: int
+    loss: float | None
+    samples_per_s: float
+    mem_mb: float
+    total_steps: int | None = None
+
+
+@dataclass(frozen=True)
+class Log(Event):
+    """Scalars a recipe logged with ``strategy.log(...)``."""
+
+    type: ClassVar[str] = "log"
+    step: int
+    scalars: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Eval(Event):
+    """Metrics on eval_data, reduced over all replicas (sent by the chief)."""
+
+    type: ClassVar[str] = "eval"
+    step: int
+    epoch: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpointed(Event):
+    type: ClassVar[str] = "checkpoint"
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Output(Event):
+    """A line the recipe printed; the launcher makes these from stdout and stderr."""
+
+    type: ClassVar[str] = "output"
+    stream: str
+    line: str
+
+
+@dataclass(frozen=True)
+class Failed(Event):
+    """A replica raised. ``file``/``line`` point into the recipe where possible."""
+
+    type: ClassVar[str] = "error"
+    kind: str
+    message: str
+    file: str | None = None
+    line: int | None = None
+    step: int | None = None
+    traceback: str | None = None
+
+
+@dataclass(frozen=True)
+class Done(Event):
+    """A replica finished training; the chief's figures make the job summary."""
+
+    type: ClassVar[str] = "done"
+    steps: int
+    final_loss: float | None
+    samples_per_s: float
+    first_step_time: float | None
+
+
+@dataclass(frozen=True)
+class Exited(Event):
+    """The launcher saw a training process end (returncode < 0: killed by that signal)."""
+
+    type: ClassVar[str] = "exited"
+    returncode: int
+
+
+_TYPES: dict[str, type[Event]] = {
+    cls.type: cls for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited)
+}
+
+
+def encode_event(event: Event) -> bytes:
+    """One JSON line, ``type`` first, terminated by a newline."""
+    body = {"type": event.type, **dataclasses.asdict(event)}
+    return (json.dumps(body, separators=(",", ":"), allow_nan=True) + "\n").encode()
+
+
+def event_to_dict(event: Event) -> dict[str, Any]:
+    return {"type": event.type, **dataclasses.asdict(event)}
+
+
+def decode_event(line: bytes | str) -> Event:
+    if len(line) > MAX_EVENT_BYTES:
+        raise EventDecodeError(f"event line of {len(line)} bytes exceeds {MAX_EVENT_BYTES}")
+    try:
+        data = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EventDecodeError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise EventDecodeError("an event must be a JSON object")
+    kind = data.pop("type", None)
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise EventDecodeError(f"unknown event type {kind!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise EventDecodeError(f"{kind} event: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise EventDecodeError(f"{kind} event: {exc}") from None

@@ -1,0 +1,81 @@
+"""Immutable views of a job's progress, the input of every live table and summary.
+
+The client folds events into these snapshots; the UI renders them as pure
+functions. They are plain data so a worker server can later send them to a
+client that attaches to a running job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = ["ReplicaStatus", "ReplicaRow", "JobSnapshot", "JobSummary"]
+
+
+class ReplicaStatus(str, Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass(frozen=True)
+class ReplicaRow:
+    rank: int
+    device: str = "?"
+    pid: int | None = None
+    step: int = 0
+    epoch: int = 0
+    loss: float | None = None
+    samples_per_s: float = 0.0
+    mem_mb: float = 0.0
+    last_seen_s: float = 0.0
+    status: ReplicaStatus = ReplicaStatus.STARTING
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    recipe: str
+    strategy: str
+    rows: tuple[ReplicaRow, ...]
+    step: int
+    total_steps: int | None
+    elapsed_s: float
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        return sum(r.samples_per_s for r in self.rows)
+
+    @property
+    def eta_s(self) -> float | None:
+        if not self.total_steps or self.step <= 0:
+            return None
+        rate = self.step / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return (self.total_steps - self.step) / rate if rate > 0 else None
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """The last line of ``--json`` output and the final table."""
+
+    status: str
+    recipe: str
+    strategy: str
+    replicas: int
+    steps: int
+    final_loss: float | None
+    samples_per_s: float
+    time_to_first_step_s: float | None
+    wall_s: float
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "summary", **dataclasses.asdict(self)}

@@ -1,0 +1,3 @@
+from distrun.runtime._main import main
+
+main()

@@ -1,0 +1,61 @@
+"""Turning an exception in a training process into a Failed event that names the recipe line."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from distrun.errors import DistrunError, RecipeError
+from distrun.protocol import PEER_LOST, Failed
+
+_PEER_LOST_HINTS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "connection reset",
+    "Socket Timeout",
+    "recvBytes",
+    "NCCL communicator was aborted",
+)
+
+
+def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | None, phase: str) -> Failed:
+    """``phase`` is "import" while the recipe module runs its top level, else "train"."""
+    file, line = _recipe_frame(exc, recipe)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        file, line = exc.filename, exc.lineno
+    kind = _classify(exc, phase)
+    message = exc.message if isinstance(exc, DistrunError) else f"{type(exc).__name__}: {exc}"
+    return Failed(
+        rank=rank,
+        time=time.time(),
+        kind=kind,
+        message=message,
+        file=file,
+        line=line,
+        step=step,
+        traceback="".join(traceback.format_exception(exc)),
+    )
+
+
+def _classify(exc: BaseException, phase: str) -> str:
+    if isinstance(exc, RecipeError):
+        return "recipe"
+    if isinstance(exc, DistrunError):
+        return type(exc).__name__
+    text = str(exc)
+    name = type(exc).__name__
+    if name == "DistBackendError" or any(h in text for h in _PEER_LOST_HINTS):
+        return PEER_LOST
+    return "import" if phase == "import" else "raised"
+
+
+def _recipe_frame(exc: BaseException, recipe: str) -> tuple[str | None, int | None]:
+    """The innermost frame inside the recipe's folder (the recipe or its siblings)."""
+    folder = os.path.dirname(os.path.abspath(recipe))
+    found: tuple[str | None, int | None] = (None, None)
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if os.path.dirname(os.path.abspath(frame.filename)) == folder:
+            found = (frame.filename, frame.lineno)
+    return found

@@ -1,0 +1,116 @@
+"""distrun's own training loop for fit-style recipes (Keras compile/fit, Estimator).
+
+The loop is written once against the Strategy API, so it is the same loop under
+every strategy: ``prepare`` decides how gradients meet, ``distribute_dataset``
+decides which samples each replica reads, ``batch_weight`` keeps the last
+uneven batch exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from distrun.config import JobSpec
+from distrun.runtime._move import to_device
+from distrun.runtime._reporter import EventReporter
+from distrun.strategies import InputContext, Strategy
+
+
+@dataclass(frozen=True)
+class FitResult:
+    steps: int
+    final_loss: float | None
+    eval_metrics: dict[str, float]
+
+
+def _default_forward(model: torch.nn.Module, batch: Any) -> Any:
+    return model(batch[0])
+
+
+def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventReporter, emit_eval: Any) -> FitResult:
+    global_batch_size = spec.global_batch_size
+    if global_batch_size is None:  # the CLI fills it from flags or recipe defaults
+        global_batch_size = 32 * strategy.num_replicas
+    ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
+
+    torch.manual_seed(spec.seed)  # identical initial parameters on every replica
+    with strategy.scope():
+        model = recipe.model()
+        optimizer = recipe.optimizer(model.parameters())
+    model, optimizer = strategy.prepare(model, optimizer)
+    forward = getattr(recipe, "forward", _default_forward)
+    loss_fn = recipe.loss
+    train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size)
+    if spec.resume and spec.checkpoint_dir:
+        strategy.restore(spec.checkpoint_dir)
+
+    epochs = spec.epochs
+    total_steps = spec.steps
+    if total_steps is None:
+        epochs = epochs or 1
+        if train.plan is not None:
+            total_steps = epochs * train.plan.batches_per_epoch
+    reporter.total_steps = total_steps
+
+    eval_source = recipe.eval_data(ctx) if hasattr(recipe, "eval_data") else None
+    make_metrics = getattr(recipe, "metrics", None)
+    metrics = make_metrics() if make_metrics is not None else {}
+    device = strategy.device
+
+    def train_step(batch: Any) -> torch.Tensor:
+        batch = to_device(batch, device)
+        loss = loss_fn(forward(model, batch), batch)
+        weight = strategy.batch_weight
+        optimizer.zero_grad(set_to_none=True)
+        (loss * weight if weight != 1.0 else loss).backward()
+        optimizer.step()
+        return loss.detach()
+
+    last_eval: dict[str, float] = {}
+    last_loss: torch.Tensor | None = None
+    checkpoint_every = spec.checkpoint_every
+    ckpt_dir = spec.checkpoint_dir
+    last_saved = strategy.step if spec.resume else -1
+
+    def finished() -> bool:
+        if total_steps is not None and strategy.step >= total_steps:
+            return True
+        return epochs is not None and train.epoch >= epochs
+
+    while not finished():
+        epoch = train.epoch
+        model.train()
+        for batch in train:
+            last_loss = strategy.run(train_step, batch)
+            if ckpt_dir and checkpoint_every and strategy.step % checkpoint_every == 0:
+                strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+                last_saved = strategy.step
+            if total_steps is not None and strategy.step >= total_steps:
+                break
+        epoch_done = train.epoch > epoch
+        if epoch_done and eval_source is not None:
+            # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
+            from distrun.runtime._metrics import evaluate
+
+            last_eval = evaluate(
+                strategy,
+                eval_source,
+                forward=forward,
+                loss_fn=loss_fn,
+                metrics=metrics,
+                per_replica_batch_size=ctx.per_replica_batch_size,
+            )
+            if strategy.is_chief:
+                emit_eval(strategy.step, epoch, last_eval)
+        if not epoch_done and total_steps is None:
+            break  # an iterable that yields nothing would loop forever
+
+    if ckpt_dir and last_saved != strategy.step:
+        strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+    final = float(strategy.reduce("mean", float(last_loss))) if last_loss is not None else None
+    reporter.flush()
+    return FitResult(steps=strategy.step, final_loss=final, eval_metrics=last_eval)

@@ -1,0 +1,149 @@
+"""Entry point of a training process: ``python -m distrun.runtime``.
+
+Order matters: tie our life to the launcher first, then report ``Started``,
+join the process group, and only then import and run user code, so that any
+failure from there on is reported as a Failed event naming the recipe line.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+from distrun.config import JobSpec, RecipeKind, inspect_recipe
+from distrun.errors import RecipeError
+from distrun.protocol import Done, Eval, Started
+from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.runtime._failure import describe_failure
+from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
+from distrun.runtime._recipe import load_module, prepare_sys_path
+from distrun.runtime._reporter import EventReporter
+
+_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+def main() -> None:
+    die_with_parent()
+    writer = EventWriter.from_environ()
+    launch = LaunchEnv.from_environ()
+    spec = JobSpec.from_json(os.environ[JOB_SPEC_VAR])
+    phase = "setup"
+    reporter: EventReporter | None = None
+    try:
+        info = inspect_recipe(spec.recipe)
+        device = _device(spec, launch)
+        writer.emit(
+            Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
+                    world_size=launch.world_size, recipe_kind=info.kind.value)
+        )
+        prepare_sys_path(spec.recipe, spec.recipe_args)
+        store = _rendezvous_store(launch)
+        if info.kind is RecipeKind.SCRIPT:
+            phase = "train"
+            runpy.run_path(spec.recipe, run_name="__main__")
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
+                             first_step_time=None))
+            _exit(0)
+        reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
+        strategy = _make_strategy(spec, launch, device, reporter, store)
+        phase = "import"
+        module = load_module(spec.recipe)
+        phase = "train"
+        if info.kind is RecipeKind.CUSTOM_LOOP:
+            module.main(strategy)
+            steps, final_loss = strategy.step, _float(reporter.last_loss)
+        else:
+            from distrun.runtime._fit import fit
+
+            def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
+                writer.emit(Eval(rank=launch.rank, time=time.time(), step=step, epoch=epoch, metrics=metrics))
+
+            result = fit(module, strategy, spec, reporter, emit_eval)
+            steps, final_loss = result.steps, result.final_loss
+        reporter.flush()
+        writer.emit(
+            Done(rank=launch.rank, time=time.time(), steps=steps, final_loss=final_loss,
+                 samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time)
+        )
+        strategy.close()
+        _exit(0)
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes an event, then exit 1
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            _exit(0)
+        if isinstance(exc, KeyboardInterrupt):
+            os._exit(130)
+        step = reporter.current_step + 1 if reporter is not None else None
+        writer.emit(describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase))
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _exit(code: int) -> None:
+    """Exit without C++ static destructors.
+
+    Python's atexit handlers run (a recipe's wandb.finish, say), stdio is
+    flushed, then the process ends. Skipping interpreter teardown avoids a
+    known class of aborts ("terminate called without an active exception")
+    when gloo/TCPStore threads are destroyed after the store's host has gone,
+    and saves most of a second per process.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _device(spec: JobSpec, launch: LaunchEnv) -> Any:
+    import torch
+
+    if spec.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RecipeError("device cuda asked for, but torch sees no GPU on this host")
+        torch.cuda.set_device(launch.local_rank)
+        return torch.device("cuda", launch.local_rank)
+    return torch.device("cpu")
+
+
+def _rendezvous_store(launch: LaunchEnv) -> Any:
+    """Rank 0 hosts the TCPStore on the socket the launcher bound for it.
+
+    Every rank (and a plain script's ``init_process_group()``) connects as a
+    client, because the launcher sets TORCHELASTIC_USE_AGENT_STORE.
+    """
+    if launch.store_fd is None:
+        return None
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        launch.master_addr, launch.master_port, launch.world_size, True, _STORE_TIMEOUT,
+        wait_for_workers=False, master_listen_fd=launch.store_fd,
+    )
+
+
+def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: EventReporter, store: Any) -> Any:
+    import torch.distributed as dist
+
+    from distrun.strategies import ReplicaInfo, make_strategy
+
+    if spec.strategy.distributed:
+        client = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, _STORE_TIMEOUT)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
+                                device_id=device if device.type == "cuda" else None)
+    replica = ReplicaInfo(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+                          device=device, seed=spec.seed)
+    options = {"sync_batch_norm": spec.sync_batch_norm} if spec.strategy.value == "mirrored" else {}
+    return make_strategy(spec.strategy.value, replica, reporter, **options)
+
+
+def _float(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if hasattr(value, "item") else value)

@@ -1,0 +1,59 @@
+"""Evaluation with sync-on-read metrics (torchmetrics).
+
+torchmetrics keeps per-replica state (sums and counts) that ``compute()``
+all-reduces over the default process group: metrics are accumulated locally at
+no communication cost and reduced once, when read. That is exactly
+TensorFlow's sync-on-read variables, from a well-kept library, so distrun uses
+it rather than its own reducer. The eval set is split across replicas without
+padding or duplicates, so the reduced figures are exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric, Metric
+
+from distrun.runtime._move import batch_len, to_device
+from distrun.strategies import Strategy
+from distrun.strategies._data import is_map_style
+
+
+def evaluate(
+    strategy: Strategy,
+    dataset: Any,
+    *,
+    forward: Callable[[torch.nn.Module, Any], Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    metrics: dict[str, Metric],
+    per_replica_batch_size: int,
+) -> dict[str, float]:
+    model = strategy.unwrap()
+    device = strategy.device
+    mean_loss = MeanMetric().to(device)
+    named = {name: m.to(device) for name, m in metrics.items()}
+    for m in named.values():
+        m.reset()
+    if is_map_style(dataset):
+        indices = list(range(strategy.replica_id, len(dataset), strategy.num_replicas))
+        batches: Any = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_replica_batch_size)
+    else:
+        batches = dataset
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for batch in batches:
+            batch = to_device(batch, device)
+            outputs = forward(model, batch)
+            n = batch_len(batch)
+            mean_loss.update(loss_fn(outputs, batch).detach(), weight=n)
+            target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
+            for m in named.values():
+                m.update(outputs, target)
+    model.train(was_training)
+    result = {"loss": float(mean_loss.compute())}
+    result.update({name: float(m.compute()) for name, m in named.items()})
+    return result

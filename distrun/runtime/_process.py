@@ -1,0 +1,78 @@
+"""Process-level set-up of a training process: tie its life to the launcher, open the event pipe.
+
+The launcher's environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from distrun.protocol import Event, encode_event
+from distrun.protocol.environment import EVENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    store_fd: int | None
+
+    @classmethod
+    def from_environ(cls) -> LaunchEnv:
+        env = os.environ
+        store_fd = env.get(STORE_FD_VAR)
+        return cls(
+            rank=int(env.get("RANK", "0")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "0")),
+            store_fd=int(store_fd) if store_fd else None,
+        )
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL us when the launcher dies; exit now if it already has."""
+    parent = os.environ.get(PARENT_PID_VAR)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != int(parent):
+        os._exit(1)
+
+
+class EventWriter:
+    """Writes events to the launcher's pipe; a no-op outside a launcher (plain python)."""
+
+    def __init__(self, fd: int | None) -> None:
+        self._file = os.fdopen(fd, "wb", buffering=0) if fd is not None else None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_environ(cls) -> EventWriter:
+        fd = os.environ.pop(EVENT_FD_VAR, None)
+        # Not inherited by anything the recipe starts.
+        return cls(int(fd) if fd else None)
+
+    def emit(self, event: Event) -> None:
+        if self._file is None:
+            return
+        data = encode_event(event)
+        with self._lock:
+            try:
+                self._file.write(data)
+            except BrokenPipeError:
+                self._file = None

@@ -1,0 +1,110 @@
+"""The runtime's Reporter: turns strategy progress into throttled events.
+
+Step events are throttled to one per ``interval_s`` per replica (the first and
+last step always go out), and ``loss.item()`` is only called for the steps
+that are sent, so reporting never adds a device sync per step on GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psutil
+
+from distrun.protocol import Checkpointed, Log, Step
+from distrun.runtime._process import EventWriter
+
+
+class EventReporter:
+    def __init__(self, writer: EventWriter, rank: int, world_size: int, interval_s: float, device_type: str) -> None:
+        self._writer = writer
+        self._rank = rank
+        self._world = world_size
+        self._interval_s = interval_s
+        self._cuda = device_type == "cuda"
+        self._proc = psutil.Process(os.getpid())
+        self.total_steps: int | None = None
+        self.current_step = 0
+        self.last_loss: Any = None
+        self.first_step_time: float | None = None
+        self._first_step_mono: float | None = None
+        self._last_step_mono: float | None = None
+        self._samples_after_first = 0
+        self._window_start = time.monotonic()
+        self._window_samples = 0
+        self._last_emit = 0.0
+        self._last_epoch = 0
+
+    # Reporter protocol -------------------------------------------------------
+
+    def step(self, step: int, epoch: int, loss: Any, samples: int) -> None:
+        now = time.monotonic()
+        self.current_step = step
+        self.last_loss = loss
+        self._last_epoch = epoch
+        if self._first_step_mono is None:
+            self._first_step_mono = now
+            self.first_step_time = time.time()
+        else:
+            self._samples_after_first += samples
+        self._last_step_mono = now
+        self._window_samples += samples
+        last = self.total_steps is not None and step >= self.total_steps
+        if step == 1 or last or now - self._last_emit >= self._interval_s:
+            self._emit_step(now)
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self._writer.emit(Log(rank=self._rank, time=time.time(), step=step, scalars=scalars))
+
+    def checkpoint(self, step: int, path: str) -> None:
+        self._writer.emit(Checkpointed(rank=self._rank, time=time.time(), step=step, path=path))
+
+    # figures ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Send the newest step if the throttle held it back."""
+        if self.current_step and self._last_emit < (self._last_step_mono or 0):
+            self._emit_step(time.monotonic())
+
+    @property
+    def samples_per_s(self) -> float:
+        """Job-wide samples/s from this replica's view, excluding the first (warm-up) step."""
+        if self._first_step_mono is None or self._last_step_mono is None:
+            return 0.0
+        span = self._last_step_mono - self._first_step_mono
+        return self._samples_after_first * self._world / span if span > 0 else 0.0
+
+    def _emit_step(self, now: float) -> None:
+        span = now - self._window_start
+        rate = self._window_samples / span if span > 0 else 0.0
+        self._window_start, self._window_samples, self._last_emit = now, 0, now
+        self._writer.emit(
+            Step(
+                rank=self._rank,
+                time=time.time(),
+                step=self.current_step,
+                epoch=self._last_epoch,
+                loss=_to_float(self.last_loss),
+                samples_per_s=rate,
+                mem_mb=self._memory_mb(),
+                total_steps=self.total_steps,
+            )
+        )
+
+    def _memory_mb(self) -> float:
+        if self._cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 2**20
+        return self._proc.memory_info().rss / 2**20
+
+
+def _to_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value.item() if hasattr(value, "item") else value)
+    except (TypeError, ValueError, RuntimeError):
+        return None

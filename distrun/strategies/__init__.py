@@ -1,0 +1,46 @@
+"""Distribution strategies for PyTorch, after TensorFlow's tf.distribute.
+
+Recipes receive a strategy; they do not construct one. ``make_strategy`` is
+how the runtime builds the one a job asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun.strategies._context import InputContext
+from distrun.strategies._data import DistributedDataset, GlobalBatchPlan, Share
+from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, Strategy
+from distrun.strategies.central_storage import CentralStorageStrategy
+from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from distrun.strategies.mirrored import MirroredStrategy
+from distrun.strategies.one_device import OneDeviceStrategy
+
+__all__ = [
+    "Strategy",
+    "OneDeviceStrategy",
+    "MirroredStrategy",
+    "CentralStorageStrategy",
+    "InputContext",
+    "ReplicaInfo",
+    "Reporter",
+    "REDUCE_OPS",
+    "DistributedDataset",
+    "GlobalBatchPlan",
+    "Share",
+    "make_strategy",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+]
+
+_BY_NAME: dict[str, type[Strategy]] = {
+    cls.name: cls for cls in (OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy)
+}
+
+
+def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
+    cls = _BY_NAME[name]
+    if cls is MirroredStrategy:
+        return cls(replica, reporter, **options)
+    return cls(replica, reporter)

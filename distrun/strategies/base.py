@@ -1,0 +1,306 @@
+"""The Strategy API shared by every strategy, by custom loops and by distrun's fit loop.
+
+A recipe never names a strategy: it receives one. Each training process holds
+one replica; ``num_replicas``/``replica_id`` say which. Under every strategy
+the same calls mean the same thing, so switching strategy is a flag.
+
+``run(fn, *args)`` is one training step: it calls ``fn`` on this replica, counts
+the step, and reports it (the value ``fn`` returns, when a scalar, is shown as the
+loss). Gradients are synchronised by the model or optimizer that ``prepare``
+returns, never by the recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distrun.errors import CheckpointError, ConfigError
+from distrun.strategies import checkpoint as ckpt
+from distrun.strategies._data import DistributedDataset
+
+__all__ = ["Strategy", "Reporter", "ReplicaInfo", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+class Reporter(Protocol):
+    """Where a strategy sends progress; the runtime implements it with events."""
+
+    def step(self, step: int, epoch: int, loss: Any, samples: int) -> None: ...
+
+    def log(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def checkpoint(self, step: int, path: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """This process's place in the job (from the launcher's environment)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    seed: int = 0
+
+
+class Strategy(ABC):
+    """Base class; subclasses decide where parameters live and how gradients meet."""
+
+    name = "strategy"
+
+    def __init__(self, replica: ReplicaInfo, reporter: Reporter) -> None:
+        self._replica = replica
+        self._reporter = reporter
+        self._model: nn.Module | None = None
+        self._optimizer: Any = None
+        self.step = 0
+        self.epoch = 0
+        self._batch_samples = 0
+        self._batch_weight = 1.0
+        self._global_batch_size: int | None = None
+        self._dataset: DistributedDataset | None = None
+
+    # -- identity -------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return self._replica.world_size
+
+    @property
+    def replica_id(self) -> int:
+        return self._replica.rank
+
+    @property
+    def is_chief(self) -> bool:
+        return self._replica.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._replica.device
+
+    # -- building -------------------------------------------------------------
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Create the model and optimizer inside this to place parameters right."""
+        if self.device.type == "cuda":
+            return torch.device(self.device)
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        """Return the (model, optimizer) pair the training step must use."""
+
+    def prepare(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
+        model, optimizer = self._wrap(model, optimizer)
+        self._model, self._optimizer = model, optimizer
+        return model, optimizer
+
+    def unwrap(self, model: nn.Module | None = None) -> nn.Module:
+        """The plain module under any wrapper (what checkpoints store)."""
+        target = model if model is not None else self._model
+        if target is None:
+            raise ConfigError("strategy.unwrap: call prepare(model, optimizer) first")
+        return getattr(target, "module", target)
+
+    # -- data -----------------------------------------------------------------
+
+    def distribute_dataset(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool = True,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+    ) -> DistributedDataset:
+        if global_batch_size % self.num_replicas:
+            raise ConfigError(
+                f"global batch size {global_batch_size} is not divisible by {self.num_replicas} replicas; "
+                f"choose a multiple of {self.num_replicas}"
+            )
+        self._global_batch_size = global_batch_size
+        self._dataset = DistributedDataset(
+            dataset,
+            global_batch_size,
+            num_replicas=self.num_replicas,
+            replica_id=self.replica_id,
+            seed=self._replica.seed,
+            on_batch=self._on_batch,
+            any_exhausted=self._any_true,
+            shuffle=shuffle,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+        )
+        return self._dataset
+
+    def _on_batch(self, samples: int, weight: float) -> None:
+        self._batch_samples, self._batch_weight = samples, weight
+        if self._dataset is not None:
+            self.epoch = self._dataset.epoch
+
+    @property
+    def batch_weight(self) -> float:
+        """Multiply this replica's mean loss by this before backward.
+
+        It is 1.0 for every full global batch; for the last, uneven one it makes
+        the averaged gradient equal the one-device gradient exactly.
+        """
+        return self._batch_weight
+
+    def compute_average_loss(self, per_example_loss: torch.Tensor) -> torch.Tensor:
+        """Mean loss of this replica's examples, weighted for the global batch (TF's helper)."""
+        n = per_example_loss.shape[0] if per_example_loss.dim() else 1
+        mean = per_example_loss.sum() / max(n, 1)
+        return mean * self._batch_weight if n else per_example_loss.sum() * 0.0
+
+    # -- stepping and collectives ---------------------------------------------
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        self.step += 1
+        loss = result if isinstance(result, (torch.Tensor, float, int)) else None
+        self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
+        return result
+
+    def reduce(self, op: str, value: torch.Tensor | float) -> torch.Tensor | float:
+        """All-reduce ``value`` over replicas with ``op`` in sum|mean|max|min."""
+        if op not in REDUCE_OPS:
+            raise ConfigError(f"strategy.reduce: op must be one of {', '.join(REDUCE_OPS)}. Received: {op!r}")
+        as_float = not isinstance(value, torch.Tensor)
+        tensor = torch.tensor(float(value), dtype=torch.float64) if as_float else value.detach().clone()
+        if self._distributed:
+            tensor = tensor.to(self._collective_device)
+            dist_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            dist.all_reduce(tensor, op=dist_op)
+            if op == "mean":
+                tensor = tensor / self.num_replicas
+        return float(tensor.item()) if as_float else tensor
+
+    def gather(self, value: torch.Tensor) -> torch.Tensor:
+        """Concatenate every replica's ``value`` along dim 0 (first dims may differ)."""
+        if not self._distributed:
+            return value.detach().clone()
+        value = value.detach().to(self._collective_device)
+        if value.dim() == 0:
+            value = value.reshape(1)
+        size = torch.tensor([value.shape[0]], device=self._collective_device)
+        sizes = [torch.zeros_like(size) for _ in range(self.num_replicas)]
+        dist.all_gather(sizes, size)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros((longest, *value.shape[1:]), dtype=value.dtype, device=value.device)
+        padded[: value.shape[0]] = value
+        parts = [torch.empty_like(padded) for _ in range(self.num_replicas)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
+
+    def barrier(self) -> None:
+        if self._distributed:
+            dist.barrier()
+
+    def log(self, **scalars: float) -> None:
+        self._reporter.log(self.step, {k: float(v) for k, v in scalars.items()})
+
+    @property
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def _collective_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _any_true(self, flag: bool) -> bool:
+        if not self._distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], device=self._collective_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self._optimizer.state_dict() if self._optimizer is not None else {}
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self._optimizer is not None and state:
+            self._optimizer.load_state_dict(state)
+
+    def save(self, directory: str | Path, *, keep: int = 3) -> Path | None:
+        """The chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
+        path = None
+        if self.is_chief:
+            position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
+            model = self.unwrap()
+            state = {
+                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+                "optimizer": self._optimizer_state(),
+                "step": self.step,
+                "epoch": position[0],
+                "batch_in_epoch": position[1],
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "strategy": self.name,
+                "num_replicas": self.num_replicas,
+                "global_batch_size": self._global_batch_size,
+                "seed": self._replica.seed,
+            }
+            path = ckpt.save_checkpoint(directory, self.step, state, keep=keep)
+            self._reporter.checkpoint(self.step, str(path))
+        self.barrier()
+        return path
+
+    def restore(self, directory: str | Path) -> dict[str, Any]:
+        """Load the newest checkpoint in ``directory`` into the prepared model and optimizer.
+
+        Restores step, data position and RNG too; returns the checkpoint dict.
+        """
+        path = ckpt.latest_checkpoint(directory)
+        if path is None:
+            raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt)")
+        data = ckpt.load_checkpoint(path)
+        saved_gbs = data.get("global_batch_size")
+        if saved_gbs and self._global_batch_size and saved_gbs != self._global_batch_size:
+            raise CheckpointError(
+                f"{path}: written with global batch size {saved_gbs}, resumed with {self._global_batch_size}; "
+                "the data position only carries over with the same global batch size"
+            )
+        self.unwrap().load_state_dict(data["model"])
+        self._load_optimizer_state(data.get("optimizer") or {})
+        self.step = int(data["step"])
+        self.epoch = int(data.get("epoch", 0))
+        if self._dataset is not None:
+            self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
+        rng = data.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "python" in rng:
+            random.setstate(_as_tuple(rng["python"]))
+        self._after_restore()
+        return data
+
+    def _after_restore(self) -> None:
+        """Hook: re-synchronise replicas after loading state."""
+
+    def close(self) -> None:
+        """Leave the process group together: nobody tears down while a peer still talks."""
+        if self._distributed:
+            dist.barrier()
+            dist.destroy_process_group()
+
+    def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against a common mistake
+        raise TypeError("a Strategy is not iterable; iterate strategy.distribute_dataset(...)")
+
+
+def _as_tuple(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_as_tuple(v) for v in value)
+    return value

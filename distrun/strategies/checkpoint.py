@@ -1,0 +1,117 @@
+"""Checkpoint files: one ``ckpt-<step>.pt`` each, written atomically, the last K kept.
+
+The format is deliberately plain so any tool can read it::
+
+    torch.load(path, weights_only=True) -> {
+        "format": "distrun.checkpoint.v1",
+        "model": state_dict of the unwrapped model (no "module." prefix, CPU tensors),
+        "optimizer": optimizer.state_dict(),
+        "step": global step, "epoch": int, "batch_in_epoch": int (data position),
+        "rng": {"torch": ByteTensor, "python": random.getstate()},
+        "strategy": str, "num_replicas": int, "global_batch_size": int | None, "seed": int,
+    }
+
+Nothing in it needs pickle's arbitrary-object loading, so ``weights_only=True``
+loads it. Writes go to a temporary file in the same folder, are fsynced, renamed
+over the final name and the folder is fsynced: a process killed mid-save leaves
+the previous checkpoints intact and at most a stray temporary file, which
+``latest_checkpoint`` ignores and the next save removes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrun.errors import CheckpointError
+
+__all__ = ["FORMAT", "checkpoint_path", "list_checkpoints", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
+
+FORMAT = "distrun.checkpoint.v1"
+_NAME = re.compile(r"^ckpt-(\d+)\.pt$")
+_TMP_PREFIX = ".tmp-ckpt-"
+
+
+def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"ckpt-{step:09d}.pt"
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_file():
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(directory)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[str, Any], keep: int) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` atomically, then prune to ``keep``."""
+    folder = Path(directory)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(folder)
+        final = checkpoint_path(folder, step)
+        tmp = folder / f"{_TMP_PREFIX}{step:09d}-{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            torch.save({"format": FORMAT, **state}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+        for _, old in list_checkpoints(folder)[:-keep]:
+            old.unlink(missing_ok=True)
+        return final
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: checkpoint not found") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file
+        raise CheckpointError(f"{path}: unreadable checkpoint: {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a distrun checkpoint (format {FORMAT} expected)")
+    return data
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    for entry in folder.glob(f"{_TMP_PREFIX}*"):
+        pid = entry.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+            continue  # another live writer's file
+        entry.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,5 @@
+"""Terminal rendering: rich renderables built from immutable snapshots, nothing else."""
+
+from distrun.ui.train import render_progress, render_summary
+
+__all__ = ["render_progress", "render_summary"]

@@ -1,0 +1,23 @@
+"""Benchmark tables (plain values in, rich renderable out)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+
+def render_overhead(report: Mapping[str, Any]) -> Table:
+    table = Table(
+        title=(f"overhead: {report['replicas']} replicas, {report['steps']} steps, "
+               f"global batch {report['global_batch_size']}, median of {report['repeats']}"),
+        title_justify="left",
+    )
+    for column in ("contender", "samples/s", "vs torchrun+ddp", "time to first step"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    rows: Sequence[Mapping[str, Any]] = report["rows"]
+    for row in rows:
+        table.add_row(row["name"], f"{row['samples_per_s']:.0f}", f"{row['vs_ddp']:.3f}x",
+                      f"{row['time_to_first_step_s']:.2f}s")
+    return table

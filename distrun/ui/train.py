@@ -1,0 +1,67 @@
+"""Live training table and final summary: pure functions of snapshots."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from distrun.protocol import JobSnapshot, JobSummary, ReplicaStatus
+from distrun.ui._format import fmt_loss, fmt_rate, fmt_seconds
+
+_STATUS_STYLE = {
+    ReplicaStatus.STARTING: "dim",
+    ReplicaStatus.RUNNING: "green",
+    ReplicaStatus.DONE: "cyan",
+    ReplicaStatus.FAILED: "bold red",
+    ReplicaStatus.STOPPED: "yellow",
+}
+
+
+def render_progress(snapshot: JobSnapshot) -> RenderableType:
+    table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
+    for column in ("rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"):
+        table.add_column(column, justify="left" if column in ("device", "status") else "right")
+    for row in snapshot.rows:
+        table.add_row(
+            str(row.rank),
+            row.device,
+            str(row.step),
+            fmt_loss(row.loss),
+            fmt_rate(row.samples_per_s),
+            f"{row.mem_mb:.0f}",
+            fmt_seconds(row.last_seen_s),
+            Text(row.status.value, style=_STATUS_STYLE[row.status]),
+        )
+    total = snapshot.total_steps
+    bar = ProgressBar(total=float(total) if total else None, completed=float(snapshot.step), width=40)
+    line = Text.assemble(
+        f" step {snapshot.step}/{total if total else '?'}",
+        f"  {fmt_rate(snapshot.samples_per_s)} samples/s",
+        f"  elapsed {fmt_seconds(snapshot.elapsed_s)}",
+        f"  ETA {fmt_seconds(snapshot.eta_s)}",
+    )
+    parts: list[RenderableType] = [table, Group(bar, line)]
+    if snapshot.eval_metrics:
+        parts.append(Text("eval: " + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.eval_metrics.items())))
+    return Group(*parts)
+
+
+def render_summary(summary: JobSummary) -> RenderableType:
+    table = Table(title="summary", title_justify="left", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    style = "green" if summary.status == "succeeded" else "red"
+    table.add_row("status", Text(summary.status, style=style))
+    table.add_row("strategy", f"{summary.strategy} × {summary.replicas}")
+    table.add_row("steps", str(summary.steps))
+    table.add_row("final loss", fmt_loss(summary.final_loss))
+    table.add_row("samples/s", fmt_rate(summary.samples_per_s))
+    table.add_row("time to first step", fmt_seconds(summary.time_to_first_step_s))
+    table.add_row("wall time", fmt_seconds(summary.wall_s))
+    for key, value in summary.eval_metrics.items():
+        table.add_row(f"eval {key}", f"{value:.4g}")
+    if summary.last_checkpoint:
+        table.add_row("checkpoint", summary.last_checkpoint)
+    return table
