@@ -17,7 +17,7 @@ from typing import Any
 
 from distrun.client._tracker import JobTracker
 from distrun.config import JobSpec
-from distrun.errors import DistrunError, Interrupted, TrainingError
+from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
@@ -108,8 +108,21 @@ class LocalJob:
             raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
         failure = result.failure
         message = _failure_message(failure)
-        raise TrainingError(message, rank=failure.rank if failure else None,
-                            detail=failure.traceback if failure else None)
+        detail = failure.traceback if failure else None
+        error_class = _ERROR_BY_KIND.get(failure.kind) if failure else None
+        if error_class is not None:
+            raise error_class(message, detail=detail)
+        raise TrainingError(message, rank=failure.rank if failure else None, detail=detail)
+
+
+#: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.
+_ERROR_BY_KIND: dict[str, type[DistrunError]] = {
+    "import": RecipeError,  # the recipe's top level raised (ImportError, NameError, ...)
+    "recipe": RecipeError,
+    "RecipeError": RecipeError,
+    "ConfigError": ConfigError,
+    "CheckpointError": CheckpointError,
+}
 
 
 def _failure_message(failure: Failed | None) -> str:

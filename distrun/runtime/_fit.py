@@ -91,7 +91,11 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                 last_saved = strategy.step
             if total_steps is not None and strategy.step >= total_steps:
                 break
-        epoch_done = train.epoch > epoch
+        # By position, not by the generator ending: a step limit may stop the loop
+        # on an epoch's last batch, and that epoch is still complete.
+        epoch_done = train.position[0] > epoch
+        if epoch_done and train.epoch == epoch:
+            train.seek(*train.position)
         if epoch_done and eval_source is not None:
             # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
             from distrun.runtime._metrics import evaluate
@@ -111,6 +115,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     if ckpt_dir and last_saved != strategy.step:
         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
-    final = float(strategy.reduce("mean", float(last_loss))) if last_loss is not None else None
+    final = None
+    if last_loss is not None:  # weighted like the gradients: the global batch's mean loss
+        final = float(strategy.reduce("mean", float(last_loss) * strategy.batch_weight))
     reporter.flush()
     return FitResult(steps=strategy.step, final_loss=final, eval_metrics=last_eval)

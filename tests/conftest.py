@@ -1,0 +1,82 @@
+"""Shared helpers: run the real CLI in a subprocess, find leftover training processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+
+@dataclass(frozen=True)
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    wall_s: float
+
+    def json_lines(self) -> list[dict]:
+        return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
+
+    @property
+    def summary(self) -> dict:
+        lines = self.json_lines()
+        assert lines and lines[-1]["type"] == "summary", self.stdout[-2000:] + self.stderr[-2000:]
+        return lines[-1]
+
+
+def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None) -> CliResult:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "distrun", *args],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO,
+    )
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+def training_processes(marker: str) -> list[psutil.Process]:
+    """Live training processes whose job spec mentions ``marker`` (a unique tmp path)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+            if "distrun.runtime" not in cmd and marker not in cmd:
+                continue
+            if marker in cmd or marker in proc.environ().get("DISTRUN_JOB_SPEC", ""):
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def assert_no_processes(marker: str, within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        left = training_processes(marker)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"training processes left behind: {[p.pid for p in left]}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def write_recipe(tmp_path: Path) -> Callable[[str, str], Path]:
+    def write(source: str, name: str = "recipe.py") -> Path:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(source))
+        return path
+
+    return write

@@ -1,0 +1,88 @@
+"""Recipe sources used by the integration tests."""
+
+# `-- --samples N` sets the dataset size. At global batch 16, 97 samples make a last
+# batch of ONE sample (one replica's share is empty: padding of weight 0); 99 make a
+# last batch of 3, split 2 + 1 (only loss weighting keeps that step exact).
+EQUIV = """
+import sys
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 16}
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def optimizer(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def loss(outputs, batch):
+    return nn.functional.cross_entropy(outputs, batch[1])
+
+
+SAMPLES = int(sys.argv[sys.argv.index("--samples") + 1]) if "--samples" in sys.argv else 97
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(SAMPLES, 6, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def eval_data(ctx):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(41, 6, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def metrics():
+    from torchmetrics.classification import MulticlassAccuracy
+    return {"accuracy": MulticlassAccuracy(num_classes=3, average="micro")}
+"""
+
+RAISES_IN_RANK_1 = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def model():
+    return nn.Linear(2, 1)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+def loss(outputs, batch):
+    step = int(os.environ.setdefault("STEPS_SEEN", "0")) + 1
+    os.environ["STEPS_SEEN"] = str(step)
+    if step == 3 and int(os.environ["RANK"]) == 1:
+        raise ValueError("boom at step 3")
+    return nn.functional.mse_loss(outputs, batch[1])
+
+def train_data(ctx):
+    return TensorDataset(torch.randn(256, 2), torch.randn(256, 1))
+"""
+
+SLOW = """
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def model():
+    return nn.Linear(2, 1)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+def loss(outputs, batch):
+    time.sleep(0.05)
+    return nn.functional.mse_loss(outputs, batch[1])
+
+def train_data(ctx):
+    return TensorDataset(torch.randn(4096, 2), torch.randn(4096, 1))
+"""

@@ -1,0 +1,53 @@
+"""Command-line surface: help, planned commands, usage errors (no training started)."""
+
+import pytest
+
+from tests.conftest import RECIPES, run_cli
+
+MISSION = ("up", "down", "status", "train", "jobs", "attach", "logs", "cancel", "bench")
+
+
+def test_help_lists_every_command_of_the_mission():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in MISSION:
+        assert f" {command} " in result.stdout
+
+
+@pytest.mark.parametrize("command", ["up", "down", "status", "jobs", "attach", "logs", "cancel"])
+def test_planned_commands_say_so_and_exit_2(command):
+    result = run_cli(command, "cluster.yaml")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith(f"error: `distrun {command}` is not built yet (planned:")
+
+
+def test_bench_resnet50_is_planned():
+    result = run_cli("bench", "resnet50", "--gpus", "8")
+    assert result.returncode == 2 and "not built yet" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--strategy", "mirored"], "did you mean 'mirrored'"),
+        (["-s", "mirrored", "--replicas", "3", "--global-batch-size", "16"], "not divisible by 3 replicas"),
+        (["--replicas", "2"], "one-device runs one replica"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--device", "cuda"], "--device cuda: no GPU found"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
+    result = run_cli("train", str(RECIPES / "linear.py"), *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
+
+
+def test_missing_recipe_is_named():
+    result = run_cli("train", "no/such/recipe.py")
+    assert result.returncode == 2 and result.stderr.strip() == "error: no/such/recipe.py: recipe not found"
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("distrun 0.")

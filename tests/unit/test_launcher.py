@@ -1,0 +1,92 @@
+"""The launcher with real processes (plain Python children; no torch needed)."""
+
+import os
+import sys
+import textwrap
+import time
+
+import psutil
+
+from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
+from distrun.protocol import Exited, Failed, Output
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    mode = sys.argv[1]
+    fd = int(os.environ["DISTRUN_EVENT_FD"])
+    if mode == "fail" and rank == 1:
+        print("about to fail", flush=True)
+        os.write(fd, (json.dumps({"type": "error", "rank": rank, "time": time.time(), "kind": "raised",
+                                 "message": "ValueError: boom"}) + "\\n").encode())
+        sys.exit(1)
+    if mode == "grandchild":
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    if mode == "ok":
+        print(f"hello from {rank} of {os.environ['WORLD_SIZE']} port {os.environ['MASTER_PORT']}", flush=True)
+        sys.exit(0)
+    time.sleep(600)
+    """
+)
+
+
+def launch(mode: str, n: int = 3, grace_s: float = 2.0):
+    events = []
+    spec = WorkerSpec(argv=(sys.executable, "-c", CHILD, mode), local_world_size=n, stop_grace_s=grace_s)
+    launcher = LocalLauncher(spec, events.append)
+    return launcher, events
+
+
+def test_success_relays_output_with_the_torchrun_environment():
+    launcher, events = launch("ok")
+    result = launcher.run()
+    assert result.state is ProcessState.SUCCEEDED
+    lines = sorted(e.line for e in events if isinstance(e, Output))
+    assert [line.split(" port")[0] for line in lines] == [f"hello from {r} of 3" for r in range(3)]
+    assert len({line.split("port ")[1] for line in lines}) == 1  # one rendezvous port
+
+
+def test_a_failing_rank_stops_the_others_fast_and_is_the_root_cause():
+    launcher, events = launch("fail")
+    t0 = time.monotonic()
+    result = launcher.run()
+    assert time.monotonic() - t0 < 10
+    assert result.state is ProcessState.FAILED
+    assert isinstance(result.failure, Failed) and result.failure.rank == 1
+    assert result.failure.message == "ValueError: boom"
+    assert sum(isinstance(e, Exited) for e in events) == 3
+    assert all(not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+               for pid in launcher.pids)
+
+
+def test_stop_kills_whole_process_groups_including_grandchildren():
+    launcher, events = launch("grandchild", n=2)
+    import threading
+
+    timer = threading.Timer(1.5, launcher.stop)
+    timer.start()
+    result = launcher.run()
+    assert result.state is ProcessState.STOPPED
+    time.sleep(0.2)
+    me = psutil.Process(os.getpid())
+    sleepers = [p for p in me.children(recursive=True) if "time.sleep(600)" in " ".join(p.cmdline())]
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(600)" in " ".join(p.info["cmdline"] or [])
+                 and p.status() != psutil.STATUS_ZOMBIE]
+    assert not sleepers and not leftovers
+
+
+def test_a_killed_rank_is_reported_with_its_signal():
+    launcher, events = launch("sleep", n=2)
+    import threading
+
+    def kill_rank0():
+        while not launcher.pids:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(launcher.pids[0], 9)
+
+    threading.Thread(target=kill_rank0).start()
+    result = launcher.run()
+    assert result.state is ProcessState.FAILED
+    assert result.failure.rank == 0 and result.failure.message == "killed by SIGKILL"
