@@ -19,17 +19,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 __all__ = ["Share", "GlobalBatchPlan", "DistributedDataset", "is_map_style"]
 
 
 def is_map_style(dataset: Any) -> bool:
-    return (
-        not isinstance(dataset, IterableDataset)
-        and hasattr(dataset, "__getitem__")
-        and isinstance(dataset, Sized)
-    )
+    """A torch map-style Dataset: distrun samples, shards and batches it.
+
+    Anything else iterable (a list, a generator, the recipe's own DataLoader, an
+    IterableDataset) is a sequence of per-replica batches, used as given. Duck
+    typing is not enough: a list of batches also has ``__getitem__`` and ``__len__``.
+    """
+    return isinstance(dataset, Dataset) and not isinstance(dataset, IterableDataset) and isinstance(dataset, Sized)
 
 
 @dataclass(frozen=True)

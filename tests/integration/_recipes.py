@@ -44,30 +44,8 @@ def metrics():
     return {"accuracy": MulticlassAccuracy(num_classes=3, average="micro")}
 """
 
-RAISES_IN_RANK_1 = """
+_TINY = """
 import os
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-def model():
-    return nn.Linear(2, 1)
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-def loss(outputs, batch):
-    step = int(os.environ.setdefault("STEPS_SEEN", "0")) + 1
-    os.environ["STEPS_SEEN"] = str(step)
-    if step == 3 and int(os.environ["RANK"]) == 1:
-        raise ValueError("boom at step 3")
-    return nn.functional.mse_loss(outputs, batch[1])
-
-def train_data(ctx):
-    return TensorDataset(torch.randn(256, 2), torch.randn(256, 1))
-"""
-
-SLOW = """
 import time
 import torch
 from torch import nn
@@ -80,9 +58,19 @@ def optimizer(params):
     return torch.optim.SGD(params, lr=0.1)
 
 def loss(outputs, batch):
-    time.sleep(0.05)
+{loss_body}
     return nn.functional.mse_loss(outputs, batch[1])
 
 def train_data(ctx):
-    return TensorDataset(torch.randn(4096, 2), torch.randn(4096, 1))
+    return TensorDataset(torch.randn({samples}, 2), torch.randn({samples}, 1))
 """
+
+# Rank 1 raises in its third step.
+RAISES_IN_RANK_1 = _TINY.format(samples=256, loss_body="""\
+    step = int(os.environ.setdefault("STEPS_SEEN", "0")) + 1
+    os.environ["STEPS_SEEN"] = str(step)
+    if step == 3 and int(os.environ["RANK"]) == 1:
+        raise ValueError("boom at step 3")""")
+
+# Slow enough to be interrupted mid-training.
+SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
