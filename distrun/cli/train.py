@@ -136,6 +136,7 @@ def _consume(job: LocalJob, json_output: bool) -> None:
             live.update(render_progress(job.snapshot()))
 
         _drain(job, show)
+    console.line()
 
 
 def _drain(job: LocalJob, handle: Any) -> None:

@@ -56,7 +56,7 @@ class JobTracker:
             self._checkpoint = event.path
         elif isinstance(event, Done):
             self._done[event.rank] = event
-            row = dataclasses.replace(row, status=ReplicaStatus.DONE, samples_per_s=0.0)
+            row = dataclasses.replace(row, status=ReplicaStatus.DONE)
         elif isinstance(event, Failed):
             row = dataclasses.replace(row, status=ReplicaStatus.FAILED)
         elif isinstance(event, Exited):
