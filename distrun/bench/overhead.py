@@ -104,8 +104,6 @@ def run_overhead(
     py = sys.executable
     script_args = ["--steps", str(steps), "--global-batch-size", str(global_batch_size)]
     distrun = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas)]
-    contenders: dict[str, Callable[[], Measurement]] = {}
-
     def ddp() -> Measurement:
         t0, out = _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
                         str(_SCRIPT), *script_args], env)
@@ -113,7 +111,7 @@ def run_overhead(
         return Measurement("torchrun+ddp", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
 
     def fit() -> Measurement:
-        t0, out = _run([*distrun, "--steps", str(steps), "--global-batch-size", str(global_batch_size), str(_RECIPE)], env)
+        _, out = _run([*distrun, "--steps", str(steps), "--global-batch-size", str(global_batch_size), str(_RECIPE)], env)
         summary = out[-1]
         return Measurement("distrun fit", float(summary["samples_per_s"]), float(summary["time_to_first_step_s"]))
 
@@ -122,7 +120,7 @@ def run_overhead(
         m = _from_script_output(out)
         return Measurement("distrun script", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
 
-    contenders = {"torchrun+ddp": ddp, "distrun fit": fit, "distrun script": script}
+    contenders: dict[str, Callable[[], Measurement]] = {"torchrun+ddp": ddp, "distrun fit": fit, "distrun script": script}
     runs: dict[str, list[Measurement]] = {name: [] for name in contenders}
     for i in range(repeats):
         for name, measure in contenders.items():  # interleaved, so drift hits all alike

@@ -118,7 +118,6 @@ class LocalJob:
 #: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.
 _ERROR_BY_KIND: dict[str, type[DistrunError]] = {
     "import": RecipeError,  # the recipe's top level raised (ImportError, NameError, ...)
-    "recipe": RecipeError,
     "RecipeError": RecipeError,
     "ConfigError": ConfigError,
     "CheckpointError": CheckpointError,

@@ -6,7 +6,7 @@ import os
 import time
 import traceback
 
-from distrun.errors import DistrunError, RecipeError
+from distrun.errors import DistrunError
 from distrun.protocol import PEER_LOST, Failed
 
 _PEER_LOST_HINTS = (
@@ -40,8 +40,6 @@ def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | 
 
 
 def _classify(exc: BaseException, phase: str) -> str:
-    if isinstance(exc, RecipeError):
-        return "recipe"
     if isinstance(exc, DistrunError):
         return type(exc).__name__
     text = str(exc)

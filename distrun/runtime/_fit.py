@@ -79,10 +79,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     def finished() -> bool:
         if total_steps is not None and strategy.step >= total_steps:
             return True
-        return epochs is not None and train.epoch >= epochs
+        return epochs is not None and train.position[0] >= epochs
 
     while not finished():
-        epoch = train.epoch
+        epoch = train.position[0]
         model.train()
         for batch in train:
             last_loss = strategy.run(train_step, batch)
@@ -91,11 +91,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                 last_saved = strategy.step
             if total_steps is not None and strategy.step >= total_steps:
                 break
-        # By position, not by the generator ending: a step limit may stop the loop
-        # on an epoch's last batch, and that epoch is still complete.
-        epoch_done = train.position[0] > epoch
-        if epoch_done and train.epoch == epoch:
-            train.seek(*train.position)
+        epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
         if epoch_done and eval_source is not None:
             # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
             from distrun.runtime._metrics import evaluate

@@ -22,7 +22,7 @@ from distrun.protocol.environment import JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
 from distrun.runtime._recipe import load_module, prepare_sys_path
-from distrun.runtime._reporter import EventReporter
+from distrun.runtime._reporter import EventReporter, to_float
 
 _STORE_TIMEOUT = timedelta(seconds=300)
 
@@ -56,7 +56,7 @@ def main() -> None:
         phase = "train"
         if info.kind is RecipeKind.CUSTOM_LOOP:
             module.main(strategy)
-            steps, final_loss = strategy.step, _float(reporter.last_loss)
+            steps, final_loss = strategy.step, to_float(reporter.last_loss)
         else:
             from distrun.runtime._fit import fit
 
@@ -141,9 +141,3 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                           device=device, seed=spec.seed)
     options = {"sync_batch_norm": spec.sync_batch_norm} if spec.strategy.value == "mirrored" else {}
     return make_strategy(spec.strategy.value, replica, reporter, **options)
-
-
-def _float(value: Any) -> float | None:
-    if value is None:
-        return None
-    return float(value.item() if hasattr(value, "item") else value)

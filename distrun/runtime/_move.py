@@ -6,6 +6,10 @@ from typing import Any
 
 import torch
 
+from distrun.strategies._data import batch_len
+
+__all__ = ["to_device", "batch_len"]
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, torch.Tensor):
@@ -15,9 +19,3 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
-
-
-def batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor."""
-    first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
-    return int(first.shape[0]) if isinstance(first, torch.Tensor) and first.dim() else 1

@@ -86,7 +86,7 @@ class EventReporter:
                 time=time.time(),
                 step=self.current_step,
                 epoch=self._last_epoch,
-                loss=_to_float(self.last_loss),
+                loss=to_float(self.last_loss),
                 samples_per_s=rate,
                 mem_mb=self._memory_mb(),
                 total_steps=self.total_steps,
@@ -101,7 +101,7 @@ class EventReporter:
         return self._proc.memory_info().rss / 2**20
 
 
-def _to_float(value: Any) -> float | None:
+def to_float(value: Any) -> float | None:
     if value is None:
         return None
     try:

@@ -154,6 +154,9 @@ class DistributedDataset:
         self.epoch, self.next_batch = epoch, next_batch
 
     def __iter__(self) -> Iterator[Any]:
+        # A consumer may stop on an epoch's last batch (a step limit), leaving the
+        # previous generator unfinished: that epoch is complete all the same.
+        self.epoch, self.next_batch = self.position
         if self.plan is not None:
             yield from self._iter_map_style(self.plan)
         else:
@@ -188,12 +191,13 @@ class DistributedDataset:
             if skip > 0:  # resuming: replay the epoch up to the saved position
                 skip -= 1
                 continue
-            self._on_batch(_batch_len(item), 1.0)
+            self._on_batch(batch_len(item), 1.0)
             self.next_batch += 1
             yield item
 
 
-def _batch_len(batch: Any) -> int:
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its first tensor (1 if it has none)."""
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return int(first.shape[0])

@@ -3,6 +3,7 @@
 import os
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -62,8 +63,6 @@ def test_a_failing_rank_stops_the_others_fast_and_is_the_root_cause():
 
 def test_stop_kills_whole_process_groups_including_grandchildren():
     launcher, events = launch("grandchild", n=2)
-    import threading
-
     timer = threading.Timer(1.5, launcher.stop)
     timer.start()
     result = launcher.run()
@@ -78,8 +77,6 @@ def test_stop_kills_whole_process_groups_including_grandchildren():
 
 def test_a_killed_rank_is_reported_with_its_signal():
     launcher, events = launch("sleep", n=2)
-    import threading
-
     def kill_rank0():
         while not launcher.pids:
             time.sleep(0.05)
