@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
 from rich.console import Console
 
@@ -42,19 +41,17 @@ def _wants_debug(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the app and map every outcome to an exit code."""
+    """Console-script entry point: run the app and map distrun's errors to exit codes.
+
+    typer runs in its standalone mode and owns its own outcomes (usage errors:
+    exit 2, ``--help``, ``--version``). distrun never imports click itself:
+    recent typer releases vendor their own copy, whose exceptions the click
+    package would not catch.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(args)
     try:
-        app(args=args, prog_name="distrun", standalone_mode=False)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        stderr.print("error: interrupted", markup=False)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
+        app(args=args, prog_name="distrun")
     except DistrunError as exc:
         if debug and exc.detail:
             stderr.print(exc.detail.rstrip(), markup=False)
@@ -70,4 +67,3 @@ def main(argv: list[str] | None = None) -> None:
         stderr.print(f"error: internal error: {etype.__name__ if etype else 'Exception'}: {value} "
                      "(run again with --debug for the traceback)", markup=False)
         sys.exit(1)
-    sys.exit(0)

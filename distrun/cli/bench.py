@@ -9,7 +9,7 @@ from rich.console import Console
 
 from distrun.bench.overhead import run_overhead
 from distrun.cli._app import app, stderr
-from distrun.errors import UsageError
+from distrun.errors import Interrupted, UsageError
 from distrun.ui.bench import render_overhead
 
 _PLANNED = {"resnet50", "resnet18", "mlp"}
@@ -39,10 +39,13 @@ def bench(
         raise UsageError("--steps: at least 2 (the first step is warm-up and not timed)")
     if global_batch_size % replicas:
         raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by {replicas} replicas")
-    report = run_overhead(
-        replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
-        progress=lambda msg: stderr.print(f"[bench] {msg}", markup=False) if not json_output else None,
-    ).to_dict()
+    try:
+        report = run_overhead(
+            replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
+            progress=lambda msg: stderr.print(f"[bench] {msg}", markup=False) if not json_output else None,
+        ).to_dict()
+    except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
+        raise Interrupted("interrupted: benchmark stopped") from None
     if json_output:
         typer.echo(json.dumps(report))
     else:

@@ -27,8 +27,8 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
 def train(
-    recipe: Path = typer.Argument(..., help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
-    recipe_args: list[str] = typer.Argument(None, help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
+    recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
     strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | central-storage"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),

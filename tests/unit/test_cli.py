@@ -43,6 +43,17 @@ def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
 
 
+@pytest.mark.parametrize(
+    "args, fragment",
+    [(["train", "recipes/linear.py", "--bogus"], "No such option: --bogus"), (["nosuchcmd"], "No such command")],
+)
+def test_typer_usage_errors_exit_2_without_a_traceback(args, fragment):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+    assert "internal error" not in result.stderr
+
+
 def test_missing_recipe_is_named():
     result = run_cli("train", "no/such/recipe.py")
     assert result.returncode == 2 and result.stderr.strip() == "error: no/such/recipe.py: recipe not found"
