@@ -11,6 +11,9 @@ from distrun.errors import (
     CheckpointError,
     ConfigError,
     DistrunError,
+    HostError,
+    HostKeyError,
+    HostUnreachable,
     Interrupted,
     RecipeError,
     TrainingError,
@@ -25,5 +28,8 @@ __all__ = [
     "RecipeError",
     "TrainingError",
     "CheckpointError",
+    "HostError",
+    "HostKeyError",
+    "HostUnreachable",
     "Interrupted",
 ]

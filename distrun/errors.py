@@ -9,6 +9,9 @@ place and docs/cli.md can list it::
     ├── RecipeError              3  the recipe cannot be loaded or breaks the contract
     ├── TrainingError            4  a replica raised or died during training
     ├── CheckpointError          5  no checkpoint to resume from, or an unreadable one
+    ├── HostError                6  a host cannot be reached, logged into or used
+    │   ├── HostUnreachable      6  no connection or no login (the host's row says "down")
+    │   └── HostKeyError         7  a host's SSH key is unknown or changed (refused)
     └── Interrupted            130  Ctrl-C (SIGINT) or SIGTERM stopped the job
 
 Messages are one line and name the file, key, rank or host they are about; the
@@ -25,6 +28,9 @@ __all__ = [
     "RecipeError",
     "TrainingError",
     "CheckpointError",
+    "HostError",
+    "HostUnreachable",
+    "HostKeyError",
     "Interrupted",
     "EXIT_CODES",
 ]
@@ -75,6 +81,33 @@ class CheckpointError(DistrunError):
     exit_code = 5
 
 
+class HostError(DistrunError):
+    """A host could not be reached, authenticated to, or lacks what distrun needs there.
+
+    ``host`` is the address as the cluster file spells it; the message starts with it.
+    """
+
+    exit_code = 6
+
+    def __init__(self, host: str, message: str, *, detail: str | None = None) -> None:
+        super().__init__(f"{host}: {message}", detail=detail)
+        self.host = host
+        self.reason = message
+
+
+class HostUnreachable(HostError):
+    """No SSH connection or no login: the host is down as far as distrun can tell."""
+
+
+class HostKeyError(HostError):
+    """A host presented an SSH key that known_hosts does not hold, or a different one.
+
+    Its own exit code, because a changed key may mean an attack: scripts should stop.
+    """
+
+    exit_code = 7
+
+
 class Interrupted(DistrunError):
     """The user interrupted the job; every replica was stopped."""
 
@@ -83,5 +116,6 @@ class Interrupted(DistrunError):
 
 EXIT_CODES: dict[str, int] = {
     cls.__name__: cls.exit_code
-    for cls in (DistrunError, UsageError, ConfigError, RecipeError, TrainingError, CheckpointError, Interrupted)
+    for cls in (DistrunError, UsageError, ConfigError, RecipeError, TrainingError, CheckpointError, HostError,
+                HostUnreachable, HostKeyError, Interrupted)
 }

@@ -8,9 +8,6 @@ from distrun.cli._app import app
 from distrun.errors import UsageError
 
 _PLANNED = {
-    "up": ("SSH to the hosts of a cluster file and start worker servers", "cluster (issue 3)"),
-    "down": ("Stop every job and worker server of a cluster", "cluster (issue 3)"),
-    "status": ("Show the cluster's hosts, servers and jobs", "cluster (issue 3)"),
     "jobs": ("List jobs on a cluster", "standalone client (issue 4)"),
     "attach": ("Replay and follow a running job", "standalone client (issue 4)"),
     "logs": ("Print per-rank logs of a job", "standalone client (issue 4)"),

@@ -1,6 +1,7 @@
 """Driving jobs and clusters from the user's machine (no torch here)."""
 
 from distrun.client._tracker import JobTracker
+from distrun.client.cluster import Progress, cluster_down, cluster_status, cluster_up
 from distrun.client.local import JobOutcome, LocalJob
 
-__all__ = ["LocalJob", "JobOutcome", "JobTracker"]
+__all__ = ["LocalJob", "JobOutcome", "JobTracker", "cluster_up", "cluster_status", "cluster_down", "Progress"]

@@ -10,7 +10,8 @@ from tests.conftest import REPO
 
 
 def test_control_plane_imports_without_torch():
-    code = "import sys, distrun.cli, distrun.client, distrun.launch; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, distrun.cli, distrun.client, distrun.launch, distrun.ssh, distrun.server, "
+            "distrun.server._main; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -24,7 +25,7 @@ def test_import_contracts_hold():
 def test_public_api_is_explicit():
     assert sorted(distrun.__all__) == sorted(
         ["__version__", "DistrunError", "UsageError", "ConfigError", "RecipeError", "TrainingError",
-         "CheckpointError", "Interrupted"]
+         "CheckpointError", "HostError", "HostUnreachable", "HostKeyError", "Interrupted"]
     )
     for name in distrun.__all__:
         assert hasattr(distrun, name)

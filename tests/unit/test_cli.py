@@ -14,11 +14,23 @@ def test_help_lists_every_command_of_the_mission():
         assert f" {command} " in result.stdout
 
 
-@pytest.mark.parametrize("command", ["up", "down", "status", "jobs", "attach", "logs", "cancel"])
+@pytest.mark.parametrize("command", ["jobs", "attach", "logs", "cancel"])
 def test_planned_commands_say_so_and_exit_2(command):
     result = run_cli(command, "cluster.yaml")
     assert result.returncode == 2
     assert result.stderr.strip().startswith(f"error: `distrun {command}` is not built yet (planned:")
+
+
+@pytest.mark.parametrize("command", ["up", "status", "down"])
+def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
+    result = run_cli(command, str(tmp_path / "nope.yaml"))
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path / 'nope.yaml'}: no such file"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("hosts:\n  - {address: a}\n  - {address: b, roles: [wroker]}\n")
+    result = run_cli(command, str(bad))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"error: {bad}:3: hosts[1].roles[0]: unknown role 'wroker' (did you mean "
+                                     "'worker'?); roles are chief, worker, ps, evaluator")
 
 
 def test_bench_resnet50_is_planned():

@@ -1,0 +1,122 @@
+"""`distrun up | status | down [CLUSTER]`: worker servers on every host of a cluster file.
+
+Without a cluster file these act on the embedded default: one server on this
+machine, started as a local process (no SSH), in ``$DISTRUN_HOME`` (default
+``~/.distrun``). The server code is the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from distrun.cli._app import app, stderr
+from distrun.client import cluster_down, cluster_status, cluster_up
+from distrun.config import ClusterSpec, load_cluster, local_cluster
+from distrun.protocol.cluster import ClusterReport
+from distrun.ui import render_cluster
+
+_CLUSTER_HELP = "The cluster file (YAML, docs/cluster.md); none: this machine, no SSH."
+
+
+def resolve_cluster(path: Path | None) -> ClusterSpec:
+    if path is not None:
+        return load_cluster(path)
+    return local_cluster(workdir=os.environ.get("DISTRUN_HOME", "~/.distrun"), python=sys.executable)
+
+
+class _Stages:
+    """A transient per-host "what is it doing now" table on stderr while a command runs."""
+
+    def __init__(self, cluster: ClusterSpec, enabled: bool) -> None:
+        self._stages = {host.label: "waiting" for host in cluster.hosts}
+        self._lock = threading.Lock()
+        self._live = Live(self._render(), console=stderr, transient=True, refresh_per_second=8) if enabled else None
+
+    def _render(self) -> Table:
+        table = Table.grid(padding=(0, 2))
+        for host, stage in self._stages.items():
+            table.add_row(host, f"[dim]{stage}[/dim]")
+        return table
+
+    def __call__(self, host: str, stage: str) -> None:
+        with self._lock:
+            self._stages[host] = stage
+            if self._live is not None:
+                self._live.update(self._render())
+
+    def __enter__(self) -> _Stages:
+        if self._live is not None:
+            self._live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+def _finish(report: ClusterReport, json_output: bool) -> None:
+    if json_output:
+        typer.echo(json.dumps(report.to_dict()))
+    else:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console = Console(highlight=False, width=160)  # piped: do not squeeze the table into 80 columns
+        console.print(render_cluster(report))
+    if not report.ok:
+        bad = [row for row in report.rows if row.exit_code or not row.status.healthy]
+        names = ", ".join(f"{row.host} ({row.status.value})" for row in bad)
+        stderr.print(f"error: {len(bad)} of {len(report.rows)} host(s) not {_WANTED[report.command]}: {names}",
+                     markup=False)
+        raise typer.Exit(report.exit_code)
+
+
+_WANTED = {"up": "up", "status": "up", "down": "clean"}
+
+
+def _run(cluster_file: Path | None, json_output: bool,
+         command: Callable[..., ClusterReport], **kwargs: object) -> None:
+    cluster = resolve_cluster(cluster_file)
+    with _Stages(cluster, enabled=not json_output and stderr.is_terminal) as stages:
+        report = command(cluster, progress=stages, **kwargs)
+    _finish(report, json_output)
+
+
+@app.command()
+def up(
+    cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]", help=_CLUSTER_HELP, show_default=False),
+    setup: bool = typer.Option(True, "--setup/--no-setup", help="Run the file's setup: commands before starting a server."),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Start a worker server on every host (SSH); healthy servers are kept, dead or stale ones replaced."""
+    _run(cluster_file, json_output, cluster_up, run_setup=setup)
+
+
+@app.command()
+def status(
+    cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]", help=_CLUSTER_HELP, show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Ask every host's server how it is (round trip, load, memory, jobs); exit non-zero if any is not up."""
+    _run(cluster_file, json_output, cluster_status)
+
+
+@app.command()
+def down(
+    cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]", help=_CLUSTER_HELP, show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Stop every job and server, then check that no process of distrun's is left on any host."""
+    _run(cluster_file, json_output, cluster_down)

@@ -1,0 +1,62 @@
+"""A connection to one worker server: handshake, then request/response frames."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+from distrun.errors import HostError
+from distrun.protocol.cluster import ServerInfo
+from distrun.protocol.wire import AuthError, Stream, WireError, client_handshake, recv_frame, send_frame
+
+
+class ServerClient:
+    """Talks to the server behind ``stream`` (an SSH channel, or a local socket)."""
+
+    def __init__(self, stream: Stream, token_hex: str, label: str) -> None:
+        self.label = label
+        self._stream = stream
+        self._ids = itertools.count(1)
+        try:
+            self.hello = client_handshake(stream, bytes.fromhex(token_hex))
+        except AuthError as exc:
+            stream.close()
+            raise HostError(label, f"the worker server refused us: {exc}") from None
+        except (WireError, OSError, ValueError) as exc:
+            stream.close()
+            raise HostError(label, f"no worker server answered the handshake ({exc})") from None
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        request_id = next(self._ids)
+        try:
+            send_frame(self._stream, {"id": request_id, "op": op, "args": args})
+            reply = recv_frame(self._stream)
+        except (WireError, OSError) as exc:
+            raise HostError(self.label, f"lost the worker server during {op!r} ({exc})") from None
+        if reply.get("id") != request_id:
+            raise HostError(self.label, f"the worker server answered request {reply.get('id')!r}, not {request_id}")
+        if not reply.get("ok"):
+            error = reply.get("error") or {}
+            raise HostError(self.label, f"the worker server failed {op!r}: {error.get('message', 'no reason')}")
+        result = reply.get("result")
+        return result if isinstance(result, dict) else {}
+
+    def status(self) -> tuple[ServerInfo, float]:
+        """The server's status and the round trip it took, in milliseconds."""
+        t0 = time.perf_counter()
+        result = self.call("status")
+        rtt_ms = (time.perf_counter() - t0) * 1000.0
+        try:
+            return ServerInfo.from_dict(result), rtt_ms
+        except (ValueError, TypeError) as exc:
+            raise HostError(self.label, f"the worker server sent a malformed status: {exc}") from None
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

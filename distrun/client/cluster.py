@@ -1,0 +1,238 @@
+"""`up`, `status` and `down`: every host in parallel, one row per host, never a hang.
+
+Per host the client holds one ``Remote`` (an SSH connection, or this machine for
+the embedded default) and does everything through it: run ``setup``, check the
+interpreter and distrun's version, start the server detached, read its state
+file (port and token, 0600) over SFTP, and reach it through an SSH
+``direct-tcpip`` channel to the host's loopback. A failure on one host becomes
+that host's row (down, error) and never stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+from distrun._version import __version__
+from distrun.client._server_client import ServerClient
+from distrun.config.cluster import ClusterSpec, HostSpec
+from distrun.errors import HostError, HostKeyError, HostUnreachable
+from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus, ServerInfo, ServerState, config_digest
+from distrun.ssh import CommandFailed, Connection, LocalConnection, Remote
+
+__all__ = ["cluster_up", "cluster_status", "cluster_down", "Progress"]
+
+#: One setup command may take this long (a pip install over a slow mirror).
+SETUP_TIMEOUT_S = 1800.0
+#: How long `down` waits for a server to exit on its own before the sweep kills what is left.
+STOP_WAIT_S = 5.0
+_PROBE = "import sys; print(sys.version.split()[0]); import distrun; print(distrun.__version__)"
+
+Progress = Callable[[str, str], None]
+"""Called as ``progress(host_label, stage)`` while a command works on a host."""
+
+
+def _quiet(_host: str, _stage: str) -> None:
+    pass
+
+
+def cluster_up(cluster: ClusterSpec, *, run_setup: bool = True, progress: Progress = _quiet) -> ClusterReport:
+    return _each_host(cluster, "up", lambda host: _HostOps(cluster, host, progress).up(run_setup=run_setup))
+
+
+def cluster_status(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
+    return _each_host(cluster, "status", lambda host: _HostOps(cluster, host, progress).status())
+
+
+def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
+    return _each_host(cluster, "down", lambda host: _HostOps(cluster, host, progress).down())
+
+
+def _each_host(cluster: ClusterSpec, command: str, work: Callable[[HostSpec], HostRow]) -> ClusterReport:
+    def guarded(host: HostSpec) -> HostRow:
+        try:
+            return work(host)
+        except HostError as exc:
+            down = isinstance(exc, (HostUnreachable, HostKeyError))
+            status = HostStatus.DOWN if down else HostStatus.ERROR
+            return HostRow(host=host.label, roles=_roles(host), status=status, message=exc.reason,
+                           exit_code=exc.exit_code)
+
+    with ThreadPoolExecutor(max_workers=min(32, len(cluster.hosts))) as pool:
+        rows = tuple(pool.map(guarded, cluster.hosts))
+    return ClusterReport(cluster=cluster.name, command=command, rows=rows)
+
+
+def _roles(host: HostSpec) -> tuple[str, ...]:
+    return tuple(role.value for role in host.roles)
+
+
+class _HostOps:
+    """What up/status/down do on one host, through one link to it."""
+
+    def __init__(self, cluster: ClusterSpec, host: HostSpec, progress: Progress) -> None:
+        self.cluster = cluster
+        self.host = host
+        self.label = host.label
+        self.state_dir = cluster.host_state_dir(host)
+        self.config = {"env": dict(cluster.env)}
+        self.progress = progress
+
+    @contextmanager
+    def _remote(self) -> Iterator[Remote]:
+        remote: Remote = LocalConnection(self.label) if self.cluster.local else Connection(self.host)
+        try:
+            yield remote
+        finally:
+            remote.close()
+
+    # -- the three commands
+
+    def up(self, *, run_setup: bool) -> HostRow:
+        with self._remote() as remote:
+            self.progress(self.label, "connecting")
+            state = self._read_state(remote)
+            replaced = False
+            if state is not None:
+                self.progress(self.label, "checking the running server")
+                live = self._try_status(remote, state)
+                if live is not None:
+                    info, rtt_ms = live
+                    if info.version == __version__ and info.config_sha256 == config_digest(self.config):
+                        return self._row(HostStatus.UP, info, rtt_ms)
+                    self._stop_server(remote, state)  # stale: another version or another env
+                replaced = True
+            if run_setup:
+                self._setup(remote)
+            self.progress(self.label, "checking python and distrun")
+            self._probe(remote)
+            self.progress(self.label, "starting the worker server")
+            self._sweep(remote, kill=True)  # a dead server's orphans must not outlive it
+            state = self._start(remote)
+            live = self._try_status(remote, state)
+            if live is None:
+                raise HostError(self.label, f"the worker server started (pid {state.pid}) but does not answer; "
+                                            f"see {self.state_dir}/server.log on the host")
+            info, rtt_ms = live
+            return self._row(HostStatus.RESTARTED if replaced else HostStatus.STARTED, info, rtt_ms)
+
+    def status(self) -> HostRow:
+        with self._remote() as remote:
+            state = self._read_state(remote)
+            if state is None:
+                return HostRow(self.label, _roles(self.host), HostStatus.NOT_RUNNING,
+                               message="no worker server; run `distrun up`", exit_code=HostError.exit_code)
+            live = self._try_status(remote, state)
+            if live is None:
+                return HostRow(self.label, _roles(self.host), HostStatus.NOT_RUNNING,
+                               message=f"server pid {state.pid} does not answer; run `distrun up`",
+                               exit_code=HostError.exit_code)
+            return self._row(HostStatus.UP, *live)
+
+    def down(self) -> HostRow:
+        with self._remote() as remote:
+            state = self._read_state(remote)
+            stopped = False
+            if state is not None:
+                self.progress(self.label, "stopping the worker server")
+                stopped = self._stop_server(remote, state)
+            self.progress(self.label, "checking for leftover processes")
+            swept = self._sweep(remote, kill=True)
+            found, left = swept["found"], swept["left"]
+            message = f"ended {len(found)} leftover process(es)" if found else "no process of distrun's left"
+            if left:
+                message = f"{len(left)} process(es) would not die: pids {left}"
+            status = HostStatus.STOPPED if (stopped or found) else HostStatus.NOT_RUNNING
+            return HostRow(self.label, _roles(self.host), status, message=message, processes_left=len(left),
+                           exit_code=HostError.exit_code if left else 0)
+
+    # -- steps
+
+    def _read_state(self, remote: Remote) -> ServerState | None:
+        text = remote.read_file(f"{self.state_dir}/server.json")
+        if text is None:
+            return None
+        try:
+            return ServerState.from_json(text)
+        except (ValueError, KeyError, TypeError):
+            return None  # a torn or foreign file: treated as no server, and replaced by `up`
+
+    def _try_status(self, remote: Remote, state: ServerState) -> tuple[ServerInfo, float] | None:
+        try:
+            with ServerClient(remote.open_stream(state.port), state.token, self.label) as client:
+                return client.status()
+        except HostError:
+            return None
+
+    def _setup(self, remote: Remote) -> None:
+        for index, command in enumerate(self.cluster.setup):
+            self.progress(self.label, f"setup[{index}]")
+            # The user's own shell command, passed whole as one quoted argument.
+            result = remote.run(["sh", "-c", command], timeout_s=SETUP_TIMEOUT_S)
+            if not result.ok:
+                raise CommandFailed(self.label, result, f"setup[{index}] ({command!r})")
+
+    def _probe(self, remote: Remote) -> None:
+        python = self.host.python
+        result = remote.run([python, "-c", _PROBE])
+        where = self.cluster.source or "the cluster file"
+        if result.exited == 127 or (not result.stdout.strip() and "No such file" in result.stderr):
+            raise HostError(self.label, f"python {python!r} not found; set `python:` in {where} to an "
+                                        "interpreter that exists on this host")
+        lines = result.stdout.split()
+        if "No module named" in result.stderr and "distrun" in result.stderr:
+            raise HostError(self.label, f"distrun is not installed for {python}; install distrun=={__version__} "
+                                        f"there (for example add `{python} -m pip install distrun=={__version__}` "
+                                        f"to setup: in {where})")
+        if not result.ok or len(lines) < 2:
+            raise CommandFailed(self.label, result, f"checking {python}")
+        if lines[1] != __version__:
+            raise HostError(self.label, f"has distrun {lines[1]} for {python}, this client is {__version__}; "
+                                        f"install distrun=={__version__} there (or the client's version to match)")
+
+    def _start(self, remote: Remote) -> ServerState:
+        argv = [self.host.python, "-m", "distrun.server", "start", "--state-dir", self.state_dir]
+        result = remote.run(argv, stdin=json.dumps(self.config))
+        if not result.ok:
+            raise CommandFailed(self.label, result, "starting the worker server")
+        state = self._read_state(remote)
+        if state is None:
+            raise HostError(self.label, f"the worker server started but wrote no {self.state_dir}/server.json")
+        return state
+
+    def _stop_server(self, remote: Remote, state: ServerState) -> bool:
+        """Ask the server to stop and wait until it is gone; False if none answered."""
+        try:
+            with ServerClient(remote.open_stream(state.port), state.token, self.label) as client:
+                client.call("shutdown")
+        except HostError:
+            return False
+        deadline = time.monotonic() + STOP_WAIT_S
+        while time.monotonic() < deadline:
+            if not self._sweep(remote, kill=False)["found"]:
+                break
+            time.sleep(0.2)
+        return True
+
+    def _sweep(self, remote: Remote, *, kill: bool) -> dict[str, list[int]]:
+        argv = [self.host.python, "-m", "distrun.server", "sweep", "--state-dir", self.state_dir]
+        result = remote.run([*argv, "--kill"] if kill else argv)
+        if not result.ok:
+            raise CommandFailed(self.label, result, "checking for distrun processes")
+        try:
+            swept = json.loads(result.stdout)
+            return {"found": list(swept["found"]), "left": list(swept["left"])}
+        except (ValueError, KeyError, TypeError):
+            raise CommandFailed(self.label, result, "checking for distrun processes") from None
+
+    def _row(self, status: HostStatus, info: ServerInfo, rtt_ms: float) -> HostRow:
+        gpus = info.gpu_count if self.host.gpus is None else self.host.gpus
+        slots = self.host.slots or (gpus if gpus > 0 else 1)
+        message = ""
+        if self.host.gpus is not None and self.host.gpus > info.gpu_count:
+            message = f"the cluster file says gpus: {self.host.gpus}, the host shows {info.gpu_count}"
+        return HostRow(self.label, _roles(self.host), status, message=message, slots=slots, server=info,
+                       rtt_ms=rtt_ms)

@@ -1,0 +1,145 @@
+"""What a worker server reports about itself, and the per-host rows of up/status/down.
+
+``ServerInfo`` crosses the wire as JSON (the server's answer to ``status``);
+``HostRow`` and ``ClusterReport`` are what the client hands to the table
+renderer and to ``--json``. All are immutable snapshots.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from typing import Any
+
+from distrun.errors import HostError
+
+__all__ = ["ServerState", "ServerInfo", "HostStatus", "HostRow", "ClusterReport", "config_digest"]
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What a client needs to reach a server: read over SFTP, never sent over the network."""
+
+    pid: int
+    port: int
+    token: str  # hex
+    version: str
+    protocol: int
+    started_at: float
+    config_sha256: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerState:
+        data: dict[str, Any] = json.loads(text)
+        return cls(**{key: data[key] for key in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    version: str
+    protocol: int
+    pid: int
+    state_dir: str
+    hostname: str
+    python: str
+    started_at: float  # Unix time
+    uptime_s: float
+    cpu_count: int
+    memory_total_bytes: int
+    memory_available_bytes: int
+    load_1m: float
+    gpu_count: int
+    gpu_names: tuple[str, ...]
+    jobs_running: int
+    config_sha256: str
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["gpu_names"] = list(self.gpu_names)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServerInfo:
+        names = {f.name for f in fields(cls)}
+        missing = names - data.keys()
+        if missing:
+            raise ValueError(f"server status lacks {sorted(missing)}")
+        values = {key: data[key] for key in names}
+        values["gpu_names"] = tuple(values["gpu_names"])
+        return cls(**values)
+
+
+class HostStatus(str, Enum):
+    UP = "up"  # a healthy server answered (kept by an idempotent `up`)
+    STARTED = "started"  # `up` started a server
+    RESTARTED = "restarted"  # `up` replaced a dead or stale server
+    STOPPED = "stopped"  # `down` stopped the server and found nothing of distrun's left
+    NOT_RUNNING = "not running"  # no server (status), or nothing to stop (down)
+    DOWN = "down"  # the host cannot be reached or logged into
+    ERROR = "error"  # reached, but something failed there (message says what)
+
+    @property
+    def healthy(self) -> bool:
+        return self in (HostStatus.UP, HostStatus.STARTED, HostStatus.RESTARTED)
+
+
+@dataclass(frozen=True)
+class HostRow:
+    host: str
+    roles: tuple[str, ...]
+    status: HostStatus
+    message: str = ""
+    slots: int | None = None
+    server: ServerInfo | None = None
+    rtt_ms: float | None = None
+    processes_left: int | None = None  # after `down`: processes of distrun's still alive (0 = checked clean)
+    exit_code: int = 0  # the exit code of the error behind this row (HostError 6, HostKeyError 7)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "roles": list(self.roles),
+            "status": self.status.value,
+            "message": self.message,
+            "slots": self.slots,
+            "rtt_ms": self.rtt_ms,
+            "processes_left": self.processes_left,
+            "exit_code": self.exit_code,
+            "server": self.server.to_dict() if self.server else None,
+        }
+
+
+@dataclass(frozen=True)
+class ClusterReport:
+    cluster: str
+    command: str  # up | status | down
+    rows: tuple[HostRow, ...]
+
+    @property
+    def ok(self) -> bool:
+        if self.command == "down":
+            return all(row.status in (HostStatus.STOPPED, HostStatus.NOT_RUNNING) and not row.processes_left
+                       for row in self.rows)
+        return all(row.status.healthy for row in self.rows)
+
+    @property
+    def exit_code(self) -> int:
+        """0 when ok; else the most serious row's code (a refused host key outranks the rest)."""
+        if self.ok:
+            return 0
+        return max((row.exit_code for row in self.rows), default=0) or HostError.exit_code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "cluster", "cluster": self.cluster, "command": self.command, "ok": self.ok,
+                "hosts": [row.to_dict() for row in self.rows]}
+
+
+def config_digest(config: dict[str, Any]) -> str:
+    """sha256 of a server's start configuration, so `up` can tell a stale server from a current one."""
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,5 @@
+import sys
+
+from distrun.server._main import main
+
+sys.exit(main())

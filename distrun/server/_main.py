@@ -1,0 +1,131 @@
+"""``python -m distrun.server``: start a worker server (detached) or sweep a host.
+
+``start --state-dir DIR`` reads its configuration as one JSON object on stdin
+(``{"env": {...}}``; stdin, not argv, so values such as secrets never show in
+``ps``), starts the server in a session of its own so it outlives the SSH session
+that started it, waits until the server has bound its port and written its
+state file, prints ``{"pid": ..., "port": ...}`` and exits 0. If the server
+cannot start, the reason is printed on stderr and the exit code is 1; 3 means a
+server already holds the folder's lock.
+
+``serve`` is that server process itself (``--foreground`` debugging runs it
+directly). The cluster's env and the ``DISTRUN_SERVER_DIR`` marker are given to
+it at exec time, so they are in its ``/proc/<pid>/environ`` and inherited by
+every training process it starts.
+
+``sweep --state-dir DIR [--kill]`` prints the processes of this host's server
+still alive (and ends them with ``--kill``), so `down` checks rather than assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+EXIT_LOCKED = 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distrun.server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start a detached worker server (config JSON on stdin)")
+    start.add_argument("--state-dir", required=True)
+    serve = sub.add_parser("serve", help="the server process itself (started by `start`)")
+    serve.add_argument("--state-dir", required=True)
+    serve.add_argument("--config-sha256", default="")
+    serve.add_argument("--ready-fd", type=int, default=None)
+    sweep_cmd = sub.add_parser("sweep", help="list (and with --kill, end) this server's processes")
+    sweep_cmd.add_argument("--state-dir", required=True)
+    sweep_cmd.add_argument("--kill", action="store_true")
+    args = parser.parse_args(argv)
+    if args.command == "sweep":
+        from distrun.server._sweep import sweep
+
+        print(json.dumps(sweep(args.state_dir, kill=args.kill)))
+        return 0
+    if args.command == "serve":
+        from distrun.server._state import StateDir
+
+        return _serve(StateDir(args.state_dir), args.config_sha256, ready_fd=args.ready_fd)
+    try:
+        config = json.loads(sys.stdin.read() or "{}")
+        env = config.get("env", {}) if isinstance(config, dict) else None
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise ValueError('expected {"env": {name: value}}')
+    except ValueError as exc:
+        print(f"bad server configuration on stdin: {exc}", file=sys.stderr)
+        return 2
+    return _start(args.state_dir, config)
+
+
+def _start(state_dir_path: str, config: dict[str, Any]) -> int:
+    from distrun.protocol.cluster import config_digest
+    from distrun.server._state import StateDir
+    from distrun.server._sweep import SERVER_DIR_ENV
+
+    state_dir = StateDir(state_dir_path)
+    try:
+        state_dir.create()
+        log_fd = os.open(state_dir.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:
+        print(f"cannot create {state_dir.path}: {exc}", file=sys.stderr)
+        return 1
+    env = {**os.environ, **config.get("env", {}), SERVER_DIR_ENV: str(state_dir.path)}
+    read_fd, write_fd = os.pipe()
+    argv = [sys.executable, "-m", "distrun.server", "serve", "--state-dir", str(state_dir.path),
+            "--config-sha256", config_digest(config), "--ready-fd", str(write_fd)]
+    try:
+        subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                         start_new_session=True, pass_fds=(write_fd,), close_fds=True)
+    finally:
+        os.close(write_fd)
+        os.close(log_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        answer = ready.read()  # EOF when the server is ready, or when it died
+    try:
+        outcome = json.loads(answer.decode() or "{}")
+    except ValueError:
+        outcome = {}
+    if "port" in outcome:
+        print(json.dumps(outcome))
+        return 0
+    print(outcome.get("error", f"the worker server exited before it was ready; see {state_dir.log_file}"),
+          file=sys.stderr)
+    return int(outcome.get("code", 1))
+
+
+def _serve(state_dir: Any, digest: str, *, ready_fd: int | None) -> int:
+    from distrun.server._server import WorkerServer
+
+    def ready(message: dict[str, Any]) -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, json.dumps(message).encode())
+            os.close(ready_fd)
+        elif "error" in message:
+            print(message["error"], file=sys.stderr)
+
+    os.umask(0o077)
+    state_dir.create()
+    lock_fd = state_dir.lock()
+    if lock_fd is None:
+        held = state_dir.read()
+        who = f" (pid {held.pid})" if held else ""
+        ready({"error": f"a worker server already runs for {state_dir.path}{who}", "code": EXIT_LOCKED})
+        return EXIT_LOCKED
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        server = WorkerServer(state_dir, config_sha256=digest)
+        port = server.bind()
+        state_dir.write(server.state())
+    except Exception as exc:  # report any start failure to the waiting launcher
+        ready({"error": f"worker server failed to start: {type(exc).__name__}: {exc}"})
+        return 1
+    ready({"pid": os.getpid(), "port": port})
+    server.serve_forever()
+    return 0

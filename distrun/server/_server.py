@@ -1,0 +1,152 @@
+"""The worker server: a loopback listener that authenticates, then answers requests.
+
+It holds no model code and never imports torch: it starts training processes
+(through ``distrun.launch``) for jobs it is sent. Because it will run shipped
+code, every connection must pass the HMAC handshake of ``protocol.wire`` before
+anything else is read, and the handshake itself gets a deadline and a
+length-capped frame, so raw bytes, a wrong token, an oversized frame or a silent
+peer cost one short-lived thread and nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from distrun._version import __version__
+from distrun.protocol.cluster import ServerInfo
+from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
+from distrun.server._hostinfo import gpu_names, host_facts
+from distrun.protocol.cluster import ServerState
+from distrun.server._state import StateDir
+
+log = logging.getLogger("distrun.server")
+
+#: A peer has this long to complete the handshake.
+HANDSHAKE_TIMEOUT_S = 10.0
+#: Connections still in the handshake at once; more are closed on accept.
+MAX_PENDING_HANDSHAKES = 32
+#: An authenticated connection idle this long is closed (clients reconnect).
+IDLE_TIMEOUT_S = 3600.0
+_ACCEPT_POLL_S = 0.5
+
+Handler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+class WorkerServer:
+    def __init__(self, state_dir: StateDir, *, config_sha256: str) -> None:
+        self.state_dir = state_dir
+        self.config_sha256 = config_sha256
+        self.token = secrets.token_bytes(32)
+        self.started_at = time.time()
+        self._started_monotonic = time.monotonic()
+        self._stop = threading.Event()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._gpu_names = gpu_names()
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._handlers: dict[str, Handler] = {
+            "status": self._status,
+            "shutdown": self._shutdown,
+        }
+
+    # -- lifecycle
+
+    def bind(self) -> int:
+        """Listen on the host's loopback only, on a port the OS picks; return it."""
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self._listener.settimeout(_ACCEPT_POLL_S)
+        return int(self._listener.getsockname()[1])
+
+    def state(self) -> ServerState:
+        return ServerState(pid=os.getpid(), port=int(self._listener.getsockname()[1]), token=self.token.hex(),
+                           version=__version__, protocol=PROTOCOL_VERSION, started_at=self.started_at,
+                           config_sha256=self.config_sha256)
+
+    def serve_forever(self) -> None:
+        """Accept until shutdown or SIGTERM; then remove the state file."""
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(signum, lambda *_: self._stop.set())
+        log.info("serving on 127.0.0.1:%d (pid %d, distrun %s)", self.state().port, os.getpid(), __version__)
+        try:
+            while not self._stop.is_set():
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if self._stop.is_set():
+                        break
+                    raise
+                if not self._pending.acquire(blocking=False):
+                    conn.close()  # too many half-open connections: refuse, keep serving
+                    continue
+                threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
+        finally:
+            self._listener.close()
+            self.state_dir.remove_if_ours(os.getpid())
+            log.info("stopped")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # -- connections
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        authenticated = False
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            try:
+                server_handshake(conn, self.token, {"version": __version__, "pid": os.getpid()})
+            finally:
+                self._pending.release()
+            authenticated = True
+            conn.settimeout(IDLE_TIMEOUT_S)
+            while not self._stop.is_set():
+                request = recv_frame(conn)
+                send_frame(conn, self._dispatch(request))
+        except (WireError, OSError) as exc:
+            if not authenticated:
+                log.warning("refused a connection: %s", exc)
+        finally:
+            conn.close()
+
+    def _dispatch(self, request: dict[str, Any]) -> dict[str, Any]:
+        request_id = request.get("id")
+        op = request.get("op")
+        handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return {"id": request_id, "ok": False,
+                    "error": {"type": "UnknownOp", "message": f"unknown request {op!r}; known: {sorted(self._handlers)}"}}
+        args = request.get("args") or {}
+        try:
+            return {"id": request_id, "ok": True, "result": handler(args if isinstance(args, dict) else {})}
+        except Exception as exc:  # a bad request must not take the server down
+            log.exception("request %r failed", op)
+            return {"id": request_id, "ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
+
+    # -- requests
+
+    def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        info = ServerInfo(
+            version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), state_dir=str(self.state_dir.path),
+            hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
+            uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
+            gpu_names=self._gpu_names, jobs_running=0, config_sha256=self.config_sha256,
+            **host_facts(),  # type: ignore[arg-type]
+        )
+        return info.to_dict()
+
+    def _shutdown(self, _args: dict[str, Any]) -> dict[str, Any]:
+        # Reply first; the accept loop notices within _ACCEPT_POLL_S and exits.
+        threading.Timer(0.05, self._stop.set).start()
+        return {"stopping": True, "pid": os.getpid()}

@@ -1,0 +1,52 @@
+"""This machine as a host, without SSH: the embedded default cluster uses it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from distrun.errors import HostError
+from distrun.protocol.wire import Stream
+from distrun.ssh.api import Result, command_line
+
+
+class LocalConnection:
+    """Commands run with ``cwd`` = home, as an SSH login would; paths resolve the same way."""
+
+    def __init__(self, label: str = "localhost") -> None:
+        self.label = label
+        self._home = Path.home()
+
+    def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout_s: float = 60.0) -> Result:
+        line = command_line(argv)
+        try:
+            proc = subprocess.run(list(argv), input=stdin if stdin is not None else "", capture_output=True,
+                                  text=True, timeout=timeout_s, cwd=self._home)
+        except FileNotFoundError:
+            return Result(line, 127, "", f"{argv[0]}: command not found")
+        except subprocess.TimeoutExpired:
+            raise HostError(self.label, f"`{line[:80]}` did not finish within {timeout_s:g} s") from None
+        return Result(line, proc.returncode, proc.stdout, proc.stderr)
+
+    def read_file(self, path: str) -> str | None:
+        try:
+            return (self._home / path).read_text()
+        except FileNotFoundError:
+            return None
+
+    def open_stream(self, port: int) -> Stream:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10.0)
+        except OSError as exc:
+            raise HostError(self.label, f"no worker server answers on 127.0.0.1:{port} ({exc.strerror or exc})") from None
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> LocalConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

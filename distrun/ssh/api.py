@@ -1,0 +1,73 @@
+"""The contract every host link fulfils: run a command, read a file, open a stream.
+
+``Connection`` (SSH, paramiko) and ``LocalConnection`` (this machine, no SSH)
+both satisfy ``Remote``, so the cluster code above is the same for a real
+cluster and for the embedded default. Modelled on Fabric: ``run`` takes an argv
+list (quoted with ``shlex`` before any shell sees it) and returns a ``Result``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from distrun.errors import HostError
+from distrun.protocol.wire import Stream
+
+__all__ = ["Result", "CommandFailed", "Remote", "command_line"]
+
+
+@dataclass(frozen=True)
+class Result:
+    command: str
+    exited: int
+    stdout: str
+    stderr: str
+
+    @property
+    def ok(self) -> bool:
+        return self.exited == 0
+
+    def last_line(self) -> str:
+        """The most telling line of the output for a one-line error (stderr first)."""
+        for text in (self.stderr, self.stdout):
+            lines = [line.strip() for line in text.splitlines() if line.strip()]
+            if lines:
+                return lines[-1]
+        return f"exit code {self.exited}"
+
+
+class CommandFailed(HostError):
+    """A remote command exited non-zero; ``result`` holds what it printed."""
+
+    def __init__(self, host: str, result: Result, what: str) -> None:
+        super().__init__(host, f"{what} failed: {result.last_line()}",
+                         detail=f"$ {result.command}\n{result.stdout}{result.stderr}")
+        self.result = result
+
+
+class Remote(Protocol):
+    """A host distrun can use. ``label`` names it in every message."""
+
+    label: str
+
+    def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout_s: float = 60.0) -> Result: ...
+
+    def read_file(self, path: str) -> str | None:
+        """The file's text, or None if it does not exist. Relative paths start at the login directory."""
+        ...
+
+    def open_stream(self, port: int) -> Stream:
+        """A byte stream to ``127.0.0.1:port`` on the host."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The one way distrun builds a remote command: every element quoted, nothing interpolated."""
+    if not argv:
+        raise ValueError("empty command")
+    return shlex.join(argv)

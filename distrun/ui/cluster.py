@@ -1,0 +1,81 @@
+"""The host table of `up`, `status` and `down`."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus
+from distrun.ui._format import fmt_seconds
+
+_STYLE = {
+    HostStatus.UP: "green", HostStatus.STARTED: "green", HostStatus.RESTARTED: "yellow",
+    HostStatus.STOPPED: "green", HostStatus.NOT_RUNNING: "yellow", HostStatus.DOWN: "red", HostStatus.ERROR: "red",
+}
+
+
+def fmt_bytes(value: int) -> str:
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _devices(row: HostRow) -> str:
+    info = row.server
+    if info is None:
+        return "-"
+    if info.gpu_count:
+        names = sorted(set(info.gpu_names))
+        return f"{info.gpu_count}x {names[0]}" if len(names) == 1 else f"{info.gpu_count} GPUs"
+    return f"CPU x{info.cpu_count}"
+
+
+def render_cluster(report: ClusterReport) -> Group:
+    """The table, then one note per host that has something to say (errors in full, never cut)."""
+    notes = [Text.assemble((f"{row.host}: ", "bold"), (row.message, "" if row.status.healthy else _STYLE[row.status]))
+             for row in report.rows if row.message]
+    return Group(_table(report), *notes)
+
+
+def _table(report: ClusterReport) -> Table:
+    down = report.command == "down"
+    live = report.command == "status"
+    table = Table(title=f"cluster {report.cluster}: {report.command}", title_justify="left", box=box.SIMPLE_HEAD)
+    columns = ("host", "roles") if down else (
+        "host", "roles", "slots", "devices", "memory free", "version", "pid", "uptime",
+        *(("rtt", "load", "jobs") if live else ()))
+    for name in columns:
+        right = name in ("slots", "pid", "uptime", "rtt", "load", "jobs", "memory free")
+        table.add_column(name, justify="right" if right else "left", no_wrap=name != "host")
+    if down:
+        table.add_column("left", justify="right")
+    table.add_column("status")
+    for row in report.rows:
+        status = Text(row.status.value + (" *" if row.message else ""), style=_STYLE[row.status])
+        if down:
+            left = "-" if row.processes_left is None else str(row.processes_left)
+            table.add_row(row.host, ",".join(row.roles), left, status)
+            continue
+        info = row.server
+        cells = [
+            row.host, ",".join(row.roles),
+            "-" if row.slots is None else str(row.slots),
+            _devices(row),
+            f"{fmt_bytes(info.memory_available_bytes)} / {fmt_bytes(info.memory_total_bytes)}" if info else "-",
+            info.version if info else "-",
+            str(info.pid) if info else "-",
+            fmt_seconds(info.uptime_s) if info else "-",
+        ]
+        if live:
+            cells += [
+                f"{row.rtt_ms:.1f} ms" if row.rtt_ms is not None else "-",
+                f"{info.load_1m:.2f}" if info else "-",
+                str(info.jobs_running) if info else "-",
+            ]
+        table.add_row(*cells, status)
+    return table
