@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from distrun.config import parse_cluster
 from distrun.ssh import Connection
 from tests._sshd import fingerprint, keygen
-from tests.cluster.conftest import Loopback, distrun_processes
+from tests.cluster.conftest import Loopback, distrun_processes, kill_all
 from tests.conftest import run_cli
 
 
@@ -254,3 +255,45 @@ def test_embedded_default_runs_the_same_server_without_ssh(tmp_path: Path) -> No
     assert down.returncode == 0 and _report(down)["hosts"][0]["processes_left"] == 0
     assert distrun_processes(tmp_path) == []
     assert time.time() - row["server"]["started_at"] < 120
+
+
+def test_the_ssh_agent_is_used_without_an_identity_file(loopback: Loopback, tmp_path: Path) -> None:
+    agent_sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(agent_sock)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not agent_sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        env = {"SSH_AUTH_SOCK": str(agent_sock), "HOME": str(tmp_path / "empty-home")}  # no ~/.ssh keys to fall back on
+        subprocess.run(["ssh-add", str(loopback.keys.identity)], env={**os.environ, **env}, check=True,
+                       capture_output=True)
+        cluster = loopback.write_cluster(name="agent.yaml")
+        cluster.write_text("\n".join(line for line in cluster.read_text().splitlines()
+                                     if "identity_file" not in line) + "\n")
+        up = run_cli("up", str(cluster), "--json", env=env, timeout=60)
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "Accepted publickey" in (loopback.sshd.root / "sshd.log").read_text()
+        without = run_cli("status", str(cluster), "--json", env={**env, "SSH_AUTH_SOCK": str(tmp_path / "none")}, timeout=60)
+        assert without.returncode == 6 and _report(without)["hosts"][0]["status"] == "down"
+        run_cli("down", str(cluster), env=env, timeout=60)
+    finally:
+        agent.terminate()
+        agent.wait(5)
+
+
+def test_a_home_relative_workdir_resolves_on_the_host(loopback: Loopback) -> None:
+    name = f"distrun-test-{os.getpid()}-{time.monotonic_ns()}"
+    cluster = loopback.write_cluster(name="home.yaml")
+    cluster.write_text(cluster.read_text().replace(f"workdir: '{loopback.workdir}'", f"workdir: '~/{name}'"))
+    workdir = Path(os.path.expanduser("~root")) / name
+    try:
+        up = run_cli("up", str(cluster), "--json", timeout=60)
+        assert up.returncode == 0, up.stdout + up.stderr
+        # A quoted ~ is never expanded by a shell: distrun makes it relative to the login directory.
+        state_dir = Path(_report(up)["hosts"][0]["server"]["state_dir"])
+        assert state_dir == workdir / "test" / f"127.0.0.1_{loopback.sshd.port}"
+        assert run_cli("status", str(cluster), timeout=60).returncode == 0
+        assert run_cli("down", str(cluster), timeout=60).returncode == 0
+    finally:
+        kill_all(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
