@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -14,8 +15,17 @@ from rich.console import Console
 from rich.live import Live
 
 from distrun.cli._app import app, stderr
-from distrun.client import LocalJob
-from distrun.config import DEFAULT_CPU_REPLICAS, DEFAULT_KEEP_CHECKPOINTS, JobSpec, RecipeKind, StrategyName, inspect_recipe
+from distrun.client import ClusterJob, LocalJob, pack
+from distrun.config import (
+    DEFAULT_CPU_REPLICAS,
+    DEFAULT_KEEP_CHECKPOINTS,
+    ClusterSpec,
+    JobSpec,
+    RecipeKind,
+    StrategyName,
+    inspect_recipe,
+    load_cluster,
+)
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
 from distrun.protocol import Event, Output, event_to_dict
@@ -29,7 +39,7 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | central-storage"),
+    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
@@ -41,29 +51,64 @@ def train(
     keep_checkpoints: int = typer.Option(DEFAULT_KEEP_CHECKPOINTS, "--keep-checkpoints", help="Keep the newest K checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --checkpoint-dir."),
     sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
+    include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Train RECIPE on this machine under --strategy; switching strategy never changes the recipe."""
-    spec = build_spec(
-        recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, replicas=replicas, device=device,
+    """Train RECIPE under --strategy, here or on a cluster; switching strategy never changes the recipe."""
+    flags = dict(
+        recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
         sync_batch_norm=sync_batch_norm,
     )
-    run_job(spec, json_output=json_output)
+    if cluster_file is None:
+        if include:
+            raise UsageError("--include ships files to a cluster; it needs --cluster")
+        run_job(LocalJob(build_spec(replicas=replicas, **flags)), json_output=json_output)
+        return
+    if replicas is not None:
+        raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output)
+
+
+def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool) -> None:
+    """Open the training hosts (world size), pack and ship the code, then run like a local job."""
+    job = ClusterJob(cluster, StrategyName.parse(str(flags["strategy"])))
+    try:
+        device = str(flags.pop("device"))
+        if device == "auto":
+            device = "cuda" if job.gpus_everywhere else "cpu"
+        spec = build_spec(replicas=job.world_size, device=device, gpus=job.world_size if job.gpus_everywhere else 0,
+                          **flags)
+        job.start(spec, pack(Path(spec.recipe), include))
+    except BaseException:
+        job.close()
+        raise
+    if not json_output:
+        sent = ", ".join(job.bundle_sent_to) or "none (every host had it)"
+        stderr.print(f"job {job.job_id}: {job.world_size} replica(s) on {len(job.placements)} host(s); "
+                     f"code sent to: {sent}", markup=False)
+    else:
+        _print_json({"type": "job", "job": job.job_id, "world_size": job.world_size,
+                     "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)})
+    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank)
 
 
 def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,
                epochs: int | None, global_batch_size: int | None, seed: int | None,
-               checkpoint_dir: Path | None, **rest: Any) -> JobSpec:
-    """Merge flags with the recipe's ``defaults`` (flags win) into a validated JobSpec."""
+               checkpoint_dir: Path | None, gpus: int | None = None, **rest: Any) -> JobSpec:
+    """Merge flags with the recipe's ``defaults`` (flags win) into a validated JobSpec.
+
+    ``gpus``: GPUs the job may use (a cluster's); default: this machine's.
+    """
     path = recipe.expanduser().resolve()
     if not path.is_file():
         raise UsageError(f"{recipe}: recipe not found")
     info = inspect_recipe(str(path))
     name = StrategyName.parse(strategy)
-    gpus = visible_gpu_count()
+    gpus = visible_gpu_count() if gpus is None else gpus
     if device == "auto":
         device = "cuda" if gpus else "cpu"
     elif device == "cuda" and not gpus:
@@ -100,13 +145,13 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def run_job(spec: JobSpec, *, json_output: bool) -> None:
+def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
+            host_of_rank: Callable[[int], str] | None = None) -> None:
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    job = LocalJob(spec)
     status, error = "succeeded", None
     try:
         with job:
-            _consume(job, json_output)
+            _consume(job, json_output, host_of_rank)
             try:
                 outcome = job.outcome()
             except Interrupted as exc:
@@ -123,7 +168,7 @@ def run_job(spec: JobSpec, *, json_output: bool) -> None:
     _print_summary(summary, json_output)
 
 
-def _consume(job: LocalJob, json_output: bool) -> None:
+def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callable[[int], str] | None) -> None:
     """Render events until the job ends; Ctrl-C cancels the job and keeps draining."""
     console = Console(stderr=not json_output and not sys.stdout.isatty(), highlight=False)
     if json_output:
@@ -132,14 +177,15 @@ def _consume(job: LocalJob, json_output: bool) -> None:
     with Live(render_progress(job.snapshot()), console=console, refresh_per_second=4, transient=False) as live:
         def show(ev: Event | None) -> None:
             if isinstance(ev, Output):
-                live.console.print(f"[rank {ev.rank}] {ev.line}", markup=False, highlight=False)
+                where = f"{host_of_rank(ev.rank)} rank {ev.rank}" if host_of_rank else f"rank {ev.rank}"
+                live.console.print(f"[{where}] {ev.line}", markup=False, highlight=False)
             live.update(render_progress(job.snapshot()))
 
         _drain(job, show)
     console.line()
 
 
-def _drain(job: LocalJob, handle: Any) -> None:
+def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:
     while True:
         try:
             for event in job.events():  # a fresh generator after each interrupt

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from distrun.errors import HostError
@@ -41,6 +42,24 @@ class ServerClient:
             raise HostError(self.label, f"the worker server failed {op!r}: {error.get('message', 'no reason')}")
         result = reply.get("result")
         return result if isinstance(result, dict) else {}
+
+    def stream(self, op: str, **args: Any) -> Iterator[dict[str, Any]]:
+        """Items of a streaming request (``follow``) until the server ends it."""
+        request_id = next(self._ids)
+        try:
+            send_frame(self._stream, {"id": request_id, "op": op, "args": args})
+            while True:
+                reply = recv_frame(self._stream)
+                if not reply.get("ok"):
+                    error = reply.get("error") or {}
+                    raise HostError(self.label, f"the worker server failed {op!r}: {error.get('message', 'no reason')}")
+                if reply.get("end"):
+                    return
+                item = reply.get("item")
+                if isinstance(item, dict):
+                    yield item
+        except (WireError, OSError) as exc:
+            raise HostError(self.label, f"lost the worker server during {op!r} ({exc})") from None
 
     def status(self) -> tuple[ServerInfo, float]:
         """The server's status and the round trip it took, in milliseconds."""

@@ -70,6 +70,12 @@ def _roles(host: HostSpec) -> tuple[str, ...]:
     return tuple(role.value for role in host.roles)
 
 
+def slots_for(host: HostSpec, info: ServerInfo) -> tuple[int, int]:
+    """(training processes, GPUs) on a host: ``slots``, else its GPU count, else 1."""
+    gpus = info.gpu_count if host.gpus is None else host.gpus
+    return host.slots or (gpus if gpus > 0 else 1), gpus
+
+
 class _HostOps:
     """What up/status/down do on one host, through one link to it."""
 
@@ -229,8 +235,7 @@ class _HostOps:
             raise CommandFailed(self.label, result, "checking for distrun processes") from None
 
     def _row(self, status: HostStatus, info: ServerInfo, rtt_ms: float) -> HostRow:
-        gpus = info.gpu_count if self.host.gpus is None else self.host.gpus
-        slots = self.host.slots or (gpus if gpus > 0 else 1)
+        slots, _ = slots_for(self.host, info)
         message = ""
         if self.host.gpus is not None and self.host.gpus > info.gpu_count:
             message = f"the cluster file says gpus: {self.host.gpus}, the host shows {info.gpu_count}"

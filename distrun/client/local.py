@@ -107,16 +107,16 @@ class LocalJob:
         if result.state is ProcessState.STOPPED or self._interrupted:
             raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
         failure = result.failure
-        message = _failure_message(failure)
+        message = failure_message(failure)
         detail = failure.traceback if failure else None
-        error_class = _ERROR_BY_KIND.get(failure.kind) if failure else None
+        error_class = ERROR_BY_KIND.get(failure.kind) if failure else None
         if error_class is not None:
             raise error_class(message, detail=detail)
         raise TrainingError(message, rank=failure.rank if failure else None, detail=detail)
 
 
 #: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.
-_ERROR_BY_KIND: dict[str, type[DistrunError]] = {
+ERROR_BY_KIND: dict[str, type[DistrunError]] = {
     "import": RecipeError,  # the recipe's top level raised (ImportError, NameError, ...)
     "RecipeError": RecipeError,
     "ConfigError": ConfigError,
@@ -124,7 +124,7 @@ _ERROR_BY_KIND: dict[str, type[DistrunError]] = {
 }
 
 
-def _failure_message(failure: Failed | None) -> str:
+def failure_message(failure: Failed | None) -> str:
     if failure is None:
         return "training failed"
     where = f"{failure.file}:{failure.line}: " if failure.file else ""

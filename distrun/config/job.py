@@ -27,10 +27,11 @@ DEFAULT_KEEP_CHECKPOINTS = 3
 
 
 class StrategyName(str, Enum):
-    """Strategies built so far; later issues add multi-worker and parameter-server."""
+    """Strategies built so far; a later issue adds parameter-server."""
 
     ONE_DEVICE = "one-device"
     MIRRORED = "mirrored"
+    MULTI_WORKER = "multi-worker"
     CENTRAL_STORAGE = "central-storage"
 
     @classmethod

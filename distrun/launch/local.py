@@ -61,8 +61,12 @@ class LocalLauncher:
     any thread (or a signal handler's thread) and makes ``run()`` return soon.
     """
 
-    def __init__(self, spec: WorkerSpec, sink: EventSink) -> None:
+    def __init__(self, spec: WorkerSpec, sink: EventSink, *, listener: socket.socket | None = None) -> None:
+        """``listener``: a rendezvous socket bound beforehand (a worker server binds it
+        when the job is planned, so hosts can be told the port before any rank starts);
+        global rank 0 hosts the store on it. The launcher closes its copy once rank 0 runs."""
         self._spec = spec
+        self._listener = listener
         self._sink = sink
         self._procs: list[_Proc] = []
         self._stop_requested = threading.Event()
@@ -104,8 +108,10 @@ class LocalLauncher:
             raise RuntimeError("a LocalLauncher runs once")
         self._started = True
         spec = self._spec
-        listener: socket.socket | None = None
-        if spec.master_port is None:
+        listener: socket.socket | None = self._listener
+        if listener is not None:
+            port = int(listener.getsockname()[1])
+        elif spec.master_port is None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listener.bind((spec.master_addr, 0))

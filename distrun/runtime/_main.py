@@ -139,5 +139,5 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                                 device_id=device if device.type == "cuda" else None)
     replica = ReplicaInfo(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed)
-    options = {"sync_batch_norm": spec.sync_batch_norm} if spec.strategy.value == "mirrored" else {}
+    options = {"sync_batch_norm": spec.sync_batch_norm} if spec.strategy.value in ("mirrored", "multi-worker") else {}
     return make_strategy(spec.strategy.value, replica, reporter, **options)

@@ -18,13 +18,14 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from distrun._version import __version__
 from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
 from distrun.server._hostinfo import gpu_names, host_facts
+from distrun.server._jobs import JobManager
 from distrun.protocol.cluster import ServerState
 from distrun.server._state import StateDir
 
@@ -39,6 +40,7 @@ IDLE_TIMEOUT_S = 3600.0
 _ACCEPT_POLL_S = 0.5
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+Stream = Callable[[dict[str, Any]], Iterator[dict[str, Any]]]
 
 
 class WorkerServer:
@@ -52,10 +54,18 @@ class WorkerServer:
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._gpu_names = gpu_names()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.jobs = JobManager(state_dir.path)
         self._handlers: dict[str, Handler] = {
             "status": self._status,
             "shutdown": self._shutdown,
+            "has_bundle": self.jobs.has_bundle,
+            "rendezvous": self.jobs.rendezvous,
+            "submit": self.jobs.submit,
+            "cancel": self.jobs.cancel,
+            "jobs": self.jobs.list,
         }
+        # Requests answered by a stream of frames, ended by {"end": true}.
+        self._streams: dict[str, Stream] = {"follow": self.jobs.follow}
 
     # -- lifecycle
 
@@ -93,6 +103,7 @@ class WorkerServer:
                 threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
         finally:
             self._listener.close()
+            self.jobs.stop_all("the worker server is stopping")
             self.state_dir.remove_if_ours(os.getpid())
             log.info("stopped")
 
@@ -113,7 +124,10 @@ class WorkerServer:
             conn.settimeout(IDLE_TIMEOUT_S)
             while not self._stop.is_set():
                 request = recv_frame(conn)
-                send_frame(conn, self._dispatch(request))
+                if request.get("op") in self._streams:
+                    self._stream(conn, request)
+                else:
+                    send_frame(conn, self._dispatch(request))
         except (WireError, OSError) as exc:
             if not authenticated:
                 log.warning("refused a connection: %s", exc)
@@ -134,6 +148,19 @@ class WorkerServer:
             log.exception("request %r failed", op)
             return {"id": request_id, "ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
 
+    def _stream(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        request_id = request.get("id")
+        args = request.get("args") if isinstance(request.get("args"), dict) else {}
+        try:
+            for item in self._streams[str(request["op"])](args):
+                send_frame(conn, {"id": request_id, "ok": True, "item": item})
+        except (WireError, OSError):
+            raise
+        except Exception as exc:
+            send_frame(conn, {"id": request_id, "ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}})
+            return
+        send_frame(conn, {"id": request_id, "ok": True, "end": True})
+
     # -- requests
 
     def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +168,7 @@ class WorkerServer:
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), state_dir=str(self.state_dir.path),
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
-            gpu_names=self._gpu_names, jobs_running=0, config_sha256=self.config_sha256,
+            gpu_names=self._gpu_names, jobs_running=self.jobs.running(), config_sha256=self.config_sha256,
             **host_facts(),  # type: ignore[arg-type]
         )
         return info.to_dict()

@@ -219,6 +219,18 @@ class Connection:
         except OSError as exc:
             raise HostError(self.label, f"cannot read {path}: {exc}") from None
 
+    def write_file(self, path: str, data: bytes) -> None:
+        sftp = self._sftp_client()
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with sftp.open(tmp, "wb") as handle:
+                handle.set_pipelined(True)
+                handle.chmod(0o600)
+                handle.write(data)
+            sftp.posix_rename(tmp, path)
+        except OSError as exc:
+            raise HostError(self.label, f"cannot write {path}: {exc}") from None
+
     def open_stream(self, port: int) -> Stream:
         transport = self._transport()
         try:

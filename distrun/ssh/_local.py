@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 from collections.abc import Sequence
@@ -35,6 +36,14 @@ class LocalConnection:
             return (self._home / path).read_text()
         except FileNotFoundError:
             return None
+
+    def write_file(self, path: str, data: bytes) -> None:
+        target = self._home / path
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.replace(tmp, target)
 
     def open_stream(self, port: int) -> Stream:
         try:

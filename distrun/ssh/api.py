@@ -59,6 +59,10 @@ class Remote(Protocol):
         """The file's text, or None if it does not exist. Relative paths start at the login directory."""
         ...
 
+    def write_file(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` atomically (a temporary name, then a rename); 0600."""
+        ...
+
     def open_stream(self, port: int) -> Stream:
         """A byte stream to ``127.0.0.1:port`` on the host."""
         ...

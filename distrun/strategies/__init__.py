@@ -13,13 +13,14 @@ from distrun.strategies._data import DistributedDataset, GlobalBatchPlan, Share
 from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, Strategy
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
-from distrun.strategies.mirrored import MirroredStrategy
+from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from distrun.strategies.one_device import OneDeviceStrategy
 
 __all__ = [
     "Strategy",
     "OneDeviceStrategy",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "CentralStorageStrategy",
     "InputContext",
     "ReplicaInfo",
@@ -35,12 +36,12 @@ __all__ = [
 ]
 
 _BY_NAME: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (OneDeviceStrategy, MirroredStrategy, CentralStorageStrategy)
+    cls.name: cls for cls in (OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy)
 }
 
 
 def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
     cls = _BY_NAME[name]
-    if cls is MirroredStrategy:
+    if issubclass(cls, MirroredStrategy):
         return cls(replica, reporter, **options)
     return cls(replica, reporter)

@@ -29,3 +29,14 @@ class MirroredStrategy(Strategy):
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids), optimizer
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """Many hosts, the same model as mirrored (TF's MultiWorkerMirroredStrategy).
+
+    DDP already all-reduces across every process of the group wherever it runs, so
+    the difference from mirrored is where the processes are, which the worker
+    servers decide; the training step is the same, and so are the parameters.
+    """
+
+    name = "multi-worker"

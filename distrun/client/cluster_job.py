@@ -1,0 +1,279 @@
+"""A training job on a cluster: the standalone client of TensorFlow, for PyTorch.
+
+The hosts run worker servers with no model code; this ships the recipe's bundle
+to each (only where the server does not have it yet), asks global rank 0's
+server for a rendezvous port, submits the job to every training host with its
+ranks, and follows each server's event stream. It offers the same surface as
+``LocalJob`` (``events()``, ``snapshot()``, ``cancel()``, ``outcome()``), so the
+CLI renders a cluster job exactly like a local one.
+
+A failure anywhere cancels the job everywhere: a rank that fails stops its own
+host at once (the launcher), and the client, seeing that host's result, cancels
+the others, so no rank waits out a collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from distrun.client._bundle import Bundle
+from distrun.client._server_client import ServerClient
+from distrun.client._tracker import JobTracker
+from distrun.client.cluster import slots_for
+from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
+from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
+from distrun.errors import HostError, Interrupted, TrainingError
+from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, decode_event
+from distrun.protocol.cluster import ServerInfo, ServerState
+from distrun.ssh import Connection, LocalConnection, Remote
+
+__all__ = ["ClusterJob", "Placement"]
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a block of ranks runs: ``slots`` processes on ``host`` from ``rank_offset``."""
+
+    host: HostSpec
+    slots: int
+    rank_offset: int
+    node_rank: int
+    gpus: int
+
+
+class _HostLink:
+    """The SSH connection to one host, its server's state, and a lock for control calls."""
+
+    def __init__(self, cluster: ClusterSpec, host: HostSpec) -> None:
+        self.host = host
+        self.label = host.label
+        self.state_dir = cluster.host_state_dir(host)
+        self.remote: Remote = LocalConnection(self.label) if cluster.local else Connection(host)
+        self.state: ServerState | None = None
+        self.info: ServerInfo | None = None
+        self._control: ServerClient | None = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        text = self.remote.read_file(f"{self.state_dir}/server.json")
+        if text is None:
+            raise HostError(self.label, "no worker server; run `distrun up` first")
+        self.state = ServerState.from_json(text)
+        self._control = self.client()
+        self.info, _ = self._control.status()
+
+    def client(self) -> ServerClient:
+        assert self.state is not None
+        return ServerClient(self.remote.open_stream(self.state.port), self.state.token, self.label)
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        assert self._control is not None
+        with self._lock:
+            return self._control.call(op, **args)
+
+    def close(self) -> None:
+        if self._control is not None:
+            self._control.close()
+        self.remote.close()
+
+
+def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
+    """Hosts that run ranks: every worker for multi-worker; one host (rank 0's) otherwise."""
+    workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
+    workers.sort(key=lambda host: not host.is_chief)  # the chief, when it trains, holds rank 0
+    if not workers:
+        cluster.require_strategy(strategy.value)
+    return tuple(workers) if strategy is StrategyName.MULTI_WORKER else tuple(workers[:1])
+
+
+class ClusterJob:
+    """Open with the cluster (to learn the world size), then ``start(spec, bundle)``."""
+
+    def __init__(self, cluster: ClusterSpec, strategy: StrategyName) -> None:
+        cluster.require_strategy(strategy.value)
+        self.cluster = cluster
+        self.job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        hosts = training_hosts(cluster, strategy)
+        self._links = [_HostLink(cluster, host) for host in hosts]
+        try:
+            with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+                list(pool.map(lambda link: link.open(), self._links))
+        except BaseException:
+            self.close()
+            raise
+        placements, offset = [], 0
+        for node_rank, link in enumerate(self._links):
+            assert link.info is not None
+            slots, gpus = slots_for(link.host, link.info)
+            if strategy is StrategyName.ONE_DEVICE:
+                slots = 1
+            placements.append(Placement(link.host, slots, offset, node_rank, gpus))
+            offset += slots
+        self.placements = tuple(placements)
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._results: dict[str, dict[str, Any]] = {}
+        self._interrupted = False
+        self._cancelled = threading.Event()
+        self._followers: list[threading.Thread] = []
+        self._tracker: JobTracker | None = None
+        self.bundle_sent_to: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return sum(p.slots for p in self.placements)
+
+    @property
+    def gpus_everywhere(self) -> bool:
+        return all(p.gpus >= p.slots for p in self.placements)
+
+    def host_of_rank(self, rank: int) -> str:
+        for placement in self.placements:
+            if placement.rank_offset <= rank < placement.rank_offset + placement.slots:
+                return placement.host.label
+        return "?"
+
+    # -- start
+
+    def start(self, spec: JobSpec, bundle: Bundle) -> None:
+        self.spec = spec
+        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time())
+        with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
+            sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
+        self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)
+        rank0 = self._links[0]
+        port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
+        port = rank0.call("rendezvous", job=self.job_id, port_range=port_range)["port"]
+        master_addr = "127.0.0.1" if self.cluster.local else rank0.host.address
+        for link, placement in zip(self._links, self.placements):
+            link.call("submit", job=self.job_id, bundle=bundle.sha256, recipe=bundle.recipe, spec=spec.to_json(),
+                      local_world_size=placement.slots, world_size=self.world_size,
+                      rank_offset=placement.rank_offset, node_rank=placement.node_rank,
+                      master_addr=master_addr, master_port=port, interface=self.cluster.network.interface)
+        for link in self._links:
+            thread = threading.Thread(target=self._follow, args=(link,), name=f"follow-{link.label}", daemon=True)
+            thread.start()
+            self._followers.append(thread)
+        threading.Thread(target=self._end_when_followed, daemon=True).start()
+
+    def _ship(self, link: _HostLink, bundle: Bundle) -> bool:
+        if link.call("has_bundle", bundle=bundle.sha256)["present"]:
+            return False
+        link.remote.write_file(f"{link.state_dir}/bundles/{bundle.sha256}.tar.gz", bundle.data)
+        return True
+
+    def _follow(self, link: _HostLink) -> None:
+        try:
+            with link.client() as client:
+                for item in client.stream("follow", job=self.job_id, offset=0):
+                    for raw in item.get("events", ()):
+                        self._queue.put(decode_event(json.dumps(raw)))
+                    if "result" in item:
+                        self._results[link.label] = item["result"]
+                        if item["result"].get("state") != "succeeded":
+                            self.cancel(f"{link.label} ended: {item['result'].get('state')}")
+        except HostError as exc:
+            self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
+            self.cancel(f"lost {link.label}")
+
+    def _end_when_followed(self) -> None:
+        for thread in self._followers:
+            thread.join()
+        self._queue.put(_END)
+
+    # -- the LocalJob surface
+
+    def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
+        assert self._tracker is not None
+        while True:
+            try:
+                item = self._queue.get(timeout=poll_s)
+            except queue.Empty:
+                yield None
+                continue
+            if item is _END:
+                return
+            self._tracker.update(item)
+            yield item
+
+    def snapshot(self) -> JobSnapshot:
+        assert self._tracker is not None
+        return self._tracker.snapshot()
+
+    def summary(self, status: str, error: str | None = None) -> JobSummary:
+        assert self._tracker is not None
+        return self._tracker.summary(status, error)
+
+    def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
+        self._interrupted = self._interrupted or interrupted
+        if self._cancelled.is_set():
+            return
+        self._cancelled.set()
+        for link in self._links:
+            try:
+                link.call("cancel", job=self.job_id, reason=reason)
+            except HostError:
+                pass  # that host is gone already; its follower reports it
+
+    def outcome(self) -> JobOutcome:
+        for thread in self._followers:
+            thread.join()
+        assert self._tracker is not None
+        states = {label: result.get("state") for label, result in self._results.items()}
+        if states and all(state == "succeeded" for state in states.values()) and len(states) == len(self._links):
+            return JobOutcome(self._tracker.summary("succeeded"), None)
+        failures = []
+        for label, result in self._results.items():
+            raw = result.get("failure")
+            if raw:
+                failures.append((label, decode_event(json.dumps(raw))))
+            elif result.get("error"):
+                failures.append((label, None))
+        root = _root_cause(failures)
+        if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
+            raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)")
+        if root is None:
+            errors = "; ".join(f"{label}: {r.get('error') or r.get('state')}" for label, r in self._results.items())
+            raise TrainingError(f"job {self.job_id} failed: {errors or 'no host reported a result'}")
+        label, failure = root
+        if failure is None:
+            raise TrainingError(f"{label}: {self._results[label].get('error')}")
+        message = f"{label}: {failure_message(failure)}"
+        error_class = ERROR_BY_KIND.get(failure.kind)
+        if error_class is not None:
+            raise error_class(message, detail=failure.traceback)
+        raise TrainingError(message, rank=failure.rank, detail=failure.traceback)
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+
+    def __enter__(self) -> ClusterJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._followers and any(thread.is_alive() for thread in self._followers):
+            self.cancel("client exiting")
+            for thread in self._followers:
+                thread.join(30)
+        self.close()
+
+
+def _root_cause(failures: list[tuple[str, Failed | None]]) -> tuple[str, Failed | None] | None:
+    """The earliest failure that is not a rank noticing a lost peer (as the launcher decides)."""
+    real = [(label, f) for label, f in failures if f is not None and f.kind != PEER_LOST]
+    if real:
+        return min(real, key=lambda pair: pair[1].time)  # type: ignore[union-attr]
+    known = [(label, f) for label, f in failures if f is not None]
+    if known:
+        return min(known, key=lambda pair: pair[1].time)  # type: ignore[union-attr]
+    return failures[0] if failures else None

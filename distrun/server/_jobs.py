@@ -1,0 +1,250 @@
+"""Jobs on one worker server: rendezvous sockets, bundles, launchers, event logs.
+
+A job reaches a server in two steps, so no host has to guess a port: the client
+asks the server of global rank 0 to ``rendezvous`` (it binds a socket on an
+OS-chosen port, or one from the cluster's port range, and keeps it), then
+``submit``s to every server with that port. Rank 0's launcher hosts the
+TCPStore on the kept socket: there is no probe-then-bind race.
+
+Each job's events go to ``jobs/<id>/events.ndjson`` on the host and to anyone
+following it; a follower may start from any offset, so a client can detach and
+attach again and see the whole job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from distrun.config import JobSpec
+from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
+from distrun.protocol import Event, encode_event, event_to_dict
+from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.server._bundle import BundleError, unpack
+from distrun.server._net import interface_towards
+
+log = logging.getLogger("distrun.server.jobs")
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+#: How long a follower waits for the next event before it sends a heartbeat.
+FOLLOW_HEARTBEAT_S = 1.0
+
+
+class JobError(ValueError):
+    """A request about a job cannot be honoured (unknown id, bad bundle, ...)."""
+
+
+@dataclasses.dataclass
+class _Job:
+    id: str
+    folder: Path
+    lines: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    state: str = "pending"
+    result: dict[str, Any] | None = None
+    launcher: LocalLauncher | None = None
+    listener: socket.socket | None = None
+    started_at: float = dataclasses.field(default_factory=time.time)
+
+    def record(self, event: Event) -> None:
+        with self.changed:
+            self.lines.append(event_to_dict(event))
+            with open(self.folder / "events.ndjson", "ab") as out:
+                out.write(encode_event(event))
+            self.changed.notify_all()
+
+    def finish(self, state: str, result: dict[str, Any]) -> None:
+        with self.changed:
+            self.state, self.result = state, result
+            (self.folder / "result.json").write_text(json.dumps(result))
+            self.changed.notify_all()
+
+    def summary(self) -> dict[str, Any]:
+        return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines)}
+
+
+class JobManager:
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.bundles = state_dir / "bundles"
+        self.jobs_dir = state_dir / "jobs"
+        for folder in (self.bundles, self.jobs_dir):  # the client uploads bundles here over SFTP
+            folder.mkdir(mode=0o700, exist_ok=True)
+        self._jobs: dict[str, _Job] = {}
+        self._lock = threading.Lock()
+
+    # -- requests
+
+    def has_bundle(self, args: dict[str, Any]) -> dict[str, Any]:
+        sha = _sha(args)
+        return {"present": (self.bundles / sha).is_dir() or (self.bundles / f"{sha}.tar.gz").is_file(),
+                "upload_path": str(self.bundles / f"{sha}.tar.gz")}
+
+    def rendezvous(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = self._new_job(_job_id(args))
+        low, high = _port_range(args.get("port_range"))
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for port in ([0] if low is None else range(low, high + 1)):
+            try:
+                sock.bind(("0.0.0.0", port))
+                break
+            except OSError:
+                continue
+        else:
+            sock.close()
+            raise JobError(f"no free port in {low}-{high} for the rendezvous")
+        sock.listen(1024)
+        job.listener = sock
+        return {"port": int(sock.getsockname()[1])}
+
+    def submit(self, args: dict[str, Any]) -> dict[str, Any]:
+        job_id = _job_id(args)
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            job = self._new_job(job_id)
+        if job.launcher is not None:
+            raise JobError(f"job {job_id} was already submitted here")
+        sha = _sha(args)
+        try:
+            root = unpack(self.bundles / f"{sha}.tar.gz", sha, self.bundles / sha)
+        except FileNotFoundError:
+            raise JobError(f"bundle {sha[:12]} was not uploaded") from None
+        except BundleError as exc:
+            raise JobError(f"bundle {sha[:12]} refused: {exc}") from None
+        recipe = (root / str(args["recipe"])).resolve()
+        if root.resolve() not in recipe.parents or not recipe.is_file():
+            raise JobError(f"recipe {args['recipe']!r} is not in the bundle")
+        spec = dataclasses.replace(JobSpec.from_json(str(args["spec"])), recipe=str(recipe))
+        master_addr = str(args["master_addr"])
+        interface = args.get("interface") or interface_towards(master_addr)
+        env = {JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}
+        if interface:
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+            env.setdefault("NCCL_SOCKET_IFNAME", interface)
+        worker = WorkerSpec(
+            argv=(sys.executable, "-m", "distrun.runtime"),
+            local_world_size=int(args["local_world_size"]),
+            world_size=int(args["world_size"]),
+            rank_offset=int(args["rank_offset"]),
+            node_rank=int(args["node_rank"]),
+            master_addr=master_addr,
+            master_port=int(args["master_port"]),
+            env=env,
+            cwd=str(root),
+        )
+        job.launcher = LocalLauncher(worker, job.record, listener=job.listener)
+        job.state = "running"
+        threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
+        return {"job": job_id, "interface": interface}
+
+    def follow(self, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Events from ``offset`` on, then the result; a heartbeat while nothing happens."""
+        job = self._get(args)
+        offset = int(args.get("offset", 0))
+        while True:
+            with job.changed:
+                if offset >= len(job.lines) and job.result is None:
+                    job.changed.wait(FOLLOW_HEARTBEAT_S)
+                fresh = job.lines[offset:]
+                result = job.result if offset + len(fresh) >= len(job.lines) else None
+            if fresh:
+                yield {"events": fresh, "offset": offset + len(fresh)}
+                offset += len(fresh)
+            elif result is not None:
+                yield {"result": result}
+                return
+            else:
+                yield {"heartbeat": time.time()}
+
+    def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
+        job = self._get(args)
+        if job.launcher is not None:
+            job.launcher.stop(str(args.get("reason", "cancelled")))
+        elif job.listener is not None:
+            job.listener.close()
+            job.finish("stopped", {"state": "stopped", "failure": None})
+        return {"job": job.id, "state": job.state}
+
+    def list(self, _args: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            return {"jobs": [job.summary() for job in self._jobs.values()]}
+
+    # -- server life
+
+    def running(self) -> int:
+        with self._lock:
+            return sum(1 for job in self._jobs.values() if job.state == "running")
+
+    def stop_all(self, reason: str) -> None:
+        with self._lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            if job.launcher is not None:
+                job.launcher.stop(reason)
+        for job in jobs:
+            with job.changed:
+                while job.state == "running":
+                    job.changed.wait(0.5)
+
+    # -- helpers
+
+    def _new_job(self, job_id: str) -> _Job:
+        with self._lock:
+            if job_id in self._jobs:
+                raise JobError(f"job {job_id} exists")
+            folder = self.jobs_dir / job_id
+            folder.mkdir(parents=True, exist_ok=True)
+            job = self._jobs[job_id] = _Job(job_id, folder)
+        return job
+
+    def _get(self, args: dict[str, Any]) -> _Job:
+        job_id = _job_id(args)
+        with self._lock:
+            job = self._jobs.get(job_id)
+        if job is None:
+            raise JobError(f"no job {job_id} on this server")
+        return job
+
+    def _run(self, job: _Job) -> None:
+        assert job.launcher is not None
+        try:
+            result: RunResult = job.launcher.run()
+            failure = event_to_dict(result.failure) if result.failure is not None else None
+            job.finish(result.state.value, {"state": result.state.value, "failure": failure,
+                                            "returncodes": {str(k): v for k, v in result.returncodes.items()}})
+        except Exception as exc:  # the launcher itself broke: the job fails, the server lives
+            log.exception("job %s", job.id)
+            job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})
+
+
+def _job_id(args: dict[str, Any]) -> str:
+    job_id = args.get("job")
+    if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
+        raise JobError(f"bad job id {job_id!r}")
+    return job_id
+
+
+def _sha(args: dict[str, Any]) -> str:
+    sha = args.get("bundle")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise JobError(f"bad bundle id {sha!r}")
+    return sha
+
+
+def _port_range(value: Any) -> tuple[int | None, int | None]:
+    if value is None:
+        return None, None
+    low, high = int(value[0]), int(value[1])
+    return low, high
