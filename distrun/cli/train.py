@@ -53,6 +53,7 @@ def train(
     sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
+    detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -64,28 +65,39 @@ def train(
         sync_batch_norm=sync_batch_norm,
     )
     if cluster_file is None:
-        if include:
-            raise UsageError("--include ships files to a cluster; it needs --cluster")
+        if include or detach:
+            raise UsageError(f"{'--include' if include else '--detach'} is for cluster jobs; it needs --cluster")
         run_job(LocalJob(build_spec(replicas=replicas, **flags)), json_output=json_output)
         return
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
-    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output)
+    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach)
 
 
-def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool) -> None:
+def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
+                    detach: bool) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
-    job = ClusterJob(cluster, StrategyName.parse(str(flags["strategy"])))
+    job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
         device = str(flags.pop("device"))
         if device == "auto":
             device = "cuda" if job.gpus_everywhere else "cpu"
         spec = build_spec(replicas=job.world_size, device=device, gpus=job.world_size if job.gpus_everywhere else 0,
                           **flags)
-        job.start(spec, pack(Path(spec.recipe), include))
+        job.start(spec, pack(Path(spec.recipe), include), detach=detach)
     except BaseException:
         job.close()
         raise
+    if detach:
+        job.close()
+        if json_output:
+            _print_json({"type": "job", "job": job.job_id, "world_size": job.world_size, "detached": True,
+                         "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)})
+        else:
+            typer.echo(job.job_id)
+            stderr.print(f"detached: `distrun attach {job.job_id}`, `distrun logs {job.job_id}`, "
+                         f"`distrun cancel {job.job_id}` (with --cluster {cluster.source})", markup=False)
+        return
     if not json_output:
         sent = ", ".join(job.bundle_sent_to) or "none (every host had it)"
         stderr.print(f"job {job.job_id}: {job.world_size} replica(s) on {len(job.placements)} host(s); "

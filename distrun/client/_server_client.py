@@ -43,9 +43,14 @@ class ServerClient:
         result = reply.get("result")
         return result if isinstance(result, dict) else {}
 
-    def stream(self, op: str, **args: Any) -> Iterator[dict[str, Any]]:
-        """Items of a streaming request (``follow``) until the server ends it."""
+    def stream(self, op: str, *, silence_s: float = 5.0, **args: Any) -> Iterator[dict[str, Any]]:
+        """Items of a streaming request (``follow``) until the server ends it.
+
+        The server sends a heartbeat every second, so ``silence_s`` without a frame
+        means the server (or its host) is gone: that is reported, not waited out.
+        """
         request_id = next(self._ids)
+        self._stream.settimeout(silence_s)
         try:
             send_frame(self._stream, {"id": request_id, "op": op, "args": args})
             while True:
@@ -58,6 +63,8 @@ class ServerClient:
                 item = reply.get("item")
                 if isinstance(item, dict):
                     yield item
+        except TimeoutError:
+            raise HostError(self.label, f"the worker server went silent for {silence_s:g} s during {op!r}") from None
         except (WireError, OSError) as exc:
             raise HostError(self.label, f"lost the worker server during {op!r} ({exc})") from None
 

@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from distrun.client._bundle import Bundle
+from distrun.client._links import HostLink, open_all
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker
 from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
-from distrun.errors import HostError, Interrupted, TrainingError
+from distrun.errors import HostError, Interrupted, TrainingError, UsageError
 from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, decode_event
-from distrun.protocol.cluster import ServerInfo, ServerState
-from distrun.ssh import Connection, LocalConnection, Remote
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -51,42 +50,6 @@ class Placement:
     gpus: int
 
 
-class _HostLink:
-    """The SSH connection to one host, its server's state, and a lock for control calls."""
-
-    def __init__(self, cluster: ClusterSpec, host: HostSpec) -> None:
-        self.host = host
-        self.label = host.label
-        self.state_dir = cluster.host_state_dir(host)
-        self.remote: Remote = LocalConnection(self.label) if cluster.local else Connection(host)
-        self.state: ServerState | None = None
-        self.info: ServerInfo | None = None
-        self._control: ServerClient | None = None
-        self._lock = threading.Lock()
-
-    def open(self) -> None:
-        text = self.remote.read_file(f"{self.state_dir}/server.json")
-        if text is None:
-            raise HostError(self.label, "no worker server; run `distrun up` first")
-        self.state = ServerState.from_json(text)
-        self._control = self.client()
-        self.info, _ = self._control.status()
-
-    def client(self) -> ServerClient:
-        assert self.state is not None
-        return ServerClient(self.remote.open_stream(self.state.port), self.state.token, self.label)
-
-    def call(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self._control is not None
-        with self._lock:
-            return self._control.call(op, **args)
-
-    def close(self) -> None:
-        if self._control is not None:
-            self._control.close()
-        self.remote.close()
-
-
 def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
     """Hosts that run ranks: every worker for multi-worker; one host (rank 0's) otherwise."""
     workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
@@ -97,36 +60,65 @@ def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSp
 
 
 class ClusterJob:
-    """Open with the cluster (to learn the world size), then ``start(spec, bundle)``."""
+    """``plan()`` a new job (learns the world size), then ``start(spec, bundle)``; or ``attach()`` to one."""
 
-    def __init__(self, cluster: ClusterSpec, strategy: StrategyName) -> None:
-        cluster.require_strategy(strategy.value)
+    def __init__(self, cluster: ClusterSpec, job_id: str, links: list[HostLink],
+                 placements: tuple[Placement, ...], *, attached: bool = False) -> None:
         self.cluster = cluster
-        self.job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        hosts = training_hosts(cluster, strategy)
-        self._links = [_HostLink(cluster, host) for host in hosts]
-        try:
-            with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-                list(pool.map(lambda link: link.open(), self._links))
-        except BaseException:
-            self.close()
-            raise
+        self.job_id = job_id
+        self._links = links
+        self.placements = placements
+        self.attached = attached  # following a job started earlier: Ctrl-C detaches, never cancels
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._results: dict[str, dict[str, Any]] = {}
+        self._interrupted = False
+        self._detaching = False
+        self._cancelled = threading.Event()
+        self._followers: list[threading.Thread] = []
+        self._clients: list[ServerClient] = []
+        self._tracker: JobTracker | None = None
+        self.bundle_sent_to: tuple[str, ...] = ()
+
+    @classmethod
+    def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
+        cluster.require_strategy(strategy.value)
+        job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+        links = [HostLink(cluster, host) for host in training_hosts(cluster, strategy)]
+        open_all(links)
         placements, offset = [], 0
-        for node_rank, link in enumerate(self._links):
+        for node_rank, link in enumerate(links):
             assert link.info is not None
             slots, gpus = slots_for(link.host, link.info)
             if strategy is StrategyName.ONE_DEVICE:
                 slots = 1
             placements.append(Placement(link.host, slots, offset, node_rank, gpus))
             offset += slots
-        self.placements = tuple(placements)
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._results: dict[str, dict[str, Any]] = {}
-        self._interrupted = False
-        self._cancelled = threading.Event()
-        self._followers: list[threading.Thread] = []
-        self._tracker: JobTracker | None = None
-        self.bundle_sent_to: tuple[str, ...] = ()
+        return cls(cluster, job_id, links, tuple(placements))
+
+    @classmethod
+    def attach(cls, cluster: ClusterSpec, job_id: str) -> ClusterJob:
+        """Find the hosts that run ``job_id`` (ask every server) and prepare to replay and follow it."""
+        links = [HostLink(cluster, host) for host in cluster.hosts]
+        open_all(links)
+        found: list[tuple[HostLink, dict[str, Any]]] = []
+        for link in links:
+            jobs = {job["job"]: job for job in link.call("jobs")["jobs"]}
+            if job_id in jobs:
+                found.append((link, jobs[job_id]))
+            else:
+                link.close()
+        if not found:
+            raise UsageError(f"no job {job_id!r} on any host of {cluster.source or 'the local cluster'}; "
+                             "`distrun jobs` lists them")
+        found.sort(key=lambda pair: pair[1]["ranks"][0])
+        placements = tuple(Placement(link.host, meta["ranks"][1] - meta["ranks"][0] + 1, meta["ranks"][0], index, 0)
+                           for index, (link, meta) in enumerate(found))
+        job = cls(cluster, job_id, [link for link, _ in found], placements, attached=True)
+        meta = found[0][1]
+        job._tracker = JobTracker(meta["recipe"], meta["strategy"], meta["world_size"],
+                                  started_at=meta["started_at"])
+        job._start_following()
+        return job
 
     @property
     def world_size(self) -> int:
@@ -144,7 +136,8 @@ class ClusterJob:
 
     # -- start
 
-    def start(self, spec: JobSpec, bundle: Bundle) -> None:
+    def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False) -> None:
+        """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``."""
         self.spec = spec
         self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time())
         with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
@@ -158,22 +151,28 @@ class ClusterJob:
             link.call("submit", job=self.job_id, bundle=bundle.sha256, recipe=bundle.recipe, spec=spec.to_json(),
                       local_world_size=placement.slots, world_size=self.world_size,
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
-                      master_addr=master_addr, master_port=port, interface=self.cluster.network.interface)
+                      master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
+                      detach=detach)
+        if not detach:
+            self._start_following()
+
+    def _start_following(self) -> None:
         for link in self._links:
             thread = threading.Thread(target=self._follow, args=(link,), name=f"follow-{link.label}", daemon=True)
             thread.start()
             self._followers.append(thread)
         threading.Thread(target=self._end_when_followed, daemon=True).start()
 
-    def _ship(self, link: _HostLink, bundle: Bundle) -> bool:
+    def _ship(self, link: HostLink, bundle: Bundle) -> bool:
         if link.call("has_bundle", bundle=bundle.sha256)["present"]:
             return False
         link.remote.write_file(f"{link.state_dir}/bundles/{bundle.sha256}.tar.gz", bundle.data)
         return True
 
-    def _follow(self, link: _HostLink) -> None:
+    def _follow(self, link: HostLink) -> None:
         try:
             with link.client() as client:
+                self._clients.append(client)
                 for item in client.stream("follow", job=self.job_id, offset=0):
                     for raw in item.get("events", ()):
                         self._queue.put(decode_event(json.dumps(raw)))
@@ -182,6 +181,8 @@ class ClusterJob:
                         if item["result"].get("state") != "succeeded":
                             self.cancel(f"{link.label} ended: {item['result'].get('state')}")
         except HostError as exc:
+            if self._detaching:
+                return
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
             self.cancel(f"lost {link.label}")
 
@@ -214,7 +215,13 @@ class ClusterJob:
         return self._tracker.summary(status, error)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
+        """Stop the job on every host; an attached client (``attach``) only stops following."""
         self._interrupted = self._interrupted or interrupted
+        if self.attached and interrupted:
+            self._detaching = True
+            for client in list(self._clients):
+                client.close()
+            return
         if self._cancelled.is_set():
             return
         self._cancelled.set()
@@ -228,6 +235,8 @@ class ClusterJob:
         for thread in self._followers:
             thread.join()
         assert self._tracker is not None
+        if self._detaching:
+            raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
         states = {label: result.get("state") for label, result in self._results.items()}
         if states and all(state == "succeeded" for state in states.values()) and len(states) == len(self._links):
             return JobOutcome(self._tracker.summary("succeeded"), None)

@@ -38,6 +38,8 @@ _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: How long a follower waits for the next event before it sends a heartbeat.
 FOLLOW_HEARTBEAT_S = 1.0
+#: A job not started with --detach is cancelled when no client has followed it for this long.
+LEASE_S = 10.0
 
 
 class JobError(ValueError):
@@ -55,6 +57,9 @@ class _Job:
     launcher: LocalLauncher | None = None
     listener: socket.socket | None = None
     started_at: float = dataclasses.field(default_factory=time.time)
+    detached: bool = False
+    followers: int = 0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def record(self, event: Event) -> None:
         with self.changed:
@@ -70,7 +75,8 @@ class _Job:
             self.changed.notify_all()
 
     def summary(self) -> dict[str, Any]:
-        return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines)}
+        return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines),
+                "detached": self.detached, "followers": self.followers, **self.meta}
 
 
 class JobManager:
@@ -146,27 +152,55 @@ class JobManager:
         )
         job.launcher = LocalLauncher(worker, job.record, listener=job.listener)
         job.state = "running"
+        job.detached = bool(args.get("detach", False))
+        job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": worker.world_size,
+                    "ranks": [worker.rank_offset, worker.rank_offset + worker.local_world_size - 1]}
         threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
+        self._watch_lease(job)
         return {"job": job_id, "interface": interface}
 
     def follow(self, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Events from ``offset`` on, then the result; a heartbeat while nothing happens."""
         job = self._get(args)
         offset = int(args.get("offset", 0))
-        while True:
+        until_now = bool(args.get("until_now", False))  # what is there now, then stop (`logs` without --follow)
+        with job.changed:
+            job.followers += 1
+        try:
+            while True:
+                with job.changed:
+                    if offset >= len(job.lines) and job.result is None and not until_now:
+                        job.changed.wait(FOLLOW_HEARTBEAT_S)
+                    fresh = job.lines[offset:]
+                    result = job.result if offset + len(fresh) >= len(job.lines) else None
+                if fresh:
+                    yield {"events": fresh, "offset": offset + len(fresh)}
+                    offset += len(fresh)
+                elif result is not None:
+                    yield {"result": result}
+                    return
+                elif until_now:
+                    return
+                else:
+                    yield {"heartbeat": time.time()}  # a dead follower is noticed when this fails
+        finally:
             with job.changed:
-                if offset >= len(job.lines) and job.result is None:
-                    job.changed.wait(FOLLOW_HEARTBEAT_S)
-                fresh = job.lines[offset:]
-                result = job.result if offset + len(fresh) >= len(job.lines) else None
-            if fresh:
-                yield {"events": fresh, "offset": offset + len(fresh)}
-                offset += len(fresh)
-            elif result is not None:
-                yield {"result": result}
-                return
-            else:
-                yield {"heartbeat": time.time()}
+                job.followers -= 1
+            self._watch_lease(job)
+
+    def _watch_lease(self, job: _Job) -> None:
+        """Cancel a job nobody follows for LEASE_S, unless it was started with --detach."""
+        def expire() -> None:
+            with job.changed:
+                orphaned = job.followers == 0 and job.state == "running" and not job.detached
+            if orphaned and job.launcher is not None:
+                log.warning("job %s: no client for %.0f s, cancelling (lease expired)", job.id, LEASE_S)
+                job.launcher.stop("the client went away (lease expired)")
+
+        if not job.detached:
+            timer = threading.Timer(LEASE_S, expire)
+            timer.daemon = True
+            timer.start()
 
     def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
         job = self._get(args)

@@ -21,3 +21,20 @@ def fmt_seconds(value: float | None) -> str:
     minutes, seconds = divmod(int(value), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+
+
+def fmt_ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    """``rank 3``, ``ranks 0-3``, ``ranks 0-1,4``: runs of consecutive ranks joined."""
+    ordered = sorted(set(ranks))
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    runs: list[str] = []
+    start = prev = ordered[0]
+    for rank in ordered[1:] + [None]:  # type: ignore[list-item]
+        if rank is not None and rank == prev + 1:
+            prev = rank
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if rank is not None:
+            start = prev = rank
+    return "ranks " + ",".join(runs)

@@ -1,0 +1,126 @@
+"""Jobs already on a cluster: list them, cancel one, read its per-rank output.
+
+Each server keeps its jobs' event logs (``jobs/<id>/events.ndjson``), so these
+work from any client, after a ``--detach`` or a client crash alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from distrun.client._links import HostLink, open_all
+from distrun.config import ClusterSpec
+from distrun.errors import HostError, UsageError
+from distrun.protocol import Output, decode_event
+
+__all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks"]
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job: str
+    state: str
+    recipe: str
+    strategy: str
+    world_size: int
+    hosts: tuple[str, ...]
+    started_at: float
+    detached: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "hosts": list(self.hosts)}
+
+
+def _links(cluster: ClusterSpec) -> list[HostLink]:
+    links = [HostLink(cluster, host) for host in cluster.hosts]
+    open_all(links)
+    return links
+
+
+def list_jobs(cluster: ClusterSpec) -> list[JobRow]:
+    """Every job every server knows, one row per job (its hosts merged), newest first."""
+    links = _links(cluster)
+    try:
+        merged: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {}
+        for link in links:
+            for job in link.call("jobs")["jobs"]:
+                meta, hosts, states = merged.setdefault(job["job"], (job, [], []))
+                hosts.append(link.label)
+                states.append(job["state"])
+    finally:
+        for link in links:
+            link.close()
+    rows = []
+    for job_id, (meta, hosts, states) in merged.items():
+        state = "running" if "running" in states else next((s for s in states if s != "succeeded"), "succeeded")
+        rows.append(JobRow(job_id, state, meta.get("recipe", "?"), meta.get("strategy", "?"),
+                           int(meta.get("world_size", 0)), tuple(hosts), float(meta["started_at"]),
+                           bool(meta.get("detached"))))
+    return sorted(rows, key=lambda row: row.started_at, reverse=True)
+
+
+def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
+    """Cancel ``job_id`` on every host that has it; return those hosts."""
+    links = _links(cluster)
+    hosts = []
+    try:
+        for link in links:
+            if any(job["job"] == job_id for job in link.call("jobs")["jobs"]):
+                link.call("cancel", job=job_id, reason="cancelled by `distrun cancel`")
+                hosts.append(link.label)
+    finally:
+        for link in links:
+            link.close()
+    if not hosts:
+        raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
+    return hosts
+
+
+def job_output(cluster: ClusterSpec, job_id: str, *, follow: bool) -> Iterator[tuple[str, Output]]:
+    """(host, output line) of every rank, host by host; with ``follow``, until the job ends."""
+    links = _links(cluster)
+    try:
+        found = False
+        for link in links:
+            if not any(job["job"] == job_id for job in link.call("jobs")["jobs"]):
+                continue
+            found = True
+            with link.client() as client:
+                for item in client.stream("follow", job=job_id, offset=0, until_now=not follow,
+                                          silence_s=30.0):
+                    for raw in item.get("events", ()):
+                        if raw.get("type") == "output":
+                            event = decode_event(json.dumps(raw))
+                            assert isinstance(event, Output)
+                            yield link.label, event
+        if not found:
+            raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
+    except HostError:
+        raise
+    finally:
+        for link in links:
+            link.close()
+
+
+def collapse_ranks(lines: list[tuple[int, str]]) -> list[tuple[tuple[int, ...], str]]:
+    """Merge the same text printed by many ranks ("ranks 0-3: ...") while keeping each rank's order.
+
+    The n-th occurrence of a text in one rank's output is matched with the n-th
+    occurrence in the others', so a line every rank prints each epoch collapses
+    once per epoch, not once in all.
+    """
+    seen: dict[tuple[int, str], int] = {}
+    groups: dict[tuple[str, int], list[int]] = {}
+    order: list[tuple[str, int]] = []
+    for rank, text in lines:
+        nth = seen.get((rank, text), 0)
+        seen[(rank, text)] = nth + 1
+        key = (text, nth)
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append(rank)
+    return [(tuple(sorted(groups[key])), key[0]) for key in order]

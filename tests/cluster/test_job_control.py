@@ -1,0 +1,158 @@
+"""Controlling cluster jobs: Ctrl-C, --detach/attach/logs/jobs/cancel, a lost client, a lost server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from distrun.client.jobs import collapse_ranks
+from distrun.ui import fmt_ranks
+from tests.cluster.conftest import Lab
+from tests.cluster.test_netns_hosts import _distrun_pids
+from tests.cluster.test_train_cluster import _cli, _cmdline, _json_lines, cluster  # noqa: F401 - fixture
+from tests.conftest import REPO
+
+SLOW = """
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 8, "epochs": 1000}
+
+def model():
+    return nn.Linear(2, 1)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+def loss(outputs, batch):
+    time.sleep(0.05)
+    return nn.functional.mse_loss(outputs, batch[1])
+
+def train_data(ctx):
+    print("loading data", flush=True)
+    return TensorDataset(torch.randn(64, 2), torch.randn(64, 1))
+"""
+
+
+def _training_pids(lab: Lab) -> list[int]:
+    return [pid for ns, _ in lab.hosts.values() for pid in _distrun_pids(lab, ns)
+            if "distrun.runtime" in " ".join(_cmdline(pid))]
+
+
+def _wait_until(predicate, within_s: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        if time.monotonic() - t0 > within_s:
+            raise AssertionError(f"{what} did not happen within {within_s} s")
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def _start(lab: Lab, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def _wait_for_steps(proc: subprocess.Popen) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith('{"type":"step"'):
+            return
+    raise AssertionError(f"the job never stepped: {proc.stderr.read() if proc.stderr else ''}")
+
+
+@pytest.fixture
+def slow_recipe(tmp_path: Path) -> Path:
+    path = tmp_path / "slow" / "slow.py"
+    path.parent.mkdir()
+    path.write_text(SLOW)
+    return path
+
+
+def test_ctrl_c_cancels_on_every_host(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
+    proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
+    _wait_for_steps(proc)
+    assert len(_training_pids(lab)) == 2
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending")
+
+
+def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
+    started = _cli(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
+                   "--detach", "--json")
+    assert started.returncode == 0, started.stderr
+    job_id = _json_lines(started)[0]["job"]
+    _wait_until(lambda: len(_training_pids(lab)) == 2, 30, "both ranks starting")
+    time.sleep(12)  # longer than the lease: a detached job is not cancelled for lack of a client
+    assert len(_training_pids(lab)) == 2
+
+    listed = _cli(lab, "jobs", "--cluster", str(cluster), "--json")
+    rows = [row for row in _json_lines(listed) if row["job"] == job_id]
+    assert rows and rows[0]["state"] == "running" and rows[0]["world_size"] == 2 and len(rows[0]["hosts"]) == 2
+
+    logs = _cli(lab, "logs", job_id, "--cluster", str(cluster))
+    assert logs.returncode == 0, logs.stderr
+    assert "ranks 0-1: loading data" in logs.stdout.splitlines()
+    one = _cli(lab, "logs", job_id, "--cluster", str(cluster), "--rank", "1")
+    mine = [line for line in one.stdout.splitlines() if "loading data" in line]
+    assert mine == [f"[{lab.hosts['h2'][1]} rank 1] loading data"]
+    assert all(line.startswith(f"[{lab.hosts['h2'][1]} rank 1] ") for line in one.stdout.splitlines())
+
+    attach = _start(lab, "attach", job_id, "--cluster", str(cluster), "--json")
+    _wait_for_steps(attach)  # replayed from the start, then followed
+    attach.send_signal(signal.SIGINT)  # detaches; the job goes on
+    _out, err = attach.communicate(timeout=30)
+    assert attach.returncode == 130 and "detached from job" in err
+    time.sleep(1)
+    assert len(_training_pids(lab)) == 2
+
+    cancelled = _cli(lab, "cancel", job_id, "--cluster", str(cluster))
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stderr
+    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending after cancel")
+    final = [row for row in _json_lines(_cli(lab, "jobs", "--cluster", str(cluster), "--json")) if row["job"] == job_id]
+    assert final[0]["state"] == "stopped"
+
+
+def test_a_killed_client_loses_its_lease(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
+    proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
+    _wait_for_steps(proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    assert len(_training_pids(lab)) == 2  # no client: the servers hold on for the lease...
+    waited = _wait_until(lambda: not _training_pids(lab), 30, "the servers cancelling the orphaned job")
+    assert waited > 5  # ...and then cancel: it was the lease, not the client, that ended it
+
+
+def test_a_killed_worker_server_is_noticed(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
+    proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
+    _wait_for_steps(proc)
+    h2_server = json.loads((lab.workdir / "lab" / lab.hosts["h2"][1] / "server.json").read_text())["pid"]
+    t0 = time.monotonic()
+    os.kill(h2_server, signal.SIGKILL)
+    _out, err = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15
+    assert proc.returncode == 4, err[-2000:]
+    assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
+    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending")
+    assert not psutil.pid_exists(h2_server) or psutil.Process(h2_server).status() == psutil.STATUS_ZOMBIE
+
+
+def test_identical_lines_collapse_per_occurrence() -> None:
+    lines = [(0, "epoch 1"), (1, "epoch 1"), (2, "epoch 1"), (3, "epoch 1"), (2, "only two"), (0, "epoch 1"),
+             (1, "epoch 1"), (4, "epoch 1")]
+    assert [(fmt_ranks(ranks), text) for ranks, text in collapse_ranks(lines)] == [
+        ("ranks 0-4", "epoch 1"), ("rank 2", "only two"), ("ranks 0-1", "epoch 1")]
+    assert fmt_ranks((0, 1, 4, 6, 7)) == "ranks 0-1,4,6-7"
