@@ -70,9 +70,11 @@ class TrainingError(DistrunError):
 
     exit_code = 4
 
-    def __init__(self, message: str, *, rank: int | None = None, detail: str | None = None) -> None:
+    def __init__(self, message: str, *, rank: int | None = None, detail: str | None = None,
+                 stderr_tail: tuple[str, ...] = ()) -> None:
         super().__init__(message, detail=detail)
         self.rank = rank
+        self.stderr_tail = stderr_tail  # the failing rank's last stderr lines, shown above the message
 
 
 class CheckpointError(DistrunError):

@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     except DistrunError as exc:
         if debug and exc.detail:
             stderr.print(exc.detail.rstrip(), markup=False)
+        for line in getattr(exc, "stderr_tail", ()):
+            stderr.print(f"  | {line}", markup=False, style="dim")
         stderr.print(f"error: {exc.message}", markup=False)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:

@@ -15,7 +15,8 @@ from distrun.cli._app import app, stderr
 from distrun.cli.cluster import resolve_cluster
 from distrun.cli.train import run_job
 from distrun.client import ClusterJob
-from distrun.client.jobs import cancel_job, collapse_ranks, job_output, list_jobs
+from distrun.client.jobs import cancel_job, collapse_ranks, job_output, list_jobs, pull_job
+from distrun.errors import UsageError
 from distrun.ui import fmt_ranks
 
 _CLUSTER = typer.Option(None, "--cluster", help="The cluster file; none: this machine's embedded server.")
@@ -83,3 +84,17 @@ def cancel(
     """Cancel a job on every host that runs it."""
     hosts = cancel_job(resolve_cluster(cluster_file), job)
     stderr.print(f"cancelled {job} on {', '.join(hosts)}", markup=False)
+
+
+@app.command()
+def pull(
+    job: str = typer.Argument(..., metavar="JOB", help="A job id (`distrun jobs`)."),
+    cluster_file: Path | None = _CLUSTER,
+    to: Path = typer.Option(Path("distrun-results"), "--to", help="Copy into DIR/<job id>."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Copy a job's newest checkpoint home from the host that wrote it."""
+    fetched = pull_job(resolve_cluster(cluster_file), job, to / job)
+    if fetched is None:
+        raise UsageError(f"job {job} wrote no checkpoint (was --checkpoint-dir given?)")
+    typer.echo(str(fetched))

@@ -28,7 +28,7 @@ from distrun.config import (
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.protocol import Event, Output, event_to_dict
+from distrun.protocol import Event, JobSummary, Output, event_to_dict
 from distrun.ui import render_progress, render_summary
 
 #: Global batch size when neither the flag nor the recipe's defaults give one.
@@ -54,6 +54,8 @@ def train(
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
+    results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
+    fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -71,11 +73,12 @@ def train(
         return
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
-    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach)
+    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
+                    results_dir=results_dir if fetch else None)
 
 
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
-                    detach: bool) -> None:
+                    detach: bool, results_dir: Path | None) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -105,7 +108,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
     else:
         _print_json({"type": "job", "job": job.job_id, "world_size": job.world_size,
                      "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)})
-    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank)
+    fetch = (lambda summary: job.fetch_results(results_dir / job.job_id, summary)) if results_dir else None
+    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch)
 
 
 def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,
@@ -158,26 +162,45 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
-            host_of_rank: Callable[[int], str] | None = None) -> None:
+            host_of_rank: Callable[[int], str] | None = None,
+            after: Callable[[JobSummary], dict[str, Any]] | None = None) -> None:
+    """Render the job to its end; ``after(summary)`` runs before the summary is printed (results home)."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     status, error = "succeeded", None
+    summary: JobSummary | None = None
     try:
         with job:
             _consume(job, json_output, host_of_rank)
             try:
-                outcome = job.outcome()
+                summary = job.outcome().summary
             except Interrupted as exc:
                 status, error = "interrupted", exc.message
                 raise
             except DistrunError as exc:
                 status, error = "failed", exc.message
                 raise
-            summary = outcome.summary
+            finally:
+                summary = summary or job.summary(status, error)
+                if after is not None:
+                    _results_home(after, summary, json_output)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if status != "succeeded":
-            _print_summary(job.summary(status, error), json_output)
-    _print_summary(summary, json_output)
+        if summary is not None:
+            _print_summary(summary, json_output)
+
+
+def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSummary, json_output: bool) -> None:
+    """Copy results home; a failure here is reported but never hides the job's own outcome."""
+    try:
+        results = after(summary)
+    except DistrunError as exc:
+        stderr.print(f"warning: results not copied home: {exc.message}", markup=False)
+        return
+    if json_output:
+        _print_json(results)
+    else:
+        where = results.get("checkpoint") or results["dir"]
+        stderr.print(f"results: {where}", markup=False)
 
 
 def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callable[[int], str] | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from distrun.protocol import (
     Checkpointed,
@@ -24,11 +25,12 @@ from distrun.protocol import (
 class JobTracker:
     """Mutable accumulator owned by one consumer thread; hands out frozen snapshots."""
 
-    def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None) -> None:
+    def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
+                 host_of_rank: Callable[[int], str] | None = None) -> None:
         self._recipe = recipe
         self._strategy = strategy
         self._t0 = started_at if started_at is not None else time.time()
-        self._rows = {r: ReplicaRow(rank=r) for r in range(replicas)}
+        self._rows = {r: ReplicaRow(rank=r, host=host_of_rank(r) if host_of_rank else None) for r in range(replicas)}
         self._seen: dict[int, float] = {}
         self._total_steps: int | None = None
         self._eval: dict[str, float] = {}

@@ -16,27 +16,32 @@ from __future__ import annotations
 
 import json
 import queue
+from collections import deque
 import secrets
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from distrun.client._bundle import Bundle
 from distrun.client._links import HostLink, open_all
+from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker
 from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
 from distrun.errors import HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, decode_event
+from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
 _END = object()
+#: How many of the failing rank's last stderr lines the error shows.
+STDERR_TAIL_LINES = 5
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class ClusterJob:
         self._followers: list[threading.Thread] = []
         self._clients: list[ServerClient] = []
         self._tracker: JobTracker | None = None
+        self._stderr: dict[int, deque[str]] = {}
         self.bundle_sent_to: tuple[str, ...] = ()
 
     @classmethod
@@ -116,7 +122,7 @@ class ClusterJob:
         job = cls(cluster, job_id, [link for link, _ in found], placements, attached=True)
         meta = found[0][1]
         job._tracker = JobTracker(meta["recipe"], meta["strategy"], meta["world_size"],
-                                  started_at=meta["started_at"])
+                                  started_at=meta["started_at"], host_of_rank=job.host_of_rank)
         job._start_following()
         return job
 
@@ -139,7 +145,8 @@ class ClusterJob:
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False) -> None:
         """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``."""
         self.spec = spec
-        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time())
+        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
+                                   host_of_rank=self.host_of_rank)
         with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)
@@ -204,6 +211,8 @@ class ClusterJob:
             if item is _END:
                 return
             self._tracker.update(item)
+            if isinstance(item, Output) and item.stream == "stderr":
+                self._stderr.setdefault(item.rank, deque(maxlen=STDERR_TAIL_LINES)).append(item.line)
             yield item
 
     def snapshot(self) -> JobSnapshot:
@@ -260,7 +269,17 @@ class ClusterJob:
         error_class = ERROR_BY_KIND.get(failure.kind)
         if error_class is not None:
             raise error_class(message, detail=failure.traceback)
-        raise TrainingError(message, rank=failure.rank, detail=failure.traceback)
+        raise TrainingError(message, rank=failure.rank, detail=failure.traceback,
+                            stderr_tail=tuple(self._stderr.get(failure.rank, ())))
+
+    def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
+        """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``."""
+        dest = dest.resolve()
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+        checkpoint = fetch_newest_checkpoint(self._links[0], self.job_id, dest)
+        return {"type": "results", "job": self.job_id, "dir": str(dest),
+                "checkpoint": str(checkpoint) if checkpoint else None}
 
     def close(self) -> None:
         for link in self._links:
@@ -278,11 +297,12 @@ class ClusterJob:
 
 
 def _root_cause(failures: list[tuple[str, Failed | None]]) -> tuple[str, Failed | None] | None:
-    """The earliest failure that is not a rank noticing a lost peer (as the launcher decides)."""
+    """What to blame, in this order: the earliest rank that failed on its own; a host whose
+    server was lost (its ranks died with it); the earliest rank that only lost a peer."""
     real = [(label, f) for label, f in failures if f is not None and f.kind != PEER_LOST]
     if real:
         return min(real, key=lambda pair: pair[1].time)  # type: ignore[union-attr]
-    known = [(label, f) for label, f in failures if f is not None]
-    if known:
-        return min(known, key=lambda pair: pair[1].time)  # type: ignore[union-attr]
-    return failures[0] if failures else None
+    lost_hosts = [(label, f) for label, f in failures if f is None]
+    if lost_hosts:
+        return lost_hosts[0]
+    return min(failures, key=lambda pair: pair[1].time) if failures else None  # type: ignore[union-attr]

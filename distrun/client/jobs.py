@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from distrun.client._links import HostLink, open_all
+from distrun.client._results import fetch_newest_checkpoint
 from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
 
-__all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks"]
+__all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks", "pull_job"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,23 @@ def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
     if not hosts:
         raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
     return hosts
+
+
+def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
+    """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it."""
+    links = _links(cluster)
+    try:
+        holders = [link for link in links if any(job["job"] == job_id for job in link.call("jobs")["jobs"])]
+        if not holders:
+            raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
+        for link in holders:
+            fetched = fetch_newest_checkpoint(link, job_id, dest)
+            if fetched is not None:
+                return fetched
+        return None
+    finally:
+        for link in links:
+            link.close()
 
 
 def job_output(cluster: ClusterSpec, job_id: str, *, follow: bool) -> Iterator[tuple[str, Output]]:

@@ -35,6 +35,7 @@ class ReplicaRow:
     mem_mb: float = 0.0
     last_seen_s: float = 0.0
     status: ReplicaStatus = ReplicaStatus.STARTING
+    host: str | None = None  # on a cluster: the host the rank runs on
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,15 @@ class JobManager:
             job.finish("stopped", {"state": "stopped", "failure": None})
         return {"job": job.id, "state": job.state}
 
+    def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The newest checkpoint this host's ranks wrote for the job (from its event log)."""
+        job = self._get(args)
+        with job.changed:
+            saved = [line for line in job.lines if line.get("type") == "checkpoint"]
+        newest = max(saved, key=lambda line: line["step"]) if saved else None
+        return {"checkpoint": newest["path"] if newest else None, "step": newest["step"] if newest else None,
+                "result": job.result}
+
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             return {"jobs": [job.summary() for job in self._jobs.values()]}

@@ -63,6 +63,7 @@ class WorkerServer:
             "submit": self.jobs.submit,
             "cancel": self.jobs.cancel,
             "jobs": self.jobs.list,
+            "artifacts": self.jobs.artifacts,
         }
         # Requests answered by a stream of frames, ended by {"end": true}.
         self._streams: dict[str, Stream] = {"follow": self.jobs.follow}

@@ -16,6 +16,7 @@ failure a ``HostError`` that starts with the host's name:
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import threading
@@ -218,6 +219,15 @@ class Connection:
             return None
         except OSError as exc:
             raise HostError(self.label, f"cannot read {path}: {exc}") from None
+
+    def read_bytes(self, path: str) -> bytes:
+        sftp = self._sftp_client()
+        buffer = io.BytesIO()
+        try:
+            sftp.getfo(path, buffer)
+        except OSError as exc:
+            raise HostError(self.label, f"cannot read {path}: {exc}") from None
+        return buffer.getvalue()
 
     def write_file(self, path: str, data: bytes) -> None:
         sftp = self._sftp_client()

@@ -37,6 +37,12 @@ class LocalConnection:
         except FileNotFoundError:
             return None
 
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return (self._home / path).read_bytes()
+        except OSError as exc:
+            raise HostError(self.label, f"cannot read {path}: {exc.strerror or exc}") from None
+
     def write_file(self, path: str, data: bytes) -> None:
         target = self._home / path
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -59,6 +59,10 @@ class Remote(Protocol):
         """The file's text, or None if it does not exist. Relative paths start at the login directory."""
         ...
 
+    def read_bytes(self, path: str) -> bytes:
+        """The whole file (a checkpoint coming home); HostError if it cannot be read."""
+        ...
+
     def write_file(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` atomically (a temporary name, then a rename); 0600."""
         ...

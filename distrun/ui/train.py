@@ -21,10 +21,14 @@ _STATUS_STYLE = {
 
 def render_progress(snapshot: JobSnapshot) -> RenderableType:
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
-    for column in ("rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"):
-        table.add_column(column, justify="left" if column in ("device", "status") else "right")
+    hosts = any(row.host for row in snapshot.rows)
+    for column in ("host", "rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"):
+        if column == "host" and not hosts:
+            continue
+        table.add_column(column, justify="left" if column in ("host", "device", "status") else "right")
     for row in snapshot.rows:
         table.add_row(
+            *((row.host or "-",) if hosts else ()),
             str(row.rank),
             row.device,
             str(row.step),

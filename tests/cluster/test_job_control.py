@@ -18,7 +18,6 @@ from distrun.ui import fmt_ranks
 from tests.cluster.conftest import Lab
 from tests.cluster.test_netns_hosts import _distrun_pids
 from tests.cluster.test_train_cluster import _cli, _cmdline, _json_lines, cluster  # noqa: F401 - fixture
-from tests.conftest import REPO
 
 SLOW = """
 import time
@@ -60,7 +59,7 @@ def _wait_until(predicate, within_s: float, what: str) -> float:
 
 def _start(lab: Lab, *args: str) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
 
 
 def _wait_for_steps(proc: subprocess.Popen) -> None:

@@ -21,7 +21,7 @@ from tests.integration._recipes import EQUIV
 
 def _cli(lab: Lab, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=lab.root)  # results come home here
 
 
 def _json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
@@ -63,6 +63,16 @@ def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, t
     for key, tensor in base["model"].items():
         torch.testing.assert_close(multi["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
     assert lines[-1]["type"] == "summary" and lines[-1]["status"] == "succeeded"
+
+    # Results come home: the newest checkpoint, read from rank 0's host over SFTP, and the summary.
+    results = next(line for line in lines if line.get("type") == "results")
+    home = lab.root / "distrun-results" / job["job"]
+    assert results["dir"] == str(home) and results["checkpoint"] == str(home / "ckpt-000000014.pt")
+    assert (home / "ckpt-000000014.pt").read_bytes() == (tmp_path / "mw" / "ckpt-000000014.pt").read_bytes()
+    assert json.loads((home / "summary.json").read_text())["status"] == "succeeded"
+    pulled = _cli(lab, "pull", job["job"], "--cluster", str(cluster), "--to", str(tmp_path / "pulled"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(pulled.stdout.strip()) == tmp_path / "pulled" / job["job"] / "ckpt-000000014.pt"
 
     # The same code again: no host is sent the bundle a second time.
     again = _cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
@@ -111,6 +121,8 @@ def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tm
                       "    import time\n    time.sleep(0.02)\n"
                       "    os.environ['N'] = str(int(os.environ.get('N', '0')) + 1)\n"
                       "    if int(os.environ['RANK']) == 1 and int(os.environ['N']) == 5:\n"
+                      "        import sys\n"
+                      "        print('about to fail: disk full?', file=sys.stderr, flush=True)\n"
                       "        raise ValueError('boom on the second host')\n"
                       "    return _loss(outputs, batch)\n")
     t0 = time.monotonic()
@@ -121,6 +133,7 @@ def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tm
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: {lab.hosts['h2'][1]}: ") and "rank 1 failed" in message
     assert "boom on the second host" in message and "fails.py:" in message
+    assert "  | about to fail: disk full?" in result.stderr  # the failing rank's last stderr lines
     assert wall_s < 60
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

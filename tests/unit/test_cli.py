@@ -14,11 +14,17 @@ def test_help_lists_every_command_of_the_mission():
         assert f" {command} " in result.stdout
 
 
-@pytest.mark.parametrize("command", ["jobs", "attach", "logs", "cancel"])
-def test_planned_commands_say_so_and_exit_2(command):
-    result = run_cli(command, "cluster.yaml")
-    assert result.returncode == 2
-    assert result.stderr.strip().startswith(f"error: `distrun {command}` is not built yet (planned:")
+@pytest.mark.parametrize("args", [("jobs",), ("attach", "J1"), ("logs", "J1"), ("cancel", "J1"), ("pull", "J1")])
+def test_job_commands_without_a_server_say_how_to_start_one(args, tmp_path):
+    result = run_cli(*args, env={"DISTRUN_HOME": str(tmp_path)})
+    assert result.returncode == 6
+    assert result.stderr.strip() == "error: localhost: no worker server; run `distrun up` first"
+
+
+@pytest.mark.parametrize("flag", ["--detach", "--include=x.py"])
+def test_cluster_only_train_flags_need_a_cluster(flag):
+    result = run_cli("train", str(RECIPES / "linear.py"), flag)
+    assert result.returncode == 2 and "needs --cluster" in result.stderr
 
 
 @pytest.mark.parametrize("command", ["up", "status", "down"])

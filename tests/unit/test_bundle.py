@@ -1,0 +1,123 @@
+"""Code bundles: deterministic content addresses, what goes in, and unpacking that refuses escapes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from distrun.client import pack
+from distrun.errors import UsageError
+from distrun.server._bundle import BundleError, unpack
+
+
+@pytest.fixture
+def code(tmp_path: Path) -> Path:
+    root = tmp_path / "code"
+    (root / "pkg").mkdir(parents=True)
+    (root / "recipe.py").write_text("import helper\n")
+    (root / "helper.py").write_text("X = 1\n")
+    (root / "notes.txt").write_text("not python\n")
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "data.csv").write_text("1,2\n")
+    (root / "__pycache__").mkdir()
+    (root / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"\0")
+    return root
+
+
+def test_the_recipe_and_python_files_beside_it(code: Path) -> None:
+    bundle = pack(code / "recipe.py")
+    assert bundle.files == ("helper.py", "recipe.py") and bundle.recipe == "recipe.py"
+    assert bundle.sha256 == hashlib.sha256(bundle.data).hexdigest()
+
+
+def test_includes_and_ignore_file(code: Path) -> None:
+    (code / ".distrunignore").write_text("# data stays home\n*.csv\nhelper.py\n")
+    bundle = pack(code / "recipe.py", [code / "pkg", code / "notes.txt"])
+    assert bundle.files == ("notes.txt", "pkg/__init__.py", "recipe.py")
+    with pytest.raises(UsageError, match="must be inside the recipe's folder"):
+        pack(code / "recipe.py", [code.parent])
+    with pytest.raises(UsageError, match="no such file or folder"):
+        pack(code / "recipe.py", [code / "missing"])
+
+
+def test_same_files_same_address_and_an_edit_changes_it(code: Path) -> None:
+    first = pack(code / "recipe.py")
+    os.utime(code / "helper.py", (1, 1))  # times and owners do not count
+    assert pack(code / "recipe.py").sha256 == first.sha256
+    (code / "helper.py").write_text("X = 2\n")
+    assert pack(code / "recipe.py").sha256 != first.sha256
+
+
+def test_links_are_never_packed(code: Path) -> None:
+    (code / "link.py").symlink_to("/etc/passwd")
+    assert "link.py" not in pack(code / "recipe.py").files
+
+
+def test_a_bundle_unpacks_to_its_files(code: Path, tmp_path: Path) -> None:
+    bundle = pack(code / "recipe.py")
+    archive = tmp_path / "b.tar.gz"
+    archive.write_bytes(bundle.data)
+    dest = unpack(archive, bundle.sha256, tmp_path / "out" / bundle.sha256)
+    assert sorted(p.name for p in dest.iterdir()) == ["helper.py", "recipe.py"]
+    assert (dest / "helper.py").read_text() == "X = 1\n"
+    assert unpack(archive, bundle.sha256, dest) == dest  # already there: nothing to do
+
+
+def _evil(tmp_path: Path, add) -> Path:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        ok = tarfile.TarInfo("fine.py")
+        ok.size = 1
+        tar.addfile(ok, io.BytesIO(b"x"))
+        add(tar)
+    path = tmp_path / "evil.tar.gz"
+    path.write_bytes(raw.getvalue())
+    return path
+
+
+def _file(name: str):
+    def add(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return add
+
+
+def _special(name: str, kind: bytes, target: str = ""):
+    def add(tar: tarfile.TarFile) -> None:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        info.linkname = target
+        tar.addfile(info)
+    return add
+
+
+@pytest.mark.parametrize("add, message", [
+    (_file("/etc/evil"), "absolute"),
+    (_file("../evil.py"), "leaves the bundle"),
+    (_file("a/../../evil.py"), "leaves the bundle"),
+    (_special("link", tarfile.SYMTYPE, "/etc/passwd"), "is a link"),
+    (_special("hard", tarfile.LNKTYPE, "fine.py"), "is a link"),
+    (_special("dev", tarfile.CHRTYPE), "device or special file"),
+    (_special("fifo", tarfile.FIFOTYPE), "device or special file"),
+])
+def test_unsafe_members_are_refused_before_anything_is_written(tmp_path: Path, add, message: str) -> None:
+    archive = _evil(tmp_path, add)
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    out = tmp_path / "out"
+    with pytest.raises(BundleError, match=message):
+        unpack(archive, sha, out / sha)
+    assert not (out / sha).exists() and list(out.iterdir()) == []  # not even fine.py
+    assert not (tmp_path / "evil.py").exists()
+
+
+def test_a_bundle_must_match_its_name(code: Path, tmp_path: Path) -> None:
+    archive = tmp_path / "b.tar.gz"
+    archive.write_bytes(pack(code / "recipe.py").data)
+    with pytest.raises(BundleError, match="sha256 is"):
+        unpack(archive, "0" * 64, tmp_path / "out" / ("0" * 64))
