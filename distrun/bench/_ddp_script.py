@@ -8,7 +8,6 @@ time from the end of the first step to the end of the last).
 
 import argparse
 import json
-import os
 import time
 
 import torch

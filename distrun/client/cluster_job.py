@@ -15,8 +15,6 @@ the others, so no rank waits out a collective timeout.
 from __future__ import annotations
 
 import json
-import queue
-from collections import deque
 import secrets
 import threading
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.client._bundle import Bundle
+from distrun.client._feed import EventFeed
 from distrun.client._links import HostLink, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
@@ -35,13 +34,10 @@ from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
 from distrun.errors import HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
-_END = object()
-#: How many of the failing rank's last stderr lines the error shows.
-STDERR_TAIL_LINES = 5
 
 
 @dataclass(frozen=True)
@@ -74,15 +70,13 @@ class ClusterJob:
         self._links = links
         self.placements = placements
         self.attached = attached  # following a job started earlier: Ctrl-C detaches, never cancels
-        self._queue: queue.Queue[Any] = queue.Queue()
+        self._feed: EventFeed | None = None
         self._results: dict[str, dict[str, Any]] = {}
         self._interrupted = False
         self._detaching = False
         self._cancelled = threading.Event()
         self._followers: list[threading.Thread] = []
         self._clients: list[ServerClient] = []
-        self._tracker: JobTracker | None = None
-        self._stderr: dict[int, deque[str]] = {}
         self.bundle_sent_to: tuple[str, ...] = ()
 
     @classmethod
@@ -121,8 +115,8 @@ class ClusterJob:
                            for index, (link, meta) in enumerate(found))
         job = cls(cluster, job_id, [link for link, _ in found], placements, attached=True)
         meta = found[0][1]
-        job._tracker = JobTracker(meta["recipe"], meta["strategy"], meta["world_size"],
-                                  started_at=meta["started_at"], host_of_rank=job.host_of_rank)
+        job._feed = EventFeed(JobTracker(meta["recipe"], meta["strategy"], meta["world_size"],
+                                         started_at=meta["started_at"], host_of_rank=job.host_of_rank))
         job._start_following()
         return job
 
@@ -145,8 +139,8 @@ class ClusterJob:
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False) -> None:
         """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``."""
         self.spec = spec
-        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
-                                   host_of_rank=self.host_of_rank)
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
+                                          host_of_rank=self.host_of_rank))
         with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)
@@ -154,11 +148,14 @@ class ClusterJob:
         port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
         port = rank0.call("rendezvous", job=self.job_id, port_range=port_range)["port"]
         master_addr = "127.0.0.1" if self.cluster.local else rank0.host.address
+        rank_hosts = [master_addr if self.cluster.local else p.host.address
+                      for p in self.placements for _ in range(p.slots)]
         for link, placement in zip(self._links, self.placements):
             link.call("submit", job=self.job_id, bundle=bundle.sha256, recipe=bundle.recipe, spec=spec.to_json(),
                       local_world_size=placement.slots, world_size=self.world_size,
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
                       master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
+                      rank_hosts=rank_hosts,
                       detach=detach)
         if not detach:
             self._start_following()
@@ -182,7 +179,7 @@ class ClusterJob:
                 self._clients.append(client)
                 for item in client.stream("follow", job=self.job_id, offset=0):
                     for raw in item.get("events", ()):
-                        self._queue.put(decode_event(json.dumps(raw)))
+                        self._events.put(decode_event(json.dumps(raw)))
                     if "result" in item:
                         self._results[link.label] = item["result"]
                         if item["result"].get("state") != "succeeded":
@@ -196,32 +193,24 @@ class ClusterJob:
     def _end_when_followed(self) -> None:
         for thread in self._followers:
             thread.join()
-        self._queue.put(_END)
+        self._events.end()
 
     # -- the LocalJob surface
 
+    @property
+    def _events(self) -> EventFeed:
+        if self._feed is None:
+            raise RuntimeError("the job has not started")
+        return self._feed
+
     def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
-        assert self._tracker is not None
-        while True:
-            try:
-                item = self._queue.get(timeout=poll_s)
-            except queue.Empty:
-                yield None
-                continue
-            if item is _END:
-                return
-            self._tracker.update(item)
-            if isinstance(item, Output) and item.stream == "stderr":
-                self._stderr.setdefault(item.rank, deque(maxlen=STDERR_TAIL_LINES)).append(item.line)
-            yield item
+        return self._events.events(poll_s)
 
     def snapshot(self) -> JobSnapshot:
-        assert self._tracker is not None
-        return self._tracker.snapshot()
+        return self._events.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        assert self._tracker is not None
-        return self._tracker.summary(status, error)
+        return self._events.summary(status, error)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         """Stop the job on every host; an attached client (``attach``) only stops following."""
@@ -243,12 +232,11 @@ class ClusterJob:
     def outcome(self) -> JobOutcome:
         for thread in self._followers:
             thread.join()
-        assert self._tracker is not None
         if self._detaching:
             raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
         states = {label: result.get("state") for label, result in self._results.items()}
         if states and all(state == "succeeded" for state in states.values()) and len(states) == len(self._links):
-            return JobOutcome(self._tracker.summary("succeeded"), None)
+            return JobOutcome(self._events.summary("succeeded"), None)
         failures = []
         for label, result in self._results.items():
             raw = result.get("failure")
@@ -270,7 +258,7 @@ class ClusterJob:
         if error_class is not None:
             raise error_class(message, detail=failure.traceback)
         raise TrainingError(message, rank=failure.rank, detail=failure.traceback,
-                            stderr_tail=tuple(self._stderr.get(failure.rank, ())))
+                            stderr_tail=self._events.stderr_tail(failure.rank))
 
     def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
         """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``."""

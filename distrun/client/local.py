@@ -7,14 +7,13 @@ cluster path (issue 4) will offer the same ``events()``/``result`` shape.
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
+from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker
 from distrun.config import JobSpec
 from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
@@ -23,8 +22,6 @@ from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome"]
-
-_END = object()
 
 
 @dataclass(frozen=True)
@@ -45,9 +42,8 @@ class LocalJob:
             env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env},
             stop_grace_s=stop_grace_s,
         )
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self._launcher = LocalLauncher(worker, self._queue.put)
-        self._tracker = JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0)
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0))
+        self._launcher = LocalLauncher(worker, self._feed.put)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
@@ -67,26 +63,17 @@ class LocalJob:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             self._error = exc
         finally:
-            self._queue.put(_END)
+            self._feed.end()
 
     def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
         """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""
-        while True:
-            try:
-                item = self._queue.get(timeout=poll_s)
-            except queue.Empty:
-                yield None
-                continue
-            if item is _END:
-                return
-            self._tracker.update(item)
-            yield item
+        return self._feed.events(poll_s)
 
     def snapshot(self) -> JobSnapshot:
-        return self._tracker.snapshot()
+        return self._feed.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return self._tracker.summary(status, error)
+        return self._feed.summary(status, error)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         self._interrupted = self._interrupted or interrupted
@@ -103,7 +90,7 @@ class LocalJob:
         if result is None:
             raise DistrunError("launcher ended without a result")
         if result.state is ProcessState.SUCCEEDED:
-            return JobOutcome(self._tracker.summary("succeeded"), None)
+            return JobOutcome(self._feed.summary("succeeded"), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
             raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
         failure = result.failure
@@ -112,7 +99,8 @@ class LocalJob:
         error_class = ERROR_BY_KIND.get(failure.kind) if failure else None
         if error_class is not None:
             raise error_class(message, detail=detail)
-        raise TrainingError(message, rank=failure.rank if failure else None, detail=detail)
+        rank = failure.rank if failure else None
+        raise TrainingError(message, rank=rank, detail=detail, stderr_tail=self._feed.stderr_tail(rank))
 
 
 #: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.

@@ -1,6 +1,7 @@
 """Starting and supervising training processes; shared by local mode and the worker server."""
 
 from distrun.launch._devices import visible_gpu_count
+from distrun.launch._starter import PopenStarter, Starter, ZygoteStarter, ZygoteUnavailable
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.launch.local import EventSink, LocalLauncher
 
@@ -12,4 +13,8 @@ __all__ = [
     "LocalLauncher",
     "EventSink",
     "visible_gpu_count",
+    "Starter",
+    "PopenStarter",
+    "ZygoteStarter",
+    "ZygoteUnavailable",
 ]

@@ -31,9 +31,11 @@ def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, s
         # All ranks connect to the store as clients; rank 0 hosts it on the socket
         # the launcher bound (see runtime bootstrap), exactly as torchrun's agent store.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        # TensorFlow's view of the same job: every rank a worker task (worker 0 is the
+        # chief), each named by its host; the port is the job's rendezvous port.
         "TF_CONFIG": json.dumps(
             {
-                "cluster": {"worker": [f"{spec.master_addr}:{master_port}"] * world},
+                "cluster": {"worker": [f"{host}:{master_port}" for host in (spec.rank_hosts or (spec.master_addr,) * world)]},
                 "task": {"type": "worker", "index": rank},
             }
         ),

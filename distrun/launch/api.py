@@ -46,6 +46,7 @@ class WorkerSpec:
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     cwd: str | None = None
     stop_grace_s: float = 5.0
+    rank_hosts: tuple[str, ...] = ()  # the address of every global rank's host (TF_CONFIG); () = master_addr
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

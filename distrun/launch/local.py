@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
+from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import Event, EventDecodeError, Exited, Failed, Output, decode_event
 from distrun.protocol.environment import EVENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR
@@ -49,7 +50,7 @@ _DRAIN_S = 2.0
 class _Proc:
     local_rank: int
     rank: int
-    popen: subprocess.Popen[bytes]
+    popen: Handle  # a subprocess.Popen, or a process the warm interpreter forked
     fds: dict[int, tuple[str, LineBuffer]] = field(default_factory=dict)
     returncode: int | None = None
 
@@ -61,12 +62,16 @@ class LocalLauncher:
     any thread (or a signal handler's thread) and makes ``run()`` return soon.
     """
 
-    def __init__(self, spec: WorkerSpec, sink: EventSink, *, listener: socket.socket | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, sink: EventSink, *, listener: socket.socket | None = None,
+                 starter: Starter | None = None) -> None:
         """``listener``: a rendezvous socket bound beforehand (a worker server binds it
         when the job is planned, so hosts can be told the port before any rank starts);
-        global rank 0 hosts the store on it. The launcher closes its copy once rank 0 runs."""
+        global rank 0 hosts the store on it. The launcher closes its copy once rank 0 runs.
+        ``starter``: how processes start (default: a fresh interpreter each; a worker
+        server passes its warm interpreter, and a cold start is the fallback)."""
         self._spec = spec
         self._listener = listener
+        self._starter: Starter = starter or PopenStarter()
         self._sink = sink
         self._procs: list[_Proc] = []
         self._stop_requested = threading.Event()
@@ -134,11 +139,12 @@ class LocalLauncher:
         spec = self._spec
         rank = spec.rank_offset + local_rank
         event_r, event_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
         env = dict(os.environ)
         env.update(spec.env)
         env.update(rank_env(spec, local_rank, port))
         env[EVENT_FD_VAR] = str(event_w)
-        env[PARENT_PID_VAR] = str(os.getpid())
         pass_fds = [event_w]
         if listener is not None and rank == 0:
             env[STORE_FD_VAR] = str(listener.fileno())
@@ -146,22 +152,22 @@ class LocalLauncher:
         else:
             env.pop(STORE_FD_VAR, None)
         try:
-            popen = subprocess.Popen(  # noqa: S603 - argv list, no shell
-                list(spec.argv),
-                env=env,
-                cwd=spec.cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=pass_fds,
-                start_new_session=True,
-            )
+            try:
+                env[PARENT_PID_VAR] = str(self._starter.parent_pid())
+                handle = self._starter.start(spec.argv, env, spec.cwd, stdout=out_w, stderr=err_w, pass_fds=pass_fds)
+            except ZygoteUnavailable:
+                self._starter = PopenStarter()  # the warm interpreter is gone: start cold from now on
+                env[PARENT_PID_VAR] = str(os.getpid())
+                handle = self._starter.start(spec.argv, env, spec.cwd, stdout=out_w, stderr=err_w, pass_fds=pass_fds)
+        except BaseException:
+            for fd in (event_r, out_r, err_r):
+                os.close(fd)
+            raise
         finally:
-            os.close(event_w)
-        proc = _Proc(local_rank=local_rank, rank=rank, popen=popen)
-        streams = ((popen.stdout, "stdout"), (popen.stderr, "stderr"))
-        pairs = [(pipe.fileno(), name) for pipe, name in streams if pipe is not None] + [(event_r, "events")]
-        for fd, stream in pairs:
+            for fd in (event_w, out_w, err_w):
+                os.close(fd)
+        proc = _Proc(local_rank=local_rank, rank=rank, popen=handle)
+        for fd, stream in ((out_r, "stdout"), (err_r, "stderr"), (event_r, "events")):
             os.set_blocking(fd, False)
             proc.fds[fd] = (stream, LineBuffer())
             self._selector.register(fd, selectors.EVENT_READ, proc)
@@ -200,8 +206,7 @@ class LocalLauncher:
             stream, buf = proc.fds[fd]
             if not data:
                 self._selector.unregister(fd)
-                if stream == "events":  # stdout/stderr belong to the Popen object
-                    os.close(fd)
+                os.close(fd)
                 for line in buf.flush():
                     self._deliver(proc, stream, line)
                 continue

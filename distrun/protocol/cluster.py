@@ -57,6 +57,7 @@ class ServerInfo:
     gpu_names: tuple[str, ...]
     jobs_running: int
     config_sha256: str
+    warm: bool  # the warm interpreter (torch imported) is ready to fork training processes
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -48,6 +48,7 @@ def main() -> None:
             runpy.run_path(spec.recipe, run_name="__main__")
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
                              first_step_time=None))
+            _leave_together(launch, store)
             _exit(0)
         reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
         strategy = _make_strategy(spec, launch, device, reporter, store)
@@ -71,6 +72,7 @@ def main() -> None:
                  samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time)
         )
         strategy.close()
+        _leave_together(launch, store)
         _exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event, then exit 1
         if isinstance(exc, SystemExit) and exc.code in (0, None):
@@ -81,6 +83,32 @@ def main() -> None:
         writer.emit(describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase))
         sys.stderr.flush()
         os._exit(1)
+
+
+_LEFT_KEY = "distrun/left"
+_LEAVE_WAIT_S = 60.0
+
+
+def _leave_together(launch: LaunchEnv, store: Any) -> None:
+    """Rank 0 hosts the rendezvous store, so it leaves last.
+
+    A rank still tearing down its process group (a plain script's objects are
+    destroyed as its ``main()`` returns) talks to the store and to its peers; if
+    rank 0 exited first, that rank would hang there. Every rank counts itself out
+    on the store; rank 0 waits for the count (bounded) before it exits.
+    """
+    if launch.world_size <= 1 or not launch.master_port:
+        return
+    import torch.distributed as dist
+
+    client = store if store is not None else dist.TCPStore(
+        launch.master_addr, launch.master_port, launch.world_size, False, timedelta(seconds=30))
+    client.add(_LEFT_KEY, 1)
+    if store is None:
+        return
+    deadline = time.monotonic() + _LEAVE_WAIT_S
+    while client.add(_LEFT_KEY, 0) < launch.world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _exit(code: int) -> None:

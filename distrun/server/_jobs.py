@@ -21,12 +21,12 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from distrun.config import JobSpec
-from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
+from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import Event, encode_event, event_to_dict
 from distrun.protocol.environment import JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
@@ -80,8 +80,10 @@ class _Job:
 
 
 class JobManager:
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, starter: Callable[[], Starter | None] = lambda: None) -> None:
+        """``starter()``: how to start training processes now (the warm interpreter, or None: cold)."""
         self.state_dir = state_dir
+        self._starter = starter
         self.bundles = state_dir / "bundles"
         self.jobs_dir = state_dir / "jobs"
         for folder in (self.bundles, self.jobs_dir):  # the client uploads bundles here over SFTP
@@ -149,15 +151,17 @@ class JobManager:
             master_port=int(args["master_port"]),
             env=env,
             cwd=str(root),
+            rank_hosts=tuple(str(host) for host in args.get("rank_hosts", ())),
         )
-        job.launcher = LocalLauncher(worker, job.record, listener=job.listener)
+        starter = self._starter()
+        job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
         job.state = "running"
         job.detached = bool(args.get("detach", False))
         job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": worker.world_size,
                     "ranks": [worker.rank_offset, worker.rank_offset + worker.local_world_size - 1]}
         threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
         self._watch_lease(job)
-        return {"job": job_id, "interface": interface}
+        return {"job": job_id, "interface": interface, "warm": starter is not None}
 
     def follow(self, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Events from ``offset`` on, then the result; a heartbeat while nothing happens."""

@@ -26,6 +26,7 @@ from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
 from distrun.server._hostinfo import gpu_names, host_facts
 from distrun.server._jobs import JobManager
+from distrun.server._warm import WarmInterpreter
 from distrun.protocol.cluster import ServerState
 from distrun.server._state import StateDir
 
@@ -54,7 +55,8 @@ class WorkerServer:
         self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         self._gpu_names = gpu_names()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.jobs = JobManager(state_dir.path)
+        self.warm = WarmInterpreter(state_dir.path)
+        self.jobs = JobManager(state_dir.path, self.warm.starter)
         self._handlers: dict[str, Handler] = {
             "status": self._status,
             "shutdown": self._shutdown,
@@ -88,6 +90,7 @@ class WorkerServer:
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda *_: self._stop.set())
         log.info("serving on 127.0.0.1:%d (pid %d, distrun %s)", self.state().port, os.getpid(), __version__)
+        self.warm.start()
         try:
             while not self._stop.is_set():
                 try:
@@ -105,6 +108,7 @@ class WorkerServer:
         finally:
             self._listener.close()
             self.jobs.stop_all("the worker server is stopping")
+            self.warm.stop()
             self.state_dir.remove_if_ours(os.getpid())
             log.info("stopped")
 
@@ -170,6 +174,7 @@ class WorkerServer:
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
             gpu_names=self._gpu_names, jobs_running=self.jobs.running(), config_sha256=self.config_sha256,
+            warm=self.warm.ready,
             **host_facts(),  # type: ignore[arg-type]
         )
         return info.to_dict()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,3 +131,44 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         for sshd in sshds:
             sshd.stop()
         netns.close()
+
+
+# -- helpers for tests that drive the CLI from the lab's client namespace
+
+def lab_cli(lab: Lab, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run `distrun ARGS` in the client namespace, in the lab's folder (results come home there)."""
+    return subprocess.run(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=lab.root)
+
+
+def json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def distrun_pids_in(lab: Lab, ns: str) -> list[int]:
+    """Processes in a host namespace other than its sshd: what distrun runs or left there."""
+    return [pid for pid in lab.netns.pids(ns) if "distrun" in cmdline(pid)]
+
+
+def training_pids(lab: Lab) -> list[int]:
+    return [pid for ns, _ in lab.hosts.values() for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)]
+
+
+@pytest.fixture
+def cluster(lab: Lab) -> Iterator[Path]:
+    """The lab's two hosts as a cluster file (h1 chief+worker, h2 worker), brought up and, after, down."""
+    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]"},
+             {"address": lab.hosts["h2"][1], "roles": "[worker]"}]
+    path = lab.root / "lab.yaml"
+    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="lab"))
+    up = lab_cli(lab, "up", str(path), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield path
+    lab_cli(lab, "down", str(path))

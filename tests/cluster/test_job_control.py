@@ -15,9 +15,7 @@ import pytest
 
 from distrun.client.jobs import collapse_ranks
 from distrun.ui import fmt_ranks
-from tests.cluster.conftest import Lab
-from tests.cluster.test_netns_hosts import _distrun_pids
-from tests.cluster.test_train_cluster import _cli, _cmdline, _json_lines, cluster  # noqa: F401 - fixture
+from tests.cluster.conftest import Lab, json_lines, lab_cli, training_pids
 
 SLOW = """
 import time
@@ -41,11 +39,6 @@ def train_data(ctx):
     print("loading data", flush=True)
     return TensorDataset(torch.randn(64, 2), torch.randn(64, 1))
 """
-
-
-def _training_pids(lab: Lab) -> list[int]:
-    return [pid for ns, _ in lab.hosts.values() for pid in _distrun_pids(lab, ns)
-            if "distrun.runtime" in " ".join(_cmdline(pid))]
 
 
 def _wait_until(predicate, within_s: float, what: str) -> float:
@@ -81,31 +74,31 @@ def slow_recipe(tmp_path: Path) -> Path:
 def test_ctrl_c_cancels_on_every_host(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
     proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
     _wait_for_steps(proc)
-    assert len(_training_pids(lab)) == 2
+    assert len(training_pids(lab)) == 2
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err
-    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending")
+    _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
 
 
 def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
-    started = _cli(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
+    started = lab_cli(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
                    "--detach", "--json")
     assert started.returncode == 0, started.stderr
-    job_id = _json_lines(started)[0]["job"]
-    _wait_until(lambda: len(_training_pids(lab)) == 2, 30, "both ranks starting")
+    job_id = json_lines(started)[0]["job"]
+    _wait_until(lambda: len(training_pids(lab)) == 2, 30, "both ranks starting")
     time.sleep(12)  # longer than the lease: a detached job is not cancelled for lack of a client
-    assert len(_training_pids(lab)) == 2
+    assert len(training_pids(lab)) == 2
 
-    listed = _cli(lab, "jobs", "--cluster", str(cluster), "--json")
-    rows = [row for row in _json_lines(listed) if row["job"] == job_id]
+    listed = lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")
+    rows = [row for row in json_lines(listed) if row["job"] == job_id]
     assert rows and rows[0]["state"] == "running" and rows[0]["world_size"] == 2 and len(rows[0]["hosts"]) == 2
 
-    logs = _cli(lab, "logs", job_id, "--cluster", str(cluster))
+    logs = lab_cli(lab, "logs", job_id, "--cluster", str(cluster))
     assert logs.returncode == 0, logs.stderr
     assert "ranks 0-1: loading data" in logs.stdout.splitlines()
-    one = _cli(lab, "logs", job_id, "--cluster", str(cluster), "--rank", "1")
+    one = lab_cli(lab, "logs", job_id, "--cluster", str(cluster), "--rank", "1")
     mine = [line for line in one.stdout.splitlines() if "loading data" in line]
     assert mine == [f"[{lab.hosts['h2'][1]} rank 1] loading data"]
     assert all(line.startswith(f"[{lab.hosts['h2'][1]} rank 1] ") for line in one.stdout.splitlines())
@@ -116,12 +109,12 @@ def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Pa
     _out, err = attach.communicate(timeout=30)
     assert attach.returncode == 130 and "detached from job" in err
     time.sleep(1)
-    assert len(_training_pids(lab)) == 2
+    assert len(training_pids(lab)) == 2
 
-    cancelled = _cli(lab, "cancel", job_id, "--cluster", str(cluster))
+    cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(cluster))
     assert cancelled.returncode == 0 and "cancelled" in cancelled.stderr
-    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending after cancel")
-    final = [row for row in _json_lines(_cli(lab, "jobs", "--cluster", str(cluster), "--json")) if row["job"] == job_id]
+    _wait_until(lambda: not training_pids(lab), 10, "every training process ending after cancel")
+    final = [row for row in json_lines(lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")) if row["job"] == job_id]
     assert final[0]["state"] == "stopped"
 
 
@@ -130,8 +123,8 @@ def test_a_killed_client_loses_its_lease(lab: Lab, cluster: Path, slow_recipe: P
     _wait_for_steps(proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
-    assert len(_training_pids(lab)) == 2  # no client: the servers hold on for the lease...
-    waited = _wait_until(lambda: not _training_pids(lab), 30, "the servers cancelling the orphaned job")
+    assert len(training_pids(lab)) == 2  # no client: the servers hold on for the lease...
+    waited = _wait_until(lambda: not training_pids(lab), 30, "the servers cancelling the orphaned job")
     assert waited > 5  # ...and then cancel: it was the lease, not the client, that ended it
 
 
@@ -145,7 +138,7 @@ def test_a_killed_worker_server_is_noticed(lab: Lab, cluster: Path, slow_recipe:
     assert time.monotonic() - t0 < 15
     assert proc.returncode == 4, err[-2000:]
     assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
-    _wait_until(lambda: not _training_pids(lab), 10, "every training process ending")
+    _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
     assert not psutil.pid_exists(h2_server) or psutil.Process(h2_server).status() == psutil.STATUS_ZOMBIE
 
 

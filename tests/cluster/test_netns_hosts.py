@@ -11,10 +11,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 
 from tests._sshd import cluster_yaml
-from tests.cluster.conftest import Lab
+from tests.cluster.conftest import Lab, distrun_pids_in
 
 
 def _cli(lab: Lab, *args: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
@@ -28,19 +27,6 @@ def _report(proc: subprocess.CompletedProcess) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, proc.stdout[-2000:] + proc.stderr[-2000:]
     return json.loads(lines[-1])
-
-
-def _distrun_pids(lab: Lab, ns: str) -> list[int]:
-    """Processes in a host namespace other than its sshd listener: what distrun left there."""
-    left = []
-    for pid in lab.netns.pids(ns):
-        try:
-            cmd = " ".join(psutil.Process(pid).cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "distrun" in cmd:
-            left.append(pid)
-    return left
 
 
 def test_two_hosts_up_status_down(lab: Lab) -> None:
@@ -78,7 +64,7 @@ def test_two_hosts_up_status_down(lab: Lab) -> None:
     assert down.returncode == 0, down.stdout + down.stderr
     assert [(row["status"], row["processes_left"]) for row in _report(down)["hosts"]] == [("stopped", 0)] * 2
     for ns, _address in lab.hosts.values():
-        assert _distrun_pids(lab, ns) == []
+        assert distrun_pids_in(lab, ns) == []
 
 
 def test_unreachable_host_is_named_within_connect_timeout(lab: Lab) -> None:
@@ -99,4 +85,4 @@ def test_unreachable_host_is_named_within_connect_timeout(lab: Lab) -> None:
     assert status.returncode == 6 and ghost in status.stdout and wall_s < 2 + 8
     down, _ = _cli(lab, "down", str(cluster), "--json")
     assert _report(down)["hosts"][0]["processes_left"] == 0
-    assert _distrun_pids(lab, lab.hosts["h1"][0]) == []
+    assert distrun_pids_in(lab, lab.hosts["h1"][0]) == []

@@ -96,7 +96,11 @@ def test_up_is_idempotent_and_replaces_dead_or_stale_servers(loopback: Loopback)
     fourth = _report(run_cli("up", str(cluster), "--json", timeout=60))["hosts"][0]
     assert fourth["status"] == "restarted" and fourth["server"]["pid"] != third["server"]["pid"]
     assert not _alive(third["server"]["pid"])
-    assert len(distrun_processes(loopback.root)) == 1
+    left = distrun_processes(loopback.root)
+    servers = [proc for proc in left if "distrun.server" in " ".join(proc.cmdline())]
+    assert [proc.pid for proc in servers] == [fourth["server"]["pid"]]
+    # Besides it, only its own warm interpreter: the old servers' zygotes died with them.
+    assert all(proc.ppid() == fourth["server"]["pid"] for proc in left if proc not in servers)
 
 
 def test_hostile_values_pass_through_literally(loopback: Loopback, tmp_path: Path) -> None:

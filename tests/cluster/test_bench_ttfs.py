@@ -1,0 +1,28 @@
+"""`distrun bench ttfs` on the two-host namespace cluster: it runs and reports the ratio.
+
+Speed is not asserted (figures go in docs/performance.md); this holds the
+benchmark's shape and that its contenders really ran. DISTRUN_BENCH_REPEATS
+raises the repeats for the documented figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tests.cluster.conftest import Lab, lab_cli
+
+
+def test_ttfs_benchmark_reports_each_contender(lab: Lab, cluster: Path) -> None:
+    repeats = os.environ.get("DISTRUN_BENCH_REPEATS", "1")
+    result = lab_cli(lab, "bench", "ttfs", "--cluster", str(cluster), "--repeats", repeats, "--json", timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(json.dumps(report, indent=2))
+    assert report["world_size"] == 2 and report["repeats"] == int(repeats)
+    names = [row["name"] for row in report["rows"]]
+    assert names == ["torchrun (cold)", "distrun script (warm cluster)", "distrun fit (warm cluster)"]
+    for row in report["rows"]:
+        assert 0 < row["time_to_first_step_s"] < 120
+    assert report["rows"][0]["speedup_vs_torchrun"] == 1.0
