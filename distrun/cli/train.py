@@ -54,6 +54,7 @@ def train(
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
+    max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
@@ -67,18 +68,22 @@ def train(
         sync_batch_norm=sync_batch_norm,
     )
     if cluster_file is None:
-        if include or detach:
-            raise UsageError(f"{'--include' if include else '--detach'} is for cluster jobs; it needs --cluster")
+        cluster_only = [name for name, used in (("--include", include), ("--detach", detach),
+                                                 ("--max-restarts", max_restarts)) if used]
+        if cluster_only:
+            raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
         run_job(LocalJob(build_spec(replicas=replicas, **flags)), json_output=json_output)
         return
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+    if max_restarts < 0:
+        raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
     run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
-                    results_dir=results_dir if fetch else None)
+                    results_dir=results_dir if fetch else None, max_restarts=max_restarts)
 
 
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
-                    detach: bool, results_dir: Path | None) -> None:
+                    detach: bool, results_dir: Path | None, max_restarts: int = 0) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -87,7 +92,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             device = "cuda" if job.gpus_everywhere else "cpu"
         spec = build_spec(replicas=job.world_size, device=device, gpus=job.world_size if job.gpus_everywhere else 0,
                           **flags)
-        job.start(spec, pack(Path(spec.recipe), include), detach=detach)
+        job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts)
     except BaseException:
         job.close()
         raise

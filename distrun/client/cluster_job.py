@@ -14,6 +14,7 @@ the others, so no rank waits out a collective timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import threading
@@ -34,7 +35,7 @@ from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
 from distrun.errors import HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, decode_event
+from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -76,7 +77,13 @@ class ClusterJob:
         self._detaching = False
         self._cancelled = threading.Event()
         self._followers: list[threading.Thread] = []
+        self._supervisor: threading.Thread | None = None
         self._clients: list[ServerClient] = []
+        self.attempt_id = job_id  # the id servers know the current attempt by: JOB, then JOB-r1, JOB-r2, ...
+        self.restarts = 0
+        self.max_restarts = 0
+        self._user_cancelled = False
+        self._saw_checkpoint = False
         self.bundle_sent_to: tuple[str, ...] = ()
 
     @classmethod
@@ -136,36 +143,82 @@ class ClusterJob:
 
     # -- start
 
-    def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False) -> None:
-        """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``."""
+    def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0) -> None:
+        """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``.
+
+        ``max_restarts``: when a rank fails, restart every rank (from the newest
+        checkpoint, if one was written) up to this many times. The client drives
+        restarts, so they need a followed job, not ``detach``.
+        """
+        if detach and max_restarts:
+            raise UsageError("--max-restarts needs the client attached (restarts are driven by it); drop --detach")
         self.spec = spec
+        self.max_restarts = max_restarts
+        self._bundle = bundle
+        self._detach = detach
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
                                           host_of_rank=self.host_of_rank))
         with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)
+        self._submit(self.job_id, spec)
+        if not detach:
+            self._start_following()
+
+    def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]
         port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
-        port = rank0.call("rendezvous", job=self.job_id, port_range=port_range)["port"]
+        port = rank0.call("rendezvous", job=attempt_id, port_range=port_range)["port"]
         master_addr = "127.0.0.1" if self.cluster.local else rank0.host.address
         rank_hosts = [master_addr if self.cluster.local else p.host.address
                       for p in self.placements for _ in range(p.slots)]
         for link, placement in zip(self._links, self.placements):
-            link.call("submit", job=self.job_id, bundle=bundle.sha256, recipe=bundle.recipe, spec=spec.to_json(),
-                      local_world_size=placement.slots, world_size=self.world_size,
+            link.call("submit", job=attempt_id, bundle=self._bundle.sha256, recipe=self._bundle.recipe,
+                      spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
                       master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
-                      rank_hosts=rank_hosts,
-                      detach=detach)
-        if not detach:
-            self._start_following()
+                      rank_hosts=rank_hosts, detach=self._detach)
+        self.attempt_id = attempt_id
 
     def _start_following(self) -> None:
-        for link in self._links:
-            thread = threading.Thread(target=self._follow, args=(link,), name=f"follow-{link.label}", daemon=True)
+        self._supervisor = threading.Thread(target=self._supervise, name="job-supervisor", daemon=True)
+        self._supervisor.start()
+
+    def _follow_attempt(self) -> None:
+        self._followers = [threading.Thread(target=self._follow, args=(link, self.attempt_id),
+                                            name=f"follow-{link.label}", daemon=True) for link in self._links]
+        for thread in self._followers:
             thread.start()
-            self._followers.append(thread)
-        threading.Thread(target=self._end_when_followed, daemon=True).start()
+        for thread in self._followers:
+            thread.join()
+
+    def _supervise(self) -> None:
+        """Follow each attempt to its end; restart every rank after a failure while restarts are left."""
+        try:
+            self._follow_attempt()
+            while self._restart_wanted():
+                self.restarts += 1
+                failed_rank = next((r["failure"]["rank"] for r in self._results.values() if r.get("failure")), 0)
+                how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
+                self._events.put(Output(rank=failed_rank, time=time.time(), stream="stderr",
+                                        line=f"[distrun] restarting every rank ({self.restarts}/{self.max_restarts}) {how}"))
+                self._results = {}
+                self._cancelled.clear()
+                spec = dataclasses.replace(self.spec, resume=self._saw_checkpoint)
+                try:
+                    self._submit(f"{self.job_id}-r{self.restarts}", spec)
+                except HostError as exc:
+                    self._results = {exc.host: {"state": "failed", "failure": None, "error": exc.reason}}
+                    break
+                self._follow_attempt()
+        finally:
+            self._events.end()
+
+    def _restart_wanted(self) -> bool:
+        if self._user_cancelled or self._detaching or self.restarts >= self.max_restarts:
+            return False
+        states = [result.get("state") for result in self._results.values()]
+        return len(states) == len(self._links) and any(state != "succeeded" for state in states)
 
     def _ship(self, link: HostLink, bundle: Bundle) -> bool:
         if link.call("has_bundle", bundle=bundle.sha256)["present"]:
@@ -173,27 +226,24 @@ class ClusterJob:
         link.remote.write_file(f"{link.state_dir}/bundles/{bundle.sha256}.tar.gz", bundle.data)
         return True
 
-    def _follow(self, link: HostLink) -> None:
+    def _follow(self, link: HostLink, attempt_id: str) -> None:
         try:
             with link.client() as client:
                 self._clients.append(client)
-                for item in client.stream("follow", job=self.job_id, offset=0):
+                for item in client.stream("follow", job=attempt_id, offset=0):
                     for raw in item.get("events", ()):
+                        if raw.get("type") == "checkpoint":
+                            self._saw_checkpoint = True
                         self._events.put(decode_event(json.dumps(raw)))
                     if "result" in item:
                         self._results[link.label] = item["result"]
                         if item["result"].get("state") != "succeeded":
-                            self.cancel(f"{link.label} ended: {item['result'].get('state')}")
+                            self._cancel_attempt(f"{link.label} ended: {item['result'].get('state')}")
         except HostError as exc:
             if self._detaching:
                 return
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
-            self.cancel(f"lost {link.label}")
-
-    def _end_when_followed(self) -> None:
-        for thread in self._followers:
-            thread.join()
-        self._events.end()
+            self._cancel_attempt(f"lost {link.label}")
 
     # -- the LocalJob surface
 
@@ -210,33 +260,37 @@ class ClusterJob:
         return self._events.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return self._events.summary(status, error)
+        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
-        """Stop the job on every host; an attached client (``attach``) only stops following."""
+        """Stop the job on every host, for good; an attached client (``attach``) only stops following."""
         self._interrupted = self._interrupted or interrupted
         if self.attached and interrupted:
             self._detaching = True
             for client in list(self._clients):
                 client.close()
             return
+        self._user_cancelled = True
+        self._cancel_attempt(reason)
+
+    def _cancel_attempt(self, reason: str) -> None:
         if self._cancelled.is_set():
             return
         self._cancelled.set()
         for link in self._links:
             try:
-                link.call("cancel", job=self.job_id, reason=reason)
+                link.call("cancel", job=self.attempt_id, reason=reason)
             except HostError:
                 pass  # that host is gone already; its follower reports it
 
     def outcome(self) -> JobOutcome:
-        for thread in self._followers:
-            thread.join()
+        if self._supervisor is not None:
+            self._supervisor.join()
         if self._detaching:
             raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
         states = {label: result.get("state") for label, result in self._results.items()}
         if states and all(state == "succeeded" for state in states.values()) and len(states) == len(self._links):
-            return JobOutcome(self._events.summary("succeeded"), None)
+            return JobOutcome(self.summary("succeeded"), None)
         failures = []
         for label, result in self._results.items():
             raw = result.get("failure")
@@ -265,7 +319,7 @@ class ClusterJob:
         dest = dest.resolve()
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        checkpoint = fetch_newest_checkpoint(self._links[0], self.job_id, dest)
+        checkpoint = fetch_newest_checkpoint(self._links[0], self.attempt_id, dest)
         return {"type": "results", "job": self.job_id, "dir": str(dest),
                 "checkpoint": str(checkpoint) if checkpoint else None}
 
@@ -277,10 +331,9 @@ class ClusterJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._followers and any(thread.is_alive() for thread in self._followers):
+        if self._supervisor is not None and self._supervisor.is_alive():
             self.cancel("client exiting")
-            for thread in self._followers:
-                thread.join(30)
+            self._supervisor.join(30)
         self.close()
 
 

@@ -53,6 +53,7 @@ class _Proc:
     popen: Handle  # a subprocess.Popen, or a process the warm interpreter forked
     fds: dict[int, tuple[str, LineBuffer]] = field(default_factory=dict)
     returncode: int | None = None
+    signalled: bool = False  # we sent it SIGTERM/SIGKILL: its death is ours, not its own failure
 
 
 class LocalLauncher:
@@ -94,7 +95,9 @@ class LocalLauncher:
         return RunResult(
             state=state,
             returncodes={p.rank: (p.returncode if p.returncode is not None else -signal.SIGKILL) for p in self._procs},
-            failure=self._root_cause() if state is ProcessState.FAILED else None,
+            # Also when stopped: a rank that died on its own just before a stop request
+            # (a peer host's failure reached us first) is still the root cause.
+            failure=self._root_cause(),
         )
 
     def stop(self, reason: str = "stop requested") -> None:
@@ -239,8 +242,7 @@ class LocalLauncher:
             self._drain_proc(proc, deadline=time.monotonic() + 0.5)
             now = time.time()
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
-            stopping = self._stop_requested.is_set() or bool(self._failures)
-            if rc != 0 and not stopping and not any(f.rank == proc.rank for f in self._failures):
+            if rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(
                     Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
                 )
@@ -254,6 +256,7 @@ class LocalLauncher:
     # -- tear down ------------------------------------------------------------
 
     def _kill_group(self, proc: _Proc, sig: int) -> None:
+        proc.signalled = proc.signalled or proc.returncode is None
         try:
             os.killpg(proc.popen.pid, sig)
         except (ProcessLookupError, PermissionError):

@@ -77,6 +77,7 @@ class JobSummary:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     last_checkpoint: str | None = None
     error: str | None = None
+    restarts: int = 0  # cluster jobs with --max-restarts: how many times every rank was restarted
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

@@ -64,6 +64,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("samples/s", fmt_rate(summary.samples_per_s))
     table.add_row("time to first step", fmt_seconds(summary.time_to_first_step_s))
     table.add_row("wall time", fmt_seconds(summary.wall_s))
+    if summary.restarts:
+        table.add_row("restarts", str(summary.restarts))
     for key, value in summary.eval_metrics.items():
         table.add_row(f"eval {key}", f"{value:.4g}")
     if summary.last_checkpoint:

@@ -148,3 +148,41 @@ def test_identical_lines_collapse_per_occurrence() -> None:
     assert [(fmt_ranks(ranks), text) for ranks, text in collapse_ranks(lines)] == [
         ("ranks 0-4", "epoch 1"), ("rank 2", "only two"), ("ranks 0-1", "epoch 1")]
     assert fmt_ranks((0, 1, 4, 6, 7)) == "ranks 0-1,4,6-7"
+
+
+CHECKPOINTED = SLOW.replace('defaults = {"global_batch_size": 8, "epochs": 1000}', 'defaults = {"global_batch_size": 8}')
+
+
+@pytest.mark.parametrize("max_restarts", [0, 1])
+def test_a_killed_rank_fails_the_job_or_restarts_it_from_the_checkpoint(lab: Lab, cluster: Path, tmp_path: Path,
+                                                                        max_restarts: int) -> None:
+    recipe = tmp_path / "ckpt" / "ckpt.py"
+    recipe.parent.mkdir()
+    recipe.write_text(CHECKPOINTED)
+    proc = _start(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                  "--steps", "60", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10",
+                  "--max-restarts", str(max_restarts))
+    assert proc.stdout is not None
+    for line in proc.stdout:  # wait for the first checkpoint, then kill rank 1 (on the second host)
+        if line.startswith('{"type":"checkpoint"'):
+            break
+    rank1 = [pid for pid in training_pids(lab) if pid in lab.netns.pids(lab.hosts["h2"][0])]
+    assert len(rank1) == 1
+    os.kill(rank1[0], signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if max_restarts == 0:
+        assert proc.returncode == 4, (proc.returncode, out[-3000:], err[-2000:])
+        assert err.strip().splitlines()[-1].startswith(f"error: {lab.hosts['h2'][1]}: rank 1 failed")
+        assert "SIGKILL" in err.strip().splitlines()[-1]
+    else:
+        assert proc.returncode == 0, err[-3000:]
+        summary = lines[-1]
+        assert summary["status"] == "succeeded" and summary["restarts"] == 1 and summary["steps"] == 60
+        restarted = [line for line in lines if line.get("type") == "output" and "[distrun] restarting" in line["line"]]
+        assert restarted and "from the newest checkpoint" in restarted[0]["line"]
+        # The second attempt resumed: its ranks' first steps come after the checkpoint, not from 1.
+        restart_at = lines.index(restarted[0])
+        second = [line for line in lines[restart_at:] if line.get("type") == "step"]
+        assert second and second[0]["step"] > 10
+    _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
