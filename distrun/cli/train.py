@@ -28,7 +28,7 @@ from distrun.config import (
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.protocol import Event, JobSummary, Output, event_to_dict
+from distrun.protocol import Event, Heartbeat, JobSummary, Output, event_to_dict
 from distrun.ui import render_progress, render_summary
 
 #: Global batch size when neither the flag nor the recipe's defaults give one.
@@ -54,6 +54,7 @@ def train(
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
+    hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
@@ -67,23 +68,27 @@ def train(
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
         sync_batch_norm=sync_batch_norm,
     )
+    if hang_timeout_s is not None and hang_timeout_s <= 0:
+        raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
     if cluster_file is None:
         cluster_only = [name for name, used in (("--include", include), ("--detach", detach),
                                                  ("--max-restarts", max_restarts)) if used]
         if cluster_only:
             raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
-        run_job(LocalJob(build_spec(replicas=replicas, **flags)), json_output=json_output)
+        run_job(LocalJob(build_spec(replicas=replicas, **flags), hang_timeout_s=hang_timeout_s), json_output=json_output)
         return
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
     if max_restarts < 0:
         raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
     run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
-                    results_dir=results_dir if fetch else None, max_restarts=max_restarts)
+                    results_dir=results_dir if fetch else None, max_restarts=max_restarts,
+                    hang_timeout_s=hang_timeout_s)
 
 
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
-                    detach: bool, results_dir: Path | None, max_restarts: int = 0) -> None:
+                    detach: bool, results_dir: Path | None, max_restarts: int = 0,
+                    hang_timeout_s: float | None = None) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -92,7 +97,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             device = "cuda" if job.gpus_everywhere else "cpu"
         spec = build_spec(replicas=job.world_size, device=device, gpus=job.world_size if job.gpus_everywhere else 0,
                           **flags)
-        job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts)
+        job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
+                  hang_timeout_s=hang_timeout_s)
     except BaseException:
         job.close()
         raise
@@ -212,7 +218,9 @@ def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callab
     """Render events until the job ends; Ctrl-C cancels the job and keeps draining."""
     console = Console(stderr=not json_output and not sys.stdout.isatty(), highlight=False)
     if json_output:
-        _drain(job, lambda ev: _print_json(event_to_dict(ev)) if ev is not None else None)
+        # Heartbeats are liveness plumbing (they feed --hang-timeout-s), not part of the stream.
+        _drain(job, lambda ev: _print_json(event_to_dict(ev)) if ev is not None and not isinstance(ev, Heartbeat)
+               else None)
         return
     with Live(render_progress(job.snapshot()), console=console, refresh_per_second=4, transient=False) as live:
         def show(ev: Event | None) -> None:

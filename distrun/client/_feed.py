@@ -16,14 +16,19 @@ from typing import Any
 from distrun.client._tracker import JobTracker
 from distrun.protocol import Event, JobSnapshot, JobSummary, Output
 
+#: How often training processes send a heartbeat (distrun/runtime/_heartbeat.py; the
+#: client never imports the runtime, so the figure is repeated here).
+HEARTBEAT_S = 2.0
 #: How many of a rank's last stderr lines a failure shows.
 STDERR_TAIL_LINES = 5
 _END = object()
 
 
 class EventFeed:
-    def __init__(self, tracker: JobTracker) -> None:
+    def __init__(self, tracker: JobTracker, *, hang_timeout_s: float | None = None) -> None:
+        """``hang_timeout_s``: yield a Hung event when no rank has stepped for this long."""
         self.tracker = tracker
+        self.hang_timeout_s = hang_timeout_s
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stderr: dict[int, deque[str]] = {}
 
@@ -37,6 +42,11 @@ class EventFeed:
     def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
         """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""
         while True:
+            if self.hang_timeout_s is not None:
+                hang = self.tracker.check_hang(self.hang_timeout_s, HEARTBEAT_S)
+                if hang is not None:
+                    self.tracker.update(hang)
+                    yield hang
             try:
                 item = self._queue.get(timeout=poll_s)
             except queue.Empty:

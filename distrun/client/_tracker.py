@@ -13,6 +13,8 @@ from distrun.protocol import (
     Event,
     Exited,
     Failed,
+    Heartbeat,
+    Hung,
     JobSnapshot,
     JobSummary,
     ReplicaRow,
@@ -37,8 +39,17 @@ class JobTracker:
         self._checkpoint: str | None = None
         self._done: dict[int, Done] = {}
         self._first_step_at: float | None = None
+        self._last_step_at: float | None = None
+        self._where: dict[int, str] = {}
+        self._beat: dict[int, float] = {}
+        self._hang: Hung | None = None
 
     def update(self, event: Event) -> None:
+        if isinstance(event, Hung):  # made by the client; may name no rank (-1)
+            self._hang = event
+            return
+        if event.rank < 0:  # a note from a worker server, not from a rank
+            return
         row = self._rows.get(event.rank) or ReplicaRow(rank=event.rank)
         self._seen[event.rank] = time.time()
         if isinstance(event, Started):
@@ -52,6 +63,11 @@ class JobTracker:
                 self._total_steps = event.total_steps
             if self._first_step_at is None:
                 self._first_step_at = event.time
+            self._last_step_at = time.time()
+            self._hang = None
+        elif isinstance(event, Heartbeat):
+            self._where[event.rank] = event.where
+            self._beat[event.rank] = time.time()
         elif isinstance(event, Eval):
             self._eval = dict(event.metrics)
         elif isinstance(event, Checkpointed):
@@ -65,6 +81,29 @@ class JobTracker:
             if event.returncode != 0 and row.status not in (ReplicaStatus.FAILED, ReplicaStatus.DONE):
                 row = dataclasses.replace(row, status=ReplicaStatus.STOPPED)
         self._rows[event.rank] = row
+
+    def check_hang(self, timeout_s: float, heartbeat_s: float) -> Hung | None:
+        """A new Hung event if no rank has stepped for ``timeout_s`` (once per stall)."""
+        now = time.time()
+        running = [r for r, row in sorted(self._rows.items()) if row.status is ReplicaStatus.RUNNING]
+        if self._hang is not None or not running or len(running) < len(self._rows):
+            return None
+        since = self._last_step_at or max((self._seen.get(r, self._t0) for r in running), default=self._t0)
+        if now - since < timeout_s:
+            return None
+        silent_after_s = 3 * heartbeat_s
+        culprits, waiting = [], []
+        for rank in running:
+            silent = now - self._beat.get(rank, self._t0) > silent_after_s
+            (culprits if silent or not self._where.get(rank, "").startswith("torch") else waiting).append(rank)
+        if culprits:
+            rank = culprits[0]
+            silent = now - self._beat.get(rank, self._t0) > silent_after_s
+            where = (f"no heartbeat for {now - self._beat.get(rank, self._t0):.0f} s (stuck outside Python?)"
+                     if silent else f"in {self._where.get(rank, 'distrun')}")
+        else:
+            rank, where = -1, "every rank waits inside torch (a collective that no rank completes?)"
+        return Hung(rank=rank, time=now, stalled_s=now - since, where=where, waiting=tuple(waiting))
 
     def snapshot(self) -> JobSnapshot:
         now = time.time()
@@ -81,6 +120,7 @@ class JobTracker:
             elapsed_s=now - self._t0,
             eval_metrics=dict(self._eval),
             last_checkpoint=self._checkpoint,
+            hang=describe_hang(self._hang, self._rows) if self._hang else None,
         )
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
@@ -101,3 +141,16 @@ class JobTracker:
             last_checkpoint=self._checkpoint,
             error=error,
         )
+
+
+def describe_hang(hang: Hung, rows: dict[int, ReplicaRow]) -> str:
+    """One line for the live view: who is stuck, where, and who waits for it."""
+    def name(rank: int) -> str:
+        host = rows[rank].host if rank in rows else None
+        return f"rank {rank}" + (f" ({host})" if host else "")
+
+    waiting = ", ".join(name(rank) for rank in hang.waiting)
+    if hang.rank < 0:
+        return f"no progress for {hang.stalled_s:.0f} s: {hang.where}"
+    tail = f"; waiting for it: {waiting}" if waiting else ""
+    return f"no progress for {hang.stalled_s:.0f} s: {name(hang.rank)} is stuck {hang.where}{tail}"

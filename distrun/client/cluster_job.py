@@ -143,7 +143,8 @@ class ClusterJob:
 
     # -- start
 
-    def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0) -> None:
+    def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0,
+              hang_timeout_s: float | None = None) -> None:
         """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``.
 
         ``max_restarts``: when a rank fails, restart every rank (from the newest
@@ -157,7 +158,7 @@ class ClusterJob:
         self._bundle = bundle
         self._detach = detach
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
-                                          host_of_rank=self.host_of_rank))
+                                          host_of_rank=self.host_of_rank), hang_timeout_s=hang_timeout_s)
         with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)

@@ -33,7 +33,8 @@ class JobOutcome:
 class LocalJob:
     """One local training job. Use as a context manager; iterate ``events()``."""
 
-    def __init__(self, spec: JobSpec, *, python: str | None = None, stop_grace_s: float = 5.0) -> None:
+    def __init__(self, spec: JobSpec, *, python: str | None = None, stop_grace_s: float = 5.0,
+                 hang_timeout_s: float | None = None) -> None:
         self.spec = spec
         self._t0 = time.time()
         worker = WorkerSpec(
@@ -42,7 +43,8 @@ class LocalJob:
             env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env},
             stop_grace_s=stop_grace_s,
         )
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0))
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0),
+                               hang_timeout_s=hang_timeout_s)
         self._launcher = LocalLauncher(worker, self._feed.put)
         self._result: RunResult | None = None
         self._error: BaseException | None = None

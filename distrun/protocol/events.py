@@ -27,6 +27,8 @@ __all__ = [
     "Failed",
     "Done",
     "Exited",
+    "Heartbeat",
+    "Hung",
     "PEER_LOST",
     "EventDecodeError",
     "encode_event",
@@ -144,8 +146,39 @@ class Exited(Event):
     returncode: int
 
 
+@dataclass(frozen=True)
+class Heartbeat(Event):
+    """Every few seconds from each training process: alive, and where its main thread is.
+
+    ``where`` is ``"collective"`` when the innermost Python frame is inside
+    torch (a collective, backward, an optimizer step), else ``"recipe FILE:LINE"``
+    or ``"distrun"``: what lets the client tell a hung rank from the ranks waiting
+    for it.
+    """
+
+    type: ClassVar[str] = "heartbeat"
+    where: str
+
+
+@dataclass(frozen=True)
+class Hung(Event):
+    """Made by the client, not a process: no rank has stepped for ``stalled_s``.
+
+    ``rank`` is the rank the others wait for (-1 if it cannot be told), ``waiting``
+    the ranks blocked in a collective.
+    """
+
+    type: ClassVar[str] = "hang"
+    stalled_s: float
+    where: str
+    waiting: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "waiting", tuple(self.waiting))  # JSON brings a list
+
+
 _TYPES: dict[str, type[Event]] = {
-    cls.type: cls for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited)
+    cls.type: cls for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung)
 }
 
 

@@ -48,6 +48,7 @@ class JobSnapshot:
     elapsed_s: float
     eval_metrics: dict[str, float] = field(default_factory=dict)
     last_checkpoint: str | None = None
+    hang: str | None = None  # set while no rank makes progress past --hang-timeout-s
 
     @property
     def samples_per_s(self) -> float:

@@ -20,6 +20,7 @@ from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
 from distrun.protocol.environment import JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
+from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
 from distrun.runtime._recipe import load_module, prepare_sys_path
 from distrun.runtime._reporter import EventReporter, to_float
@@ -41,6 +42,7 @@ def main() -> None:
             Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
                     world_size=launch.world_size, recipe_kind=info.kind.value)
         )
+        start_heartbeat(writer, launch.rank, spec.recipe)
         prepare_sys_path(spec.recipe, spec.recipe_args)
         store = _rendezvous_store(launch)
         if info.kind is RecipeKind.SCRIPT:

@@ -27,7 +27,7 @@ from typing import Any
 
 from distrun.config import JobSpec
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Event, encode_event, event_to_dict
+from distrun.protocol import Event, Output, encode_event, event_to_dict
 from distrun.protocol.environment import JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._net import interface_towards
@@ -59,6 +59,7 @@ class _Job:
     started_at: float = dataclasses.field(default_factory=time.time)
     detached: bool = False
     followers: int = 0
+    unfollowed_since: float = dataclasses.field(default_factory=time.monotonic)  # when the last follower left
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def record(self, event: Event) -> None:
@@ -67,6 +68,10 @@ class _Job:
             with open(self.folder / "events.ndjson", "ab") as out:
                 out.write(encode_event(event))
             self.changed.notify_all()
+
+    def record_note(self, text: str) -> None:
+        """A line from the server itself in the job's log (shown by `distrun logs`, `attach`)."""
+        self.record(Output(rank=-1, time=time.time(), stream="stderr", line=f"[distrun server] {text}"))
 
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self.changed:
@@ -190,6 +195,8 @@ class JobManager:
         finally:
             with job.changed:
                 job.followers -= 1
+                if job.followers == 0:
+                    job.unfollowed_since = time.monotonic()
             self._watch_lease(job)
 
     def _watch_lease(self, job: _Job) -> None:
@@ -197,14 +204,23 @@ class JobManager:
         def expire() -> None:
             with job.changed:
                 orphaned = job.followers == 0 and job.state == "running" and not job.detached
-            if orphaned and job.launcher is not None:
-                log.warning("job %s: no client for %.0f s, cancelling (lease expired)", job.id, LEASE_S)
-                job.launcher.stop("the client went away (lease expired)")
+                left_s = LEASE_S - (time.monotonic() - job.unfollowed_since)
+            if not orphaned or job.launcher is None:
+                return
+            if left_s > 0:  # a follower came and went since this timer was set: wait the full lease
+                schedule(left_s)
+                return
+            log.warning("job %s: no client for %.0f s, cancelling (lease expired)", job.id, LEASE_S)
+            job.record_note("the client went away (lease expired): cancelling")
+            job.launcher.stop("the client went away (lease expired)")
 
-        if not job.detached:
-            timer = threading.Timer(LEASE_S, expire)
+        def schedule(delay_s: float) -> None:
+            timer = threading.Timer(delay_s, expire)
             timer.daemon = True
             timer.start()
+
+        if not job.detached:
+            schedule(LEASE_S)
 
     def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
         job = self._get(args)

@@ -26,6 +26,8 @@ def fmt_seconds(value: float | None) -> str:
 def fmt_ranks(ranks: tuple[int, ...] | list[int]) -> str:
     """``rank 3``, ``ranks 0-3``, ``ranks 0-1,4``: runs of consecutive ranks joined."""
     ordered = sorted(set(ranks))
+    if ordered == [-1]:
+        return "server"  # a note the worker server wrote into the job's log
     if len(ordered) == 1:
         return f"rank {ordered[0]}"
     runs: list[str] = []

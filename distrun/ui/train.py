@@ -47,6 +47,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
         f"  ETA {fmt_seconds(snapshot.eta_s)}",
     )
     parts: list[RenderableType] = [table, Group(bar, line)]
+    if snapshot.hang:
+        parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
     if snapshot.eval_metrics:
         parts.append(Text("eval: " + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.eval_metrics.items())))
     return Group(*parts)
