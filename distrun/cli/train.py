@@ -225,7 +225,10 @@ def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callab
     with Live(render_progress(job.snapshot()), console=console, refresh_per_second=4, transient=False) as live:
         def show(ev: Event | None) -> None:
             if isinstance(ev, Output):
-                where = f"{host_of_rank(ev.rank)} rank {ev.rank}" if host_of_rank else f"rank {ev.rank}"
+                if ev.rank < 0:  # the evaluator, or a worker server's own note
+                    where = host_of_rank(ev.rank) if host_of_rank else "server"
+                else:
+                    where = f"{host_of_rank(ev.rank)} rank {ev.rank}" if host_of_rank else f"rank {ev.rank}"
                 live.console.print(f"[{where}] {ev.line}", markup=False, highlight=False)
             live.update(render_progress(job.snapshot()))
 

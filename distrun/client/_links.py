@@ -50,6 +50,8 @@ class HostLink:
 
 
 def open_all(links: list[HostLink]) -> None:
+    if not links:
+        return
     try:
         with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
             list(pool.map(lambda link: link.open(), links))

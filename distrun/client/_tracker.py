@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from distrun.protocol import (
+    EVALUATOR_RANK,
     Checkpointed,
     Done,
     Eval,
@@ -43,12 +44,16 @@ class JobTracker:
         self._where: dict[int, str] = {}
         self._beat: dict[int, float] = {}
         self._hang: Hung | None = None
+        self._evaluator: tuple[int, dict[str, float]] | None = None
 
     def update(self, event: Event) -> None:
         if isinstance(event, Hung):  # made by the client; may name no rank (-1)
             self._hang = event
             return
-        if event.rank < 0:  # a note from a worker server, not from a rank
+        if event.rank == EVALUATOR_RANK and isinstance(event, Eval):
+            self._evaluator = (event.step, dict(event.metrics))
+            return
+        if event.rank < 0:  # a note from a worker server or the evaluator, not from a rank
             return
         row = self._rows.get(event.rank) or ReplicaRow(rank=event.rank)
         self._seen[event.rank] = time.time()
@@ -121,6 +126,8 @@ class JobTracker:
             eval_metrics=dict(self._eval),
             last_checkpoint=self._checkpoint,
             hang=describe_hang(self._hang, self._rows) if self._hang else None,
+            evaluator_step=self._evaluator[0] if self._evaluator else None,
+            evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
         )
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
@@ -140,6 +147,8 @@ class JobTracker:
             eval_metrics=dict(self._eval),
             last_checkpoint=self._checkpoint,
             error=error,
+            evaluator_step=self._evaluator[0] if self._evaluator else None,
+            evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
         )
 
 

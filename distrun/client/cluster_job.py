@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.client._bundle import Bundle
+from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._links import HostLink, open_all
 from distrun.client._results import fetch_newest_checkpoint
@@ -33,9 +34,9 @@ from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker
 from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
-from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName
+from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
 from distrun.errors import HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import EVALUATOR_RANK, PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -65,8 +66,11 @@ class ClusterJob:
     """``plan()`` a new job (learns the world size), then ``start(spec, bundle)``; or ``attach()`` to one."""
 
     def __init__(self, cluster: ClusterSpec, job_id: str, links: list[HostLink],
-                 placements: tuple[Placement, ...], *, attached: bool = False) -> None:
+                 placements: tuple[Placement, ...], *, attached: bool = False,
+                 evaluators: list[HostLink] | None = None) -> None:
         self.cluster = cluster
+        self._evaluators = evaluators or []
+        self._relay: EvaluatorRelay | None = None
         self.job_id = job_id
         self._links = links
         self.placements = placements
@@ -100,7 +104,16 @@ class ClusterJob:
                 slots = 1
             placements.append(Placement(link.host, slots, offset, node_rank, gpus))
             offset += slots
-        return cls(cluster, job_id, links, tuple(placements))
+        trainers = {link.host for link in links}
+        evaluators = [HostLink(cluster, host) for host in cluster.hosts
+                      if Role.EVALUATOR in host.roles and host not in trainers][:1]
+        try:
+            open_all(evaluators)
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return cls(cluster, job_id, links, tuple(placements), evaluators=evaluators)
 
     @classmethod
     def attach(cls, cluster: ClusterSpec, job_id: str) -> ClusterJob:
@@ -136,6 +149,10 @@ class ClusterJob:
         return all(p.gpus >= p.slots for p in self.placements)
 
     def host_of_rank(self, rank: int) -> str:
+        if rank == EVALUATOR_RANK and self._evaluators:
+            return f"evaluator on {self._evaluators[0].label}"
+        if rank < 0:
+            return "server"
         for placement in self.placements:
             if placement.rank_offset <= rank < placement.rank_offset + placement.slots:
                 return placement.host.label
@@ -159,9 +176,13 @@ class ClusterJob:
         self._detach = detach
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
                                           host_of_rank=self.host_of_rank), hang_timeout_s=hang_timeout_s)
-        with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
-            sent = list(pool.map(lambda link: self._ship(link, bundle), self._links))
-        self.bundle_sent_to = tuple(link.label for link, was_sent in zip(self._links, sent) if was_sent)
+        everyone = self._links + self._evaluators
+        with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
+            sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
+        self.bundle_sent_to = tuple(link.label for link, was_sent in zip(everyone, sent) if was_sent)
+        if self._evaluators and spec.checkpoint_dir and "eval_data" in inspect_recipe(spec.recipe).functions:
+            rank_hosts = [p.host.address for p in self.placements for _ in range(p.slots)]
+            self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle, spec, self._events, rank_hosts)
         self._submit(self.job_id, spec)
         if not detach:
             self._start_following()
@@ -178,7 +199,8 @@ class ClusterJob:
                       spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
                       master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
-                      rank_hosts=rank_hosts, detach=self._detach)
+                      rank_hosts=rank_hosts, detach=self._detach,
+                      evaluator_hosts=[link.host.address for link in self._evaluators])
         self.attempt_id = attempt_id
 
     def _start_following(self) -> None:
@@ -213,6 +235,9 @@ class ClusterJob:
                     break
                 self._follow_attempt()
         finally:
+            if self._relay is not None:  # the last checkpoint's evaluation, unless the job was stopped
+                states = [result.get("state") for result in self._results.values()]
+                self._relay.finish(wait=bool(states) and all(state == "succeeded" for state in states))
             self._events.end()
 
     def _restart_wanted(self) -> bool:
@@ -235,6 +260,8 @@ class ClusterJob:
                     for raw in item.get("events", ()):
                         if raw.get("type") == "checkpoint":
                             self._saw_checkpoint = True
+                            if self._relay is not None:
+                                self._relay.offer(link, str(raw["path"]), int(raw["step"]))
                         self._events.put(decode_event(json.dumps(raw)))
                     if "result" in item:
                         self._results[link.label] = item["result"]
@@ -325,7 +352,7 @@ class ClusterJob:
                 "checkpoint": str(checkpoint) if checkpoint else None}
 
     def close(self) -> None:
-        for link in self._links:
+        for link in self._links + self._evaluators:
             link.close()
 
     def __enter__(self) -> ClusterJob:

@@ -46,6 +46,7 @@ class RecipeInfo:
     path: str
     kind: RecipeKind
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    functions: frozenset[str] = frozenset()  # top-level function names (eval_data, metrics, ...)
 
 
 def inspect_recipe(path: str) -> RecipeInfo:
@@ -76,11 +77,11 @@ def inspect_recipe(path: str) -> RecipeInfo:
 
     main = functions.get("main")
     if main is not None and _required_positional(main) == 1:
-        return RecipeInfo(path, RecipeKind.CUSTOM_LOOP, _defaults(path, defaults_node))
+        return RecipeInfo(path, RecipeKind.CUSTOM_LOOP, _defaults(path, defaults_node), frozenset(functions))
 
     present = [name for name in FIT_REQUIRED if name in functions]
     if len(present) == len(FIT_REQUIRED):
-        return RecipeInfo(path, RecipeKind.FIT, _defaults(path, defaults_node))
+        return RecipeInfo(path, RecipeKind.FIT, _defaults(path, defaults_node), frozenset(functions))
     if present and not has_main_guard:
         first = functions[present[0]]
         missing = ", ".join(_SIGNATURES[n] for n in FIT_REQUIRED if n not in functions)
@@ -89,7 +90,7 @@ def inspect_recipe(path: str) -> RecipeInfo:
             f"but lacks {missing}: a fit-style recipe needs all of "
             f"{', '.join(_SIGNATURES[n] for n in FIT_REQUIRED)}"
         )
-    return RecipeInfo(path, RecipeKind.SCRIPT, MappingProxyType({}))
+    return RecipeInfo(path, RecipeKind.SCRIPT, MappingProxyType({}), frozenset(functions))
 
 
 def _required_positional(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:

@@ -31,16 +31,22 @@ def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, s
         # All ranks connect to the store as clients; rank 0 hosts it on the socket
         # the launcher bound (see runtime bootstrap), exactly as torchrun's agent store.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        # TensorFlow's view of the same job: every rank a worker task (worker 0 is the
-        # chief), each named by its host; the port is the job's rendezvous port.
-        "TF_CONFIG": json.dumps(
-            {
-                "cluster": {"worker": [f"{host}:{master_port}" for host in (spec.rank_hosts or (spec.master_addr,) * world)]},
-                "task": {"type": "worker", "index": rank},
-            }
-        ),
+        "TF_CONFIG": json.dumps(_tf_config(spec, rank, master_port)),
         "PYTHONUNBUFFERED": "1",
     }
     # Share the cores between local replicas instead of oversubscribing them.
     env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // spec.local_world_size)))
     return env
+
+
+def _tf_config(spec: WorkerSpec, rank: int, master_port: int) -> dict[str, object]:
+    """TensorFlow's view of the same job: every rank a worker task (worker 0 is the chief,
+    TensorFlow's rule when no "chief" task is listed), each named by its host; evaluators
+    listed apart. The port is the job's rendezvous port (tasks share it: it is descriptive)."""
+    world = spec.effective_world_size
+    hosts = spec.rank_hosts or (spec.master_addr,) * world
+    cluster: dict[str, list[str]] = {"worker": [f"{host}:{master_port}" for host in hosts]}
+    if spec.evaluator_hosts:
+        cluster["evaluator"] = [f"{host}:{master_port}" for host in spec.evaluator_hosts]
+    index = 0 if spec.task_type == "evaluator" else rank
+    return {"cluster": cluster, "task": {"type": spec.task_type, "index": index}}

@@ -47,6 +47,8 @@ class WorkerSpec:
     cwd: str | None = None
     stop_grace_s: float = 5.0
     rank_hosts: tuple[str, ...] = ()  # the address of every global rank's host (TF_CONFIG); () = master_addr
+    evaluator_hosts: tuple[str, ...] = ()  # TF_CONFIG's "evaluator" tasks
+    task_type: str = "worker"  # TF_CONFIG task type of these processes: "worker" or "evaluator"
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

@@ -8,3 +8,4 @@ EVENT_FD_VAR = "DISTRUN_EVENT_FD"  # write end of the event pipe (NDJSON events)
 STORE_FD_VAR = "DISTRUN_STORE_FD"  # rank 0 only: listening socket for the TCPStore
 PARENT_PID_VAR = "DISTRUN_PARENT_PID"  # the launcher; training processes die with it
 JOB_SPEC_VAR = "DISTRUN_JOB_SPEC"  # JobSpec as JSON
+EVAL_CHECKPOINT_VAR = "DISTRUN_EVAL_CHECKPOINT"  # evaluator role: evaluate this checkpoint, then exit

@@ -30,6 +30,8 @@ __all__ = [
     "Heartbeat",
     "Hung",
     "PEER_LOST",
+    "SERVER_RANK",
+    "EVALUATOR_RANK",
     "EventDecodeError",
     "encode_event",
     "decode_event",
@@ -39,6 +41,11 @@ __all__ = [
 #: failures are consequences: the launcher never reports one as the root cause while
 #: a primary failure exists.
 PEER_LOST = "peer-lost"
+
+#: ``rank`` of events that come from no training rank: a worker server's own notes, and
+#: the evaluator task (which evaluates checkpoints beside the training, TensorFlow's role).
+SERVER_RANK = -1
+EVALUATOR_RANK = -2
 
 #: Lines longer than this are not decoded (a runaway writer must not exhaust memory).
 MAX_EVENT_BYTES = 1 << 20

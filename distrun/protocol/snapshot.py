@@ -49,6 +49,8 @@ class JobSnapshot:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     last_checkpoint: str | None = None
     hang: str | None = None  # set while no rank makes progress past --hang-timeout-s
+    evaluator_step: int | None = None  # the evaluator's newest result: the checkpoint's step...
+    evaluator_metrics: dict[str, float] = field(default_factory=dict)  # ...and its metrics
 
     @property
     def samples_per_s(self) -> float:
@@ -79,6 +81,8 @@ class JobSummary:
     last_checkpoint: str | None = None
     error: str | None = None
     restarts: int = 0  # cluster jobs with --max-restarts: how many times every rank was restarted
+    evaluator_step: int | None = None  # cluster jobs with an evaluator host: its newest result
+    evaluator_metrics: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

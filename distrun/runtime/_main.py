@@ -18,7 +18,7 @@ from typing import Any
 from distrun.config import JobSpec, RecipeKind, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
-from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
@@ -57,14 +57,23 @@ def main() -> None:
         phase = "import"
         module = load_module(spec.recipe)
         phase = "train"
+
+        def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
+            writer.emit(Eval(rank=launch.rank, time=time.time(), step=step, epoch=epoch, metrics=metrics))
+
+        checkpoint = os.environ.get(EVAL_CHECKPOINT_VAR)
+        if checkpoint:  # the evaluator role: one checkpoint, then leave
+            from distrun.runtime._evaluator import evaluate_checkpoint
+
+            evaluate_checkpoint(module, strategy, spec, checkpoint, emit_eval)
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
+                             first_step_time=None))
+            _exit(0)
         if info.kind is RecipeKind.CUSTOM_LOOP:
             module.main(strategy)
             steps, final_loss = strategy.step, to_float(reporter.last_loss)
         else:
             from distrun.runtime._fit import fit
-
-            def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
-                writer.emit(Eval(rank=launch.rank, time=time.time(), step=step, epoch=epoch, metrics=metrics))
 
             result = fit(module, strategy, spec, reporter, emit_eval)
             steps, final_loss = result.steps, result.final_loss

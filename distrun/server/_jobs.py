@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from distrun.config import JobSpec
+from distrun.config import JobSpec, StrategyName
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import Event, Output, encode_event, event_to_dict
-from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._net import interface_towards
 
@@ -140,9 +140,21 @@ class JobManager:
         if root.resolve() not in recipe.parents or not recipe.is_file():
             raise JobError(f"recipe {args['recipe']!r} is not in the bundle")
         spec = dataclasses.replace(JobSpec.from_json(str(args["spec"])), recipe=str(recipe))
+        evaluating = None
+        if args.get("eval_checkpoint"):  # uploaded by the client into this server's folder
+            evaluating = (self.state_dir / str(args["eval_checkpoint"])).resolve()
+            if self.state_dir.resolve() not in evaluating.parents or not evaluating.is_file():
+                raise JobError(f"checkpoint {args['eval_checkpoint']!r} is not in this server's folder")
+        if evaluating:  # the evaluator role: one process, one device, no process group
+            spec = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False,
+                                       checkpoint_dir=None, checkpoint_every=None)
+            args = {**args, "local_world_size": 1, "world_size": 1, "rank_offset": 0, "node_rank": 0,
+                    "master_addr": "127.0.0.1", "master_port": None}
         master_addr = str(args["master_addr"])
         interface = args.get("interface") or interface_towards(master_addr)
         env = {JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}
+        if evaluating:
+            env[EVAL_CHECKPOINT_VAR] = str(evaluating)
         if interface:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
             env.setdefault("NCCL_SOCKET_IFNAME", interface)
@@ -153,10 +165,12 @@ class JobManager:
             rank_offset=int(args["rank_offset"]),
             node_rank=int(args["node_rank"]),
             master_addr=master_addr,
-            master_port=int(args["master_port"]),
+            master_port=int(args["master_port"]) if args["master_port"] is not None else None,
             env=env,
             cwd=str(root),
             rank_hosts=tuple(str(host) for host in args.get("rank_hosts", ())),
+            evaluator_hosts=tuple(str(host) for host in args.get("evaluator_hosts", ())),
+            task_type="evaluator" if evaluating else "worker",
         )
         starter = self._starter()
         job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)

@@ -47,6 +47,9 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
         f"  ETA {fmt_seconds(snapshot.eta_s)}",
     )
     parts: list[RenderableType] = [table, Group(bar, line)]
+    if snapshot.evaluator_step is not None:
+        parts.append(Text(f"evaluator (checkpoint of step {snapshot.evaluator_step}): "
+                          + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.evaluator_metrics.items())))
     if snapshot.hang:
         parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
     if snapshot.eval_metrics:
@@ -70,6 +73,9 @@ def render_summary(summary: JobSummary) -> RenderableType:
         table.add_row("restarts", str(summary.restarts))
     for key, value in summary.eval_metrics.items():
         table.add_row(f"eval {key}", f"{value:.4g}")
+    if summary.evaluator_step is not None:
+        for key, value in summary.evaluator_metrics.items():
+            table.add_row(f"evaluator {key}", f"{value:.4g} (step {summary.evaluator_step})")
     if summary.last_checkpoint:
         table.add_row("checkpoint", summary.last_checkpoint)
     return table

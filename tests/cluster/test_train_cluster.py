@@ -6,9 +6,11 @@ import json
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
+from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV
@@ -113,3 +115,42 @@ def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tm
             break
         time.sleep(0.2)
     assert left == []
+
+
+def test_an_evaluator_host_evaluates_each_new_checkpoint(lab: Lab, tmp_path: Path) -> None:
+    """Also: mirrored on one host of a cluster (2 slots) ends with one-device's parameters."""
+    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]", "slots": 2},
+             {"address": lab.hosts["h2"][1], "roles": "[evaluator]"}]
+    path = lab.root / "eval.yaml"
+    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="ev"))
+    assert lab_cli(lab, "up", str(path)).returncode == 0
+    recipe = tmp_path / "code" / "equiv.py"
+    recipe.parent.mkdir()
+    recipe.write_text(EQUIV + "\nimport os\nprint('tf', os.environ['TF_CONFIG'], flush=True)\n")
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(path), "--strategy", "mirrored", "--json",
+                     "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "7", "--epochs", "2",
+                     "--", "--samples", "99")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = json_lines(result)
+    assert lines[0]["hosts"] == [lab.hosts["h1"][1]] and lines[0]["world_size"] == 2  # the evaluator does not train...
+    assert lab.hosts["h2"][1] in lines[0]["bundle_sent_to"]  # ...but gets the code
+    evaluated = [line for line in lines if line.get("type") == "eval" and line["rank"] == -2]
+    assert evaluated and evaluated[-1]["step"] == 14
+    tf = {line["rank"]: json.loads(line["line"][3:]) for line in lines
+          if line.get("type") == "output" and line["line"].startswith("tf ")}
+    assert tf[0]["task"] == {"type": "worker", "index": 0}
+    assert tf[-2]["task"] == {"type": "evaluator", "index": 0}  # TensorFlow's evaluator task
+    assert [a.rsplit(":", 1)[0] for a in tf[-2]["cluster"]["evaluator"]] == [lab.hosts["h2"][1]]
+    summary = lines[-1]
+    assert summary["evaluator_step"] == 14
+    # The evaluator, on another host, computes what the training computed at its last epoch's end.
+    for key, value in summary["eval_metrics"].items():
+        assert summary["evaluator_metrics"][key] == pytest.approx(value, rel=1e-5), key
+    local = run_cli("train", str(recipe), "--json", "--checkpoint-dir", str(tmp_path / "one"), "--epochs", "2",
+                    "--", "--samples", "99")
+    assert local.returncode == 0, local.stderr[-2000:]
+    base = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    mirrored = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)
+    for key, tensor in base["model"].items():
+        torch.testing.assert_close(mirrored["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    lab_cli(lab, "down", str(path))
