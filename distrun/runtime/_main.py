@@ -47,6 +47,10 @@ def main() -> None:
         store = _rendezvous_store(launch)
         if info.kind is RecipeKind.SCRIPT:
             phase = "train"
+            if launch.world_size > 1:
+                from distrun.runtime._teardown import keep_destroyed_process_groups
+
+                keep_destroyed_process_groups()
             runpy.run_path(spec.recipe, run_name="__main__")
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
                              first_step_time=None))
