@@ -1,68 +1,157 @@
-"""`distrun bench WORKLOAD`: benchmarks that print ratios against the alternative."""
+"""`distrun bench WORKLOAD`: benchmarks that print ratios against the alternative.
+
+Workloads: ``overhead`` (distrun against torchrun + DDP), ``ttfs`` (time to
+first step on a warm cluster), and the scaling report ``resnet50`` /
+``resnet18`` / ``mlp`` (images/s and scaling efficiency, docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from distrun.bench.overhead import run_overhead
+from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.ttfs import run_ttfs
 from distrun.cli._app import app, stderr
 from distrun.errors import Interrupted, UsageError
-from distrun.ui.bench import render_overhead, render_ttfs
+from distrun.launch import visible_gpu_count
+from distrun.ui.bench import render_overhead, render_scaling, render_ttfs
 
-_PLANNED = {"resnet50", "resnet18", "mlp"}
+_SCALING = ("resnet50", "resnet18", "mlp")
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@app.command()
 def bench(
-    ctx: typer.Context,
-    workload: str = typer.Argument(..., help="overhead | ttfs (built); resnet50 | resnet18 | mlp (planned, issue 6)"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs: the (running) cluster to measure."),
-    replicas: int = typer.Option(2, "--replicas", "-n", help="Processes for each contender."),
-    steps: int = typer.Option(200, "--steps", help="Training steps per run."),
-    global_batch_size: int = typer.Option(256, "--global-batch-size", "-b"),
-    repeats: int = typer.Option(3, "--repeats", help="Runs per contender; the median is reported."),
+    workload: str = typer.Argument(..., help="overhead | ttfs | resnet50 | resnet18 | mlp"),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling: the (running) cluster to measure."),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2)."),
+    gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
+    device: str = typer.Option("auto", "--device", help="scaling: auto | cpu | cuda"),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); scaling: timed steps (20)."),
+    warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first."),
+    image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
+    batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step."),
+    strategy: str = typer.Option("mirrored", "--strategy", "-s", help="scaling: the strategy for 2+ replicas."),
+    compare: str | None = typer.Option(None, "--compare", help="scaling: `ddp` also runs torchrun + DDP of the same model."),
+    plot: Path | None = typer.Option(None, "--plot", help="scaling: draw images/s and efficiency to FILE.png (matplotlib)."),
+    global_batch_size: int = typer.Option(256, "--global-batch-size", "-b", help="overhead: samples per step."),
+    repeats: int = typer.Option(3, "--repeats", help="overhead, ttfs: runs per contender; the median is reported."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Measure distrun against the alternative, in one run (docs/performance.md)."""
-    if workload in _PLANNED:
-        raise UsageError(f"`distrun bench {workload}` is not built yet (planned: scaling report, issue 6)")
-    if workload == "ttfs":
-        if cluster_file is None:
-            raise UsageError("bench ttfs: --cluster FILE is required (a cluster after `distrun up`)")
-        try:
-            ttfs = run_ttfs(cluster=cluster_file, repeats=repeats,
-                            progress=lambda msg: stderr.print(f"[bench] {msg}", markup=False) if not json_output else None)
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted: benchmark stopped") from None
-        if json_output:
-            typer.echo(json.dumps(ttfs.to_dict()))
+    """Measure distrun against the alternative, in one run (docs/performance.md, docs/benchmarks.md)."""
+    say = (lambda msg: None) if json_output else (lambda msg: stderr.print(f"[bench] {msg}", markup=False))
+    try:
+        if workload == "overhead":
+            report = _overhead(replicas or 2, steps or 200, global_batch_size, repeats, say)
+            _show(report, json_output, render_overhead)
+        elif workload == "ttfs":
+            if cluster_file is None:
+                raise UsageError("bench ttfs: --cluster FILE is required (a cluster after `distrun up`)")
+            _show(run_ttfs(cluster=cluster_file, repeats=repeats, progress=say).to_dict(), json_output, render_ttfs)
+        elif workload in _SCALING:
+            report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
+                              strategy, compare, json_output)
+            _show(report, json_output, render_scaling)
+            if plot is not None:
+                _plot(report, plot)
         else:
-            Console(highlight=False).print(render_ttfs(ttfs.to_dict()))
-        return
-    if workload != "overhead":
-        raise UsageError(f"bench: unknown workload {workload!r}; built: overhead, ttfs")
-    if ctx.args:
-        raise UsageError(f"bench overhead: unexpected arguments {' '.join(ctx.args)}")
-    for name, value in (("--replicas", replicas), ("--steps", steps), ("--repeats", repeats), ("--global-batch-size", global_batch_size)):
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, {', '.join(_SCALING)}")
+    except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
+        raise Interrupted("interrupted: benchmark stopped") from None
+
+
+def _show(report: dict[str, Any], json_output: bool, render: Any) -> None:
+    if json_output:
+        typer.echo(json.dumps(report))
+    else:
+        Console(highlight=False).print(render(report))
+
+
+def _positive(**values: int) -> None:
+    for name, value in values.items():
         if value < 1:
-            raise UsageError(f"{name}: expected a positive whole number. Received: {value}")
+            raise UsageError(f"--{name.replace('_', '-')}: expected a positive whole number. Received: {value}")
+
+
+def _overhead(replicas: int, steps: int, global_batch_size: int, repeats: int, say: Any) -> dict[str, Any]:
+    _positive(replicas=replicas, steps=steps, repeats=repeats, global_batch_size=global_batch_size)
     if steps < 2:
         raise UsageError("--steps: at least 2 (the first step is warm-up and not timed)")
     if global_batch_size % replicas:
         raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by {replicas} replicas")
-    try:
-        report = run_overhead(
-            replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
-            progress=lambda msg: stderr.print(f"[bench] {msg}", markup=False) if not json_output else None,
-        ).to_dict()
-    except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
-        raise Interrupted("interrupted: benchmark stopped") from None
-    if json_output:
-        typer.echo(json.dumps(report))
+    return run_overhead(replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
+                        progress=say).to_dict()
+
+
+def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int | None, device: str, steps: int,
+             warmup: int, image_size: int, batch: int, strategy: str, compare: str | None,
+             json_output: bool) -> dict[str, Any]:
+    _positive(steps=steps, image_size=image_size, batch=batch)
+    if compare not in (None, "ddp"):
+        raise UsageError(f"--compare: only `ddp` is built. Received: {compare!r}")
+    if cluster is not None and compare:
+        raise UsageError("--compare ddp runs on this machine; it cannot be combined with --cluster")
+    found = visible_gpu_count()
+    if gpus is not None:
+        _positive(gpus=gpus)
+        if gpus > found:
+            raise UsageError(f"--gpus {gpus}: found {found} GPU(s) on this machine (NVIDIA driver, "
+                             "CUDA_VISIBLE_DEVICES); use --gpus {0} or --device cpu --replicas N".format(found or 1))
+        if device == "cpu":
+            raise UsageError("--gpus with --device cpu: choose one (--device cpu --replicas N runs CPU processes)")
+        device, maximum = "cuda", gpus
+    elif device == "cuda" or (device == "auto" and found and cluster is None):
+        if not found:
+            raise UsageError("--device cuda: no GPU found on this machine")
+        device, maximum = "cuda", replicas or found
     else:
-        Console(highlight=False).print(render_overhead(report))
+        device, maximum = "cpu", replicas or 2
+    _positive(replicas=maximum)
+    rows = 2 if cluster is not None else len(replica_counts(maximum))
+    total = rows + (1 if compare else 0)
+    with Progress(TextColumn("[bench] {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=stderr, transient=True, disable=json_output) as bar:
+        task = bar.add_task("starting", total=total)
+        started = [0]
+
+        def step(message: str) -> None:
+            """Each message starts the next run: the previous one is done."""
+            bar.update(task, completed=started[0], description=message)
+            started[0] += 1
+
+        report = run_scaling(model=model, device=device, max_replicas=maximum, image_size=image_size, batch=batch,
+                             steps=steps, warmup=warmup, strategy=strategy, cluster=cluster,
+                             compare_ddp=compare == "ddp", progress=step)
+        bar.update(task, completed=total)
+    return report.to_dict()
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'distrun[plot]'") from None
+    replicas = [row["replicas"] for row in report["rows"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(replicas, [row["images_per_s"] for row in report["rows"]], marker="o", label="distrun")
+    left.plot(replicas, [row["replicas"] * report["rows"][0]["images_per_s"] for row in report["rows"]],
+              linestyle="--", label="linear")
+    left.set(xlabel="replicas", ylabel="images/s", title=f"{report['model']} throughput")
+    left.legend()
+    right.plot(replicas, [100 * row["scaling_efficiency"] for row in report["rows"]], marker="o")
+    low, high = report["reference_efficiency"]
+    right.axhspan(100 * low, 100 * high, alpha=0.2, label="seeds: 90-95%")
+    right.set(xlabel="replicas", ylabel="scaling efficiency (%)", ylim=(0, 110), title="scaling efficiency")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path)

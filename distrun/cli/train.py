@@ -151,7 +151,7 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         steps, epochs = defaults.get("steps"), defaults.get("epochs")
         if steps is not None:
             epochs = None
-    if info.kind is not RecipeKind.SCRIPT and global_batch_size is None:
+    if info.kind is RecipeKind.FIT and global_batch_size is None:  # a custom loop batches its own data
         global_batch_size = defaults.get("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
     return JobSpec(
         recipe=str(path),

@@ -31,3 +31,21 @@ def render_ttfs(report: Mapping[str, Any]) -> Table:
     for row in report["rows"]:
         table.add_row(row["name"], f"{row['time_to_first_step_s']:.2f}s", f"{row['speedup_vs_torchrun']:.2f}x")
     return table
+
+
+def render_scaling(report: Mapping[str, Any]) -> Table:
+    low, high = report["reference_efficiency"]
+    title = (f"{report['model']} ({report['parameters']:,} parameters) on {report['device']}: image "
+             f"{report['image_size']}, batch {report['batch_per_replica']} per replica, {report['steps']} timed steps")
+    table = Table(title=title, title_justify="left", caption=f"reference: the seeds' ResNet-50 on 1-8 V100s scaled at "
+                  f"{low:.0%}-{high:.0%} efficiency", caption_justify="left")
+    for column in ("replicas", "images/s", "images/s per replica", "scaling efficiency"):
+        table.add_column(column, justify="right")
+    for row in report["rows"]:
+        efficiency = row["scaling_efficiency"]
+        style = "green" if efficiency >= low else "yellow"
+        table.add_row(str(row["replicas"]), f"{row['images_per_s']:.1f}", f"{row['images_per_s_per_replica']:.1f}",
+                      f"[{style}]{efficiency:.1%}[/{style}]")
+    if report.get("vs_ddp") is not None:
+        table.add_row("torchrun+DDP", f"{report['ddp_images_per_s']:.1f}", "", f"distrun {report['vs_ddp']:.3f}x")
+    return table

@@ -1,4 +1,4 @@
-"""`distrun bench ttfs` on the two-host namespace cluster: it runs and reports the ratio.
+"""`distrun bench ttfs` and the scaling report on the two-host namespace cluster.
 
 Speed is not asserted (figures go in docs/performance.md); this holds the
 benchmark's shape and that its contenders really ran. DISTRUN_BENCH_REPEATS
@@ -26,3 +26,12 @@ def test_ttfs_benchmark_reports_each_contender(lab: Lab, cluster: Path) -> None:
     for row in report["rows"]:
         assert 0 < row["time_to_first_step_s"] < 120
     assert report["rows"][0]["speedup_vs_torchrun"] == 1.0
+
+
+def test_scaling_report_on_a_cluster(lab: Lab, cluster: Path) -> None:
+    result = lab_cli(lab, "bench", "mlp", "--cluster", str(cluster), "--image-size", "16", "--batch", "2",
+                     "--steps", "2", "--warmup", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [row["replicas"] for row in report["rows"]] == [1, 2]  # one-device, then every worker host
+    assert all(row["images_per_s"] > 0 for row in report["rows"])

@@ -39,11 +39,6 @@ def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
                                      "'worker'?); roles are chief, worker, ps, evaluator")
 
 
-def test_bench_resnet50_is_planned():
-    result = run_cli("bench", "resnet50", "--gpus", "8")
-    assert result.returncode == 2 and "not built yet" in result.stderr
-
-
 @pytest.mark.parametrize(
     "args, fragment",
     [

@@ -1,0 +1,51 @@
+"""`distrun bench resnet50|resnet18|mlp`: the scaling report (tiny CPU runs; figures in docs/benchmarks.md)."""
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_tiny_resnet50_run_reports_rows_and_the_ddp_ratio(tmp_path):
+    plot = tmp_path / "scaling.png"
+    result = run_cli("bench", "resnet50", "--device", "cpu", "--replicas", "2", "--image-size", "32", "--batch", "2",
+                     "--steps", "2", "--warmup", "1", "--compare", "ddp", "--json", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["model"] == "resnet50" and report["parameters"] == 25_557_032 and report["device"] == "cpu"
+    assert [row["replicas"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["images_per_s"] > 0
+        assert row["images_per_s_per_replica"] == pytest.approx(row["images_per_s"] / row["replicas"])
+    one = report["rows"][0]["images_per_s"]
+    assert report["rows"][0]["scaling_efficiency"] == pytest.approx(1.0)
+    assert report["rows"][1]["scaling_efficiency"] == pytest.approx(report["rows"][1]["images_per_s"] / (2 * one))
+    assert report["ddp_images_per_s"] > 0
+    assert report["vs_ddp"] == pytest.approx(report["rows"][1]["images_per_s"] / report["ddp_images_per_s"])
+    assert report["reference_efficiency"] == [0.9, 0.95]
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_replica_counts_double_up_to_the_maximum():
+    from distrun.bench.scaling import replica_counts
+
+    assert replica_counts(1) == [1] and replica_counts(8) == [1, 2, 4, 8] and replica_counts(6) == [1, 2, 4, 6]
+
+
+def test_more_gpus_than_the_machine_has_is_a_clear_error():
+    result = run_cli("bench", "resnet50", "--gpus", "8")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: --gpus 8: found 0 GPU(s) on this machine")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--compare", "horovod"), "--compare: only `ddp` is built"),
+    (("--batch", "0"), "--batch: expected a positive whole number"),
+    (("--gpus", "1", "--device", "cpu"), "--gpus 1: found 0 GPU(s)"),
+])
+def test_bad_scaling_flags_are_named(args, message):
+    result = run_cli("bench", "resnet18", *args)
+    assert result.returncode == 2 and message in result.stderr
