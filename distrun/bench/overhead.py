@@ -15,24 +15,16 @@ first step (wall clock, same machine).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from distrun.errors import DistrunError
+from distrun.bench._runs import DDP_SCRIPT, FIT_RECIPE, measurement, run_command
 
 __all__ = ["Measurement", "OverheadReport", "run_overhead"]
 
-_HERE = Path(__file__).resolve().parent
-_SCRIPT = _HERE / "_ddp_script.py"
-_RECIPE = _HERE / "_overhead_recipe.py"
-_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -71,30 +63,6 @@ class OverheadReport:
         }
 
 
-def _run(argv: list[str], env: dict[str, str]) -> tuple[float, list[dict[str, object]]]:
-    t0 = time.time()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=_TIMEOUT_S, check=False)  # noqa: S603
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        raise DistrunError(f"benchmark command failed ({' '.join(argv[:4])} ...): " + " | ".join(tail))
-    objects = []
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            objects.append(json.loads(line))
-    return t0, objects
-
-
-def _from_script_output(objects: list[dict[str, object]]) -> dict[str, object]:
-    for obj in objects:
-        if obj.get("bench") == "ddp":
-            return obj
-        if obj.get("type") == "output" and str(obj.get("line", "")).startswith("{"):
-            inner = json.loads(str(obj["line"]))
-            if inner.get("bench") == "ddp":
-                return inner
-    raise DistrunError("benchmark script printed no measurement")
-
-
 def run_overhead(
     *, replicas: int, steps: int, global_batch_size: int, repeats: int,
     progress: Callable[[str], None] = lambda _: None,
@@ -105,19 +73,19 @@ def run_overhead(
     script_args = ["--steps", str(steps), "--global-batch-size", str(global_batch_size)]
     distrun = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas)]
     def ddp() -> Measurement:
-        t0, out = _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
-                        str(_SCRIPT), *script_args], env)
-        m = _from_script_output(out)
+        t0, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
+                        str(DDP_SCRIPT), *script_args], env)
+        m = measurement(out, "ddp")
         return Measurement("torchrun+ddp", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
 
     def fit() -> Measurement:
-        _, out = _run([*distrun, "--steps", str(steps), "--global-batch-size", str(global_batch_size), str(_RECIPE)], env)
+        _, out = run_command([*distrun, "--steps", str(steps), "--global-batch-size", str(global_batch_size), str(FIT_RECIPE)], env)
         summary = out[-1]
         return Measurement("distrun fit", float(summary["samples_per_s"]), float(summary["time_to_first_step_s"]))
 
     def script() -> Measurement:
-        t0, out = _run([*distrun, str(_SCRIPT), "--", *script_args], env)
-        m = _from_script_output(out)
+        t0, out = run_command([*distrun, str(DDP_SCRIPT), "--", *script_args], env)
+        m = measurement(out, "ddp")
         return Measurement("distrun script", float(m["samples_per_s"]), float(m["first_step_time"]) - t0)
 
     contenders: dict[str, Callable[[], Measurement]] = {"torchrun+ddp": ddp, "distrun fit": fit, "distrun script": script}

@@ -13,21 +13,18 @@ processes.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from distrun.bench.overhead import _run
-from distrun.errors import DistrunError
+from distrun.bench._runs import HERE, measurement, run_command
 
 __all__ = ["ScalingRow", "ScalingReport", "run_scaling", "replica_counts", "SEEDS_EFFICIENCY"]
 
-_HERE = Path(__file__).resolve().parent
-_RECIPE = _HERE / "_scaling_recipe.py"
-_DDP = _HERE / "_scaling_ddp.py"
+_RECIPE = HERE / "_scaling_recipe.py"
+_DDP = HERE / "_scaling_ddp.py"
 #: The seeds' reference: ResNet-50, batch 128 per GPU, 1 to 8 V100s at 90-95% efficiency.
 SEEDS_EFFICIENCY = (0.90, 0.95)
 #: Parameters of each workload (the published counts; tests/unit/test_models.py holds them).
@@ -88,15 +85,6 @@ def replica_counts(maximum: int) -> list[int]:
     return counts + [maximum]
 
 
-def _measurement(objects: list[dict[str, object]]) -> dict[str, object]:
-    for obj in objects:
-        line = obj.get("line") if obj.get("type") == "output" else None
-        candidate = json.loads(str(line)) if isinstance(line, str) and line.startswith("{") else obj
-        if candidate.get("bench") == "scaling":
-            return candidate
-    raise DistrunError("the scaling workload printed no measurement")
-
-
 def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, batch: int, steps: int,
                 warmup: int, strategy: str, cluster: Path | None = None, compare_ddp: bool = False,
                 progress: Callable[[str], None] = lambda _: None) -> ScalingReport:
@@ -106,38 +94,36 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
                 "--steps", str(steps), "--warmup", str(warmup)]
     parameters = PARAMETERS.get(model, 0)
 
-    def distrun(replicas: int | None, strategy_name: str) -> float:
+    def distrun(replicas: int | None, strategy_name: str) -> tuple[int, float]:
+        """One `distrun train` of the workload: (replicas it ran, images/s)."""
         argv = [py, "-m", "distrun", "train", str(_RECIPE), "--json", "--strategy", strategy_name,
                 "--device", device]
         if cluster is not None:
             argv += ["--cluster", str(cluster), "--no-fetch"]
         else:
             argv += ["--replicas", str(replicas)]
-        _, out = _run([*argv, "--", *workload], env)
-        found = _measurement(out)
+        _, out = run_command([*argv, "--", *workload], env)
+        found = measurement(out, "scaling")
         nonlocal parameters
         parameters = int(found.get("parameters", parameters))  # type: ignore[arg-type]
-        return float(found["images_per_s"])  # type: ignore[arg-type]
+        return int(found["replicas"]), float(found["images_per_s"])  # type: ignore[arg-type]
 
-    measured: list[tuple[int, float]] = []
     if cluster is not None:
         progress("1 replica (one-device on the cluster's first worker)")
-        measured.append((1, distrun(None, "one-device")))
+        measured = [distrun(None, "one-device")]
         progress("every worker (multi-worker)")
-        _, out = _run([py, "-m", "distrun", "train", str(_RECIPE), "--json", "--strategy", "multi-worker",
-                       "--device", device, "--cluster", str(cluster), "--no-fetch", "--", *workload], env)
-        found = _measurement(out)
-        measured.append((int(found["replicas"]), float(found["images_per_s"])))  # type: ignore[arg-type]
+        measured.append(distrun(None, "multi-worker"))
     else:
+        measured = []
         for n in replica_counts(max_replicas):
             progress(f"{n} replica(s)")
-            measured.append((n, distrun(n, "one-device" if n == 1 else strategy)))
+            measured.append(distrun(n, "one-device" if n == 1 else strategy))
     base = measured[0][1]
     rows = tuple(ScalingRow(n, rate, rate / (n * base) if base else 0.0) for n, rate in measured)
     ddp = None
     if compare_ddp:
         progress(f"torchrun + DDP at {max_replicas} replica(s)")
-        _, out = _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={max_replicas}",
-                       str(_DDP), *workload], {**env, "DISTRUN_BENCH_DEVICE": device})
-        ddp = float(_measurement(out)["images_per_s"])  # type: ignore[arg-type]
+        _, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={max_replicas}",
+                              str(_DDP), *workload], {**env, "DISTRUN_BENCH_DEVICE": device})
+        ddp = float(measurement(out, "scaling")["images_per_s"])  # type: ignore[arg-type]
     return ScalingReport(model, parameters, device, image_size, batch, steps, rows, ddp)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from distrun.bench.overhead import _SCRIPT, _RECIPE, _from_script_output, _run
+from distrun.bench._runs import DDP_SCRIPT, FIT_RECIPE, measurement, run_command
 from distrun.errors import DistrunError
 
 __all__ = ["TtfsReport", "run_ttfs"]
@@ -66,7 +66,7 @@ def _wait_until_warm(cluster: Path, env: dict[str, str]) -> None:
     """Wait until every server's warm interpreter is ready (it imports torch after `up`)."""
     deadline = time.monotonic() + _WARM_WAIT_S
     while True:
-        _, out = _run([sys.executable, "-m", "distrun", "status", str(cluster), "--json"], env)
+        _, out = run_command([sys.executable, "-m", "distrun", "status", str(cluster), "--json"], env)
         hosts = out[-1]["hosts"] if out else []
         if hosts and all(row.get("server") and row["server"].get("warm") for row in hosts):  # type: ignore[index, union-attr]
             return
@@ -84,19 +84,19 @@ def run_ttfs(*, cluster: Path, repeats: int, progress: Callable[[str], None] = l
     world: dict[str, int] = {}
 
     def script() -> float:
-        t0, out = _run([*on_cluster, str(_SCRIPT), "--", *script_args], env)
+        t0, out = run_command([*on_cluster, str(DDP_SCRIPT), "--", *script_args], env)
         world["size"] = int(next(o for o in out if o.get("type") == "job")["world_size"])  # type: ignore[arg-type]
-        return float(_from_script_output(out)["first_step_time"]) - t0  # type: ignore[arg-type]
+        return float(measurement(out, "ddp")["first_step_time"]) - t0  # type: ignore[arg-type]
 
     def fit() -> float:
-        t0, out = _run([*on_cluster, "--steps", str(_STEPS), "--global-batch-size", str(_GLOBAL_BATCH), str(_RECIPE)],
+        t0, out = run_command([*on_cluster, "--steps", str(_STEPS), "--global-batch-size", str(_GLOBAL_BATCH), str(FIT_RECIPE)],
                        env)
         return _first_step_time(out) - t0
 
     def torchrun() -> float:
-        t0, out = _run([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world['size']}",
-                        str(_SCRIPT), *script_args], env)
-        return float(_from_script_output(out)["first_step_time"]) - t0  # type: ignore[arg-type]
+        t0, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world['size']}",
+                        str(DDP_SCRIPT), *script_args], env)
+        return float(measurement(out, "ddp")["first_step_time"]) - t0  # type: ignore[arg-type]
 
     progress("warm-up: shipping the code, waiting for the warm interpreters")
     script()

@@ -105,8 +105,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
     if detach:
         job.close()
         if json_output:
-            _print_json({"type": "job", "job": job.job_id, "world_size": job.world_size, "detached": True,
-                         "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)})
+            _print_json({**_job_line(job), "detached": True})
         else:
             typer.echo(job.job_id)
             stderr.print(f"detached: `distrun attach {job.job_id}`, `distrun logs {job.job_id}`, "
@@ -117,10 +116,15 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         stderr.print(f"job {job.job_id}: {job.world_size} replica(s) on {len(job.placements)} host(s); "
                      f"code sent to: {sent}", markup=False)
     else:
-        _print_json({"type": "job", "job": job.job_id, "world_size": job.world_size,
-                     "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)})
+        _print_json(_job_line(job))
     fetch = (lambda summary: job.fetch_results(results_dir / job.job_id, summary)) if results_dir else None
     run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch)
+
+
+def _job_line(job: ClusterJob) -> dict[str, Any]:
+    """The first line of a cluster job's --json stream: where it runs and where the code went."""
+    return {"type": "job", "job": job.job_id, "world_size": job.world_size,
+            "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)}
 
 
 def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,

@@ -14,11 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from distrun.client._tracker import JobTracker
-from distrun.protocol import Event, JobSnapshot, JobSummary, Output
+from distrun.protocol import HEARTBEAT_INTERVAL_S, Event, JobSnapshot, JobSummary, Output
 
-#: How often training processes send a heartbeat (distrun/runtime/_heartbeat.py; the
-#: client never imports the runtime, so the figure is repeated here).
-HEARTBEAT_S = 2.0
 #: How many of a rank's last stderr lines a failure shows.
 STDERR_TAIL_LINES = 5
 _END = object()
@@ -43,7 +40,7 @@ class EventFeed:
         """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""
         while True:
             if self.hang_timeout_s is not None:
-                hang = self.tracker.check_hang(self.hang_timeout_s, HEARTBEAT_S)
+                hang = self.tracker.check_hang(self.hang_timeout_s, HEARTBEAT_INTERVAL_S)
                 if hang is not None:
                     self.tracker.update(hang)
                     yield hang

@@ -13,6 +13,27 @@ from distrun.protocol.cluster import ServerInfo, ServerState
 from distrun.ssh import Connection, LocalConnection, Remote
 
 
+def open_remote(cluster: ClusterSpec, host: HostSpec) -> Remote:
+    """This machine for the embedded cluster, else an SSH connection (opened on first use)."""
+    return LocalConnection(host.label) if cluster.local else Connection(host)
+
+
+def read_server_state(remote: Remote, state_dir: str) -> ServerState | None:
+    """The server's state file, or None if there is none (or a torn or foreign one: `up` replaces it)."""
+    text = remote.read_file(f"{state_dir}/server.json")
+    if text is None:
+        return None
+    try:
+        return ServerState.from_json(text)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def connect(remote: Remote, state: ServerState, label: str) -> ServerClient:
+    """An authenticated connection to the server ``state`` describes."""
+    return ServerClient(remote.open_stream(state.port), state.token, label)
+
+
 class HostLink:
     """The SSH connection to one host, its server's state, and a lock for control calls."""
 
@@ -20,23 +41,22 @@ class HostLink:
         self.host = host
         self.label = host.label
         self.state_dir = cluster.host_state_dir(host)
-        self.remote: Remote = LocalConnection(self.label) if cluster.local else Connection(host)
+        self.remote = open_remote(cluster, host)
         self.state: ServerState | None = None
         self.info: ServerInfo | None = None
         self._control: ServerClient | None = None
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        text = self.remote.read_file(f"{self.state_dir}/server.json")
-        if text is None:
+        self.state = read_server_state(self.remote, self.state_dir)
+        if self.state is None:
             raise HostError(self.label, "no worker server; run `distrun up` first")
-        self.state = ServerState.from_json(text)
         self._control = self.client()
         self.info, _ = self._control.status()
 
     def client(self) -> ServerClient:
-        assert self.state is not None
-        return ServerClient(self.remote.open_stream(self.state.port), self.state.token, self.label)
+        assert self.state is not None, "open() first"
+        return connect(self.remote, self.state, self.label)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         assert self._control is not None
@@ -59,3 +79,13 @@ def open_all(links: list[HostLink]) -> None:
         for link in links:
             link.close()
         raise
+
+
+def holders_of(links: list[HostLink], job_id: str) -> list[tuple[HostLink, dict[str, Any]]]:
+    """The links whose server knows ``job_id``, each with that server's record of it."""
+    found = []
+    for link in links:
+        record = next((job for job in link.call("jobs")["jobs"] if job["job"] == job_id), None)
+        if record is not None:
+            found.append((link, record))
+    return found

@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from distrun._version import __version__
-from distrun.client._server_client import ServerClient
+from distrun.client._links import connect, open_remote, read_server_state
 from distrun.config.cluster import ClusterSpec, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
 from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus, ServerInfo, ServerState, config_digest
-from distrun.ssh import CommandFailed, Connection, LocalConnection, Remote
+from distrun.ssh import CommandFailed, Remote
 
 __all__ = ["cluster_up", "cluster_status", "cluster_down", "Progress"]
 
@@ -89,7 +89,7 @@ class _HostOps:
 
     @contextmanager
     def _remote(self) -> Iterator[Remote]:
-        remote: Remote = LocalConnection(self.label) if self.cluster.local else Connection(self.host)
+        remote = open_remote(self.cluster, self.host)
         try:
             yield remote
         finally:
@@ -158,17 +158,11 @@ class _HostOps:
     # -- steps
 
     def _read_state(self, remote: Remote) -> ServerState | None:
-        text = remote.read_file(f"{self.state_dir}/server.json")
-        if text is None:
-            return None
-        try:
-            return ServerState.from_json(text)
-        except (ValueError, KeyError, TypeError):
-            return None  # a torn or foreign file: treated as no server, and replaced by `up`
+        return read_server_state(remote, self.state_dir)
 
     def _try_status(self, remote: Remote, state: ServerState) -> tuple[ServerInfo, float] | None:
         try:
-            with ServerClient(remote.open_stream(state.port), state.token, self.label) as client:
+            with connect(remote, state, self.label) as client:
                 return client.status()
         except HostError:
             return None
@@ -212,7 +206,7 @@ class _HostOps:
     def _stop_server(self, remote: Remote, state: ServerState) -> bool:
         """Ask the server to stop and wait until it is gone; False if none answered."""
         try:
-            with ServerClient(remote.open_stream(state.port), state.token, self.label) as client:
+            with connect(remote, state, self.label) as client:
                 client.call("shutdown")
         except HostError:
             return False

@@ -28,7 +28,7 @@ from typing import Any
 from distrun.client._bundle import Bundle
 from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
-from distrun.client._links import HostLink, open_all
+from distrun.client._links import HostLink, holders_of, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker
@@ -120,12 +120,9 @@ class ClusterJob:
         """Find the hosts that run ``job_id`` (ask every server) and prepare to replay and follow it."""
         links = [HostLink(cluster, host) for host in cluster.hosts]
         open_all(links)
-        found: list[tuple[HostLink, dict[str, Any]]] = []
+        found = holders_of(links, job_id)
         for link in links:
-            jobs = {job["job"]: job for job in link.call("jobs")["jobs"]}
-            if job_id in jobs:
-                found.append((link, jobs[job_id]))
-            else:
+            if all(link is not holder for holder, _record in found):
                 link.close()
         if not found:
             raise UsageError(f"no job {job_id!r} on any host of {cluster.source or 'the local cluster'}; "
@@ -143,6 +140,11 @@ class ClusterJob:
     @property
     def world_size(self) -> int:
         return sum(p.slots for p in self.placements)
+
+    @property
+    def rank_hosts(self) -> list[str]:
+        """The address every global rank runs on, in rank order (rank 0's is the rendezvous address)."""
+        return ["127.0.0.1" if self.cluster.local else p.host.address for p in self.placements for _ in range(p.slots)]
 
     @property
     def gpus_everywhere(self) -> bool:
@@ -181,8 +183,8 @@ class ClusterJob:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(everyone, sent) if was_sent)
         if self._evaluators and spec.checkpoint_dir and "eval_data" in inspect_recipe(spec.recipe).functions:
-            rank_hosts = [p.host.address for p in self.placements for _ in range(p.slots)]
-            self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle, spec, self._events, rank_hosts)
+            self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle, spec, self._events,
+                                         self.rank_hosts)
         self._submit(self.job_id, spec)
         if not detach:
             self._start_following()
@@ -191,15 +193,13 @@ class ClusterJob:
         rank0 = self._links[0]
         port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
         port = rank0.call("rendezvous", job=attempt_id, port_range=port_range)["port"]
-        master_addr = "127.0.0.1" if self.cluster.local else rank0.host.address
-        rank_hosts = [master_addr if self.cluster.local else p.host.address
-                      for p in self.placements for _ in range(p.slots)]
+        master_addr = self.rank_hosts[0]
         for link, placement in zip(self._links, self.placements):
             link.call("submit", job=attempt_id, bundle=self._bundle.sha256, recipe=self._bundle.recipe,
                       spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
                       master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
-                      rank_hosts=rank_hosts, detach=self._detach,
+                      rank_hosts=self.rank_hosts, detach=self._detach,
                       evaluator_hosts=[link.host.address for link in self._evaluators])
         self.attempt_id = attempt_id
 

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrun.client._links import HostLink, open_all
+from distrun.client._links import HostLink, holders_of, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.config import ClusterSpec
-from distrun.errors import HostError, UsageError
+from distrun.errors import UsageError
 from distrun.protocol import Output, decode_event
 
 __all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks", "pull_job"]
@@ -64,64 +65,49 @@ def list_jobs(cluster: ClusterSpec) -> list[JobRow]:
     return sorted(rows, key=lambda row: row.started_at, reverse=True)
 
 
-def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
-    """Cancel ``job_id`` on every host that has it; return those hosts."""
+@contextmanager
+def _job_hosts(cluster: ClusterSpec, job_id: str) -> Iterator[list[HostLink]]:
+    """Every host's link, open; yields those that run ``job_id`` (UsageError if none does)."""
     links = _links(cluster)
-    hosts = []
     try:
-        for link in links:
-            if any(job["job"] == job_id for job in link.call("jobs")["jobs"]):
-                link.call("cancel", job=job_id, reason="cancelled by `distrun cancel`")
-                hosts.append(link.label)
+        holders = [link for link, _record in holders_of(links, job_id)]
+        if not holders:
+            raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
+        yield holders
     finally:
         for link in links:
             link.close()
-    if not hosts:
-        raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
-    return hosts
+
+
+def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
+    """Cancel ``job_id`` on every host that has it; return those hosts."""
+    with _job_hosts(cluster, job_id) as holders:
+        for link in holders:
+            link.call("cancel", job=job_id, reason="cancelled by `distrun cancel`")
+        return [link.label for link in holders]
 
 
 def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
     """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it."""
-    links = _links(cluster)
-    try:
-        holders = [link for link in links if any(job["job"] == job_id for job in link.call("jobs")["jobs"])]
-        if not holders:
-            raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
+    with _job_hosts(cluster, job_id) as holders:
         for link in holders:
             fetched = fetch_newest_checkpoint(link, job_id, dest)
             if fetched is not None:
                 return fetched
         return None
-    finally:
-        for link in links:
-            link.close()
 
 
 def job_output(cluster: ClusterSpec, job_id: str, *, follow: bool) -> Iterator[tuple[str, Output]]:
     """(host, output line) of every rank, host by host; with ``follow``, until the job ends."""
-    links = _links(cluster)
-    try:
-        found = False
-        for link in links:
-            if not any(job["job"] == job_id for job in link.call("jobs")["jobs"]):
-                continue
-            found = True
+    with _job_hosts(cluster, job_id) as holders:
+        for link in holders:
             with link.client() as client:
-                for item in client.stream("follow", job=job_id, offset=0, until_now=not follow,
-                                          silence_s=30.0):
+                for item in client.stream("follow", job=job_id, offset=0, until_now=not follow, silence_s=30.0):
                     for raw in item.get("events", ()):
                         if raw.get("type") == "output":
                             event = decode_event(json.dumps(raw))
                             assert isinstance(event, Output)
                             yield link.label, event
-        if not found:
-            raise UsageError(f"no job {job_id!r} on any host; `distrun jobs` lists them")
-    except HostError:
-        raise
-    finally:
-        for link in links:
-            link.close()
 
 
 def collapse_ranks(lines: list[tuple[int, str]]) -> list[tuple[tuple[int, ...], str]]:

@@ -28,6 +28,7 @@ __all__ = [
     "Done",
     "Exited",
     "Heartbeat",
+    "HEARTBEAT_INTERVAL_S",
     "Hung",
     "PEER_LOST",
     "SERVER_RANK",
@@ -151,6 +152,10 @@ class Exited(Event):
 
     type: ClassVar[str] = "exited"
     returncode: int
+
+
+#: How often each training process sends a Heartbeat (the client's hang detection reads it too).
+HEARTBEAT_INTERVAL_S = 2.0
 
 
 @dataclass(frozen=True)

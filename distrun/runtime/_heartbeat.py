@@ -2,7 +2,7 @@
 
 A rank that hangs in its own code and the ranks blocked in a collective waiting
 for it all stop making steps; only the main thread's innermost Python frame
-tells them apart. Every HEARTBEAT_S a daemon thread reports it: ``"torch"``
+tells them apart. Every HEARTBEAT_INTERVAL_S a daemon thread reports it: ``"torch"``
 (inside torch: a collective, backward, an optimizer step), ``"recipe FILE:LINE"``,
 or ``"distrun"``. A rank stuck in C code that holds the GIL sends no heartbeat
 at all, which the client reads as hung too.
@@ -15,10 +15,8 @@ import sys
 import threading
 import time
 
-from distrun.protocol import Heartbeat
+from distrun.protocol import HEARTBEAT_INTERVAL_S, Heartbeat
 from distrun.runtime._process import EventWriter
-
-HEARTBEAT_S = 2.0
 _TORCH_DIR = f"{os.sep}torch{os.sep}"
 
 
@@ -40,7 +38,7 @@ def start_heartbeat(writer: EventWriter, rank: int, recipe: str) -> None:
 
     def beat() -> None:
         while True:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(HEARTBEAT_INTERVAL_S)
             writer.emit(Heartbeat(rank=rank, time=time.time(), where=where_is(main_id or 0, recipe_dir)))
 
     threading.Thread(target=beat, name="distrun-heartbeat", daemon=True).start()

@@ -23,11 +23,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from distrun.config import JobSpec, StrategyName
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Event, Output, encode_event, event_to_dict
+from distrun.protocol import SERVER_RANK, Event, Output, encode_event, event_to_dict
 from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._net import interface_towards
@@ -61,22 +61,27 @@ class _Job:
     followers: int = 0
     unfollowed_since: float = dataclasses.field(default_factory=time.monotonic)  # when the last follower left
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log: BinaryIO | None = None  # events.ndjson, open while the job runs (unbuffered: each line lands at once)
 
     def record(self, event: Event) -> None:
         with self.changed:
             self.lines.append(event_to_dict(event))
-            with open(self.folder / "events.ndjson", "ab") as out:
-                out.write(encode_event(event))
+            if self.log is None:
+                self.log = open(self.folder / "events.ndjson", "ab", buffering=0)  # noqa: SIM115 - closed in finish()
+            self.log.write(encode_event(event))
             self.changed.notify_all()
 
     def record_note(self, text: str) -> None:
         """A line from the server itself in the job's log (shown by `distrun logs`, `attach`)."""
-        self.record(Output(rank=-1, time=time.time(), stream="stderr", line=f"[distrun server] {text}"))
+        self.record(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun server] {text}"))
 
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self.changed:
             self.state, self.result = state, result
             (self.folder / "result.json").write_text(json.dumps(result))
+            if self.log is not None:
+                self.log.close()
+                self.log = None
             self.changed.notify_all()
 
     def summary(self) -> dict[str, Any]:

@@ -62,7 +62,9 @@ class WarmInterpreter:
 
     @property
     def ready(self) -> bool:
-        return self.starter() is not None
+        """For `status`: is the zygote up? (Reading it never restarts it; ``starter()`` does.)"""
+        with self._lock:
+            return self._starter is not None and self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
         with self._lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from distrun.protocol import SERVER_RANK
+
 
 def fmt_loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
@@ -26,7 +28,7 @@ def fmt_seconds(value: float | None) -> str:
 def fmt_ranks(ranks: tuple[int, ...] | list[int]) -> str:
     """``rank 3``, ``ranks 0-3``, ``ranks 0-1,4``: runs of consecutive ranks joined."""
     ordered = sorted(set(ranks))
-    if ordered == [-1]:
+    if ordered == [SERVER_RANK]:
         return "server"  # a note the worker server wrote into the job's log
     if len(ordered) == 1:
         return f"rank {ordered[0]}"

@@ -11,15 +11,14 @@ import subprocess
 import sys
 import time
 
-
 from tests._sshd import cluster_yaml
-from tests.cluster.conftest import Lab, distrun_pids_in
+from tests.cluster.conftest import Lab, distrun_pids_in, lab_cli
 
 
-def _cli(lab: Lab, *args: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess, float]:
+def _cli(lab: Lab, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """`distrun ARGS` in the client namespace, and how long it took."""
     t0 = time.monotonic()
-    proc = subprocess.run(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    proc = lab_cli(lab, *args, timeout=90)
     return proc, time.monotonic() - t0
 
 

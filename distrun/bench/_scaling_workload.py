@@ -1,0 +1,61 @@
+"""The scaling workload, shared by distrun's custom loop and the hand-written DDP baseline.
+
+Both contenders must run exactly the same work: the same model, the same
+synthetic ImageNet-shaped batch (made on the device once, as NVIDIA's
+synthetic-data benchmarks do, so input is never the bottleneck), the same
+optimizer and the same step (channels_last and bf16 autocast on GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from distrun.bench.models import build
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    return parser.parse_args(argv)
+
+
+def build_model(args: argparse.Namespace, cuda: bool) -> nn.Module:
+    extra = {"image_size": args.image_size} if args.model == "mlp" else {}
+    model = build(args.model, **extra)
+    return model.to(memory_format=torch.channels_last) if cuda else model
+
+
+def synthetic_batch(args: argparse.Namespace, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    images = torch.randn(args.batch, 3, args.image_size, args.image_size, generator=gen, device=device)
+    if device.type == "cuda":
+        images = images.to(memory_format=torch.channels_last)
+    labels = torch.randint(0, 1000, (args.batch,), generator=gen, device=device)
+    return images, labels
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+              labels: torch.Tensor) -> Callable[[], None]:
+    cuda = images.device.type == "cuda"
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step() -> None:
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
+            loss = loss_fn(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
