@@ -19,6 +19,7 @@ from distrun.client import ClusterJob, LocalJob, pack
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
     DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_PS_PARTITION_MB,
     ClusterSpec,
     JobSpec,
     RecipeKind,
@@ -39,7 +40,7 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage"),
+    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps)"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
@@ -51,6 +52,10 @@ def train(
     keep_checkpoints: int = typer.Option(DEFAULT_KEEP_CHECKPOINTS, "--keep-checkpoints", help="Keep the newest K checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --checkpoint-dir."),
     sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
+    ps_tasks: int | None = typer.Option(None, "--ps-tasks", help="parameter-server, without --cluster: ps task processes here (default 1); on a cluster, its ps hosts."),
+    ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: apply the mean of one push from every worker per step (synchronous rounds)."),
+    max_staleness: int | None = typer.Option(None, "--max-staleness", help="parameter-server: a worker more than K steps ahead of the slowest waits."),
+    ps_partition_mb: float = typer.Option(DEFAULT_PS_PARTITION_MB, "--ps-partition-mb", help="parameter-server: split parameters bigger than this by rows across the ps tasks."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
@@ -66,7 +71,8 @@ def train(
         recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-        sync_batch_norm=sync_batch_norm,
+        sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
+        ps_partition_mb=ps_partition_mb,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
@@ -75,10 +81,15 @@ def train(
                                                  ("--max-restarts", max_restarts)) if used]
         if cluster_only:
             raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
-        run_job(LocalJob(build_spec(replicas=replicas, **flags), hang_timeout_s=hang_timeout_s), json_output=json_output)
+        if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
+            ps_tasks = 1
+        run_job(LocalJob(build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags), hang_timeout_s=hang_timeout_s),
+                json_output=json_output)
         return
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+    if ps_tasks is not None:
+        raise UsageError("--ps-tasks: on a cluster every host with role ps runs one ps task; set roles there")
     if max_restarts < 0:
         raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
     run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
@@ -95,8 +106,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         device = str(flags.pop("device"))
         if device == "auto":
             device = "cuda" if job.gpus_everywhere else "cpu"
-        spec = build_spec(replicas=job.world_size, device=device, gpus=job.world_size if job.gpus_everywhere else 0,
-                          **flags)
+        spec = build_spec(replicas=job.replicas, ps_tasks=job.ps_tasks, device=device,
+                          gpus=job.replicas if job.gpus_everywhere else 0, **flags)
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s)
     except BaseException:
@@ -139,6 +150,10 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         raise UsageError(f"{recipe}: recipe not found")
     info = inspect_recipe(str(path))
     name = StrategyName.parse(strategy)
+    if name is StrategyName.PARAMETER_SERVER and info.kind is not RecipeKind.FIT:
+        raise UsageError(f"{recipe}: --strategy parameter-server trains fit-style recipes (model, optimizer, loss, "
+                         f"train_data), where the ps tasks can build the model and its optimizer; this one is a "
+                         f"{info.kind.value}")
     gpus = visible_gpu_count() if gpus is None else gpus
     if device == "auto":
         device = "cuda" if gpus else "cpu"

@@ -17,6 +17,7 @@ from distrun.protocol import (
     Heartbeat,
     Hung,
     JobSnapshot,
+    PsStats,
     JobSummary,
     ReplicaRow,
     ReplicaStatus,
@@ -29,11 +30,16 @@ class JobTracker:
     """Mutable accumulator owned by one consumer thread; hands out frozen snapshots."""
 
     def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
-                 host_of_rank: Callable[[int], str] | None = None) -> None:
+                 host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0) -> None:
+        """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks."""
         self._recipe = recipe
         self._strategy = strategy
         self._t0 = started_at if started_at is not None else time.time()
-        self._rows = {r: ReplicaRow(rank=r, host=host_of_rank(r) if host_of_rank else None) for r in range(replicas)}
+        self._replicas = replicas
+        self._rows = {r: ReplicaRow(rank=r, host=host_of_rank(r) if host_of_rank else None,
+                                    role="ps" if r >= replicas else "worker")
+                      for r in range(replicas + ps_tasks)}
+        self._rates: dict[int, tuple[float, int]] = {}  # rank -> (time, pushes or updates) of the last figure
         self._seen: dict[int, float] = {}
         self._total_steps: int | None = None
         self._eval: dict[str, float] = {}
@@ -64,12 +70,20 @@ class JobTracker:
                 row, step=event.step, epoch=event.epoch, loss=event.loss, samples_per_s=event.samples_per_s,
                 mem_mb=event.mem_mb, status=ReplicaStatus.RUNNING,
             )
+            if event.pushes is not None:
+                row = dataclasses.replace(row, staleness=event.staleness,
+                                          steps_per_s=self._rate(event.rank, event.time, event.pushes, row.steps_per_s))
             if event.total_steps is not None:
                 self._total_steps = event.total_steps
             if self._first_step_at is None:
                 self._first_step_at = event.time
             self._last_step_at = time.time()
             self._hang = None
+        elif isinstance(event, PsStats):
+            row = dataclasses.replace(row, updates=event.updates, bytes_in=event.bytes_in, bytes_out=event.bytes_out,
+                                      params=event.params, step=event.updates, status=ReplicaStatus.RUNNING,
+                                      updates_per_s=self._rate(event.rank, event.time, event.updates,
+                                                               row.updates_per_s) or 0.0)
         elif isinstance(event, Heartbeat):
             self._where[event.rank] = event.where
             self._beat[event.rank] = time.time()
@@ -87,11 +101,20 @@ class JobTracker:
                 row = dataclasses.replace(row, status=ReplicaStatus.STOPPED)
         self._rows[event.rank] = row
 
+    def _rate(self, rank: int, at: float, count: int, previous: float | None) -> float | None:
+        """Counts per second since this rank's previous figure (the previous rate if too close)."""
+        last = self._rates.get(rank)
+        self._rates[rank] = (at, count)
+        if last is None or at - last[0] <= 0 or count < last[1]:
+            return previous
+        return (count - last[1]) / (at - last[0])
+
     def check_hang(self, timeout_s: float, heartbeat_s: float) -> Hung | None:
         """A new Hung event if no rank has stepped for ``timeout_s`` (once per stall)."""
         now = time.time()
-        running = [r for r, row in sorted(self._rows.items()) if row.status is ReplicaStatus.RUNNING]
-        if self._hang is not None or not running or len(running) < len(self._rows):
+        trainers = {r: row for r, row in self._rows.items() if row.role == "worker"}  # ps tasks never step
+        running = [r for r, row in sorted(trainers.items()) if row.status is ReplicaStatus.RUNNING]
+        if self._hang is not None or not running or len(running) < len(trainers):
             return None
         since = self._last_step_at or max((self._seen.get(r, self._t0) for r in running), default=self._t0)
         if now - since < timeout_s:
@@ -133,12 +156,12 @@ class JobTracker:
     def summary(self, status: str, error: str | None = None) -> JobSummary:
         chief = self._done.get(0)
         first = chief.first_step_time if chief and chief.first_step_time else self._first_step_at
-        steps = chief.steps if chief else max((r.step for r in self._rows.values()), default=0)
+        steps = chief.steps if chief else max((r.step for r in self._rows.values() if r.role == "worker"), default=0)
         return JobSummary(
             status=status,
             recipe=self._recipe,
             strategy=self._strategy,
-            replicas=len(self._rows),
+            replicas=self._replicas,
             steps=steps,
             final_loss=chief.final_loss if chief else None,
             samples_per_s=chief.samples_per_s if chief else 0.0,

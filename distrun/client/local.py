@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker
-from distrun.config import JobSpec
+from distrun.config import JobSpec, StrategyName
 from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
-__all__ = ["LocalJob", "JobOutcome"]
+__all__ = ["LocalJob", "JobOutcome", "independent_ranks"]
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,14 @@ class LocalJob:
         self._t0 = time.time()
         worker = WorkerSpec(
             argv=(python or sys.executable, "-m", "distrun.runtime"),
-            local_world_size=spec.replicas,
+            local_world_size=spec.world_size,
             env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env},
             stop_grace_s=stop_grace_s,
+            num_ps=spec.ps_tasks,
+            independent_ranks=independent_ranks(spec),
         )
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0),
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
+                                          ps_tasks=spec.ps_tasks),
                                hang_timeout_s=hang_timeout_s)
         self._launcher = LocalLauncher(worker, self._feed.put)
         self._result: RunResult | None = None
@@ -103,6 +106,17 @@ class LocalJob:
             raise error_class(message, detail=detail)
         rank = failure.rank if failure else None
         raise TrainingError(message, rank=rank, detail=detail, stderr_tail=self._feed.stderr_tail(rank))
+
+
+def independent_ranks(spec: JobSpec) -> frozenset[int]:
+    """Ranks whose failure stops no one: parameter-server workers other than the chief.
+
+    The chief hosts the rendezvous store and writes checkpoints, and the ps tasks
+    hold the only copy of the parameters: their failure ends (or restarts) the job.
+    """
+    if spec.strategy is not StrategyName.PARAMETER_SERVER:
+        return frozenset()
+    return frozenset(range(1, spec.replicas))
 
 
 #: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.

@@ -10,7 +10,13 @@ from distrun.config.cluster import (
     local_cluster,
     parse_cluster,
 )
-from distrun.config.job import DEFAULT_CPU_REPLICAS, DEFAULT_KEEP_CHECKPOINTS, JobSpec, StrategyName
+from distrun.config.job import (
+    DEFAULT_CPU_REPLICAS,
+    DEFAULT_KEEP_CHECKPOINTS,
+    DEFAULT_PS_PARTITION_MB,
+    JobSpec,
+    StrategyName,
+)
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "StrategyName",
     "DEFAULT_CPU_REPLICAS",
     "DEFAULT_KEEP_CHECKPOINTS",
+    "DEFAULT_PS_PARTITION_MB",
     "RecipeInfo",
     "RecipeKind",
     "inspect_recipe",

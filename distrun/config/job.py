@@ -18,26 +18,29 @@ from typing import Any
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
-__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS"]
+__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB"]
 
 #: Replicas started on a machine without GPUs when --replicas is not given: two is
 #: the smallest count that exercises the distributed path (documented in docs/cli.md).
 DEFAULT_CPU_REPLICAS = 2
 DEFAULT_KEEP_CHECKPOINTS = 3
+#: Parameters bigger than this are split by rows across the ps tasks (docs/parameter-server.md).
+DEFAULT_PS_PARTITION_MB = 64.0
 
 
 class StrategyName(str, Enum):
-    """Strategies built so far; a later issue adds parameter-server."""
+    """The strategies, by the name ``--strategy`` takes (``ps`` is parameter-server's alias)."""
 
     ONE_DEVICE = "one-device"
     MIRRORED = "mirrored"
     MULTI_WORKER = "multi-worker"
     CENTRAL_STORAGE = "central-storage"
+    PARAMETER_SERVER = "parameter-server"
 
     @classmethod
     def parse(cls, value: str) -> StrategyName:
         try:
-            return cls(value)
+            return cls(_ALIASES.get(value, value))
         except ValueError:
             names = [s.value for s in cls]
             raise ConfigError(
@@ -48,6 +51,15 @@ class StrategyName(str, Enum):
     @property
     def distributed(self) -> bool:
         return self is not StrategyName.ONE_DEVICE
+
+    @property
+    def collective(self) -> bool:
+        """Every replica joins one process group (all but parameter-server, whose workers
+        talk only to ps tasks, so that one of them can die without stopping the others)."""
+        return self.distributed and self is not StrategyName.PARAMETER_SERVER
+
+
+_ALIASES = {"ps": StrategyName.PARAMETER_SERVER.value}
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,18 @@ class JobSpec:
     recipe_args: tuple[str, ...] = ()
     log_interval_s: float = 0.25
     extra_env: Mapping[str, str] = field(default_factory=dict)
+    #: parameter-server only: ps tasks (the job runs ``replicas`` workers plus these),
+    #: synchronous rounds, the staleness bound, and the size above which a parameter
+    #: is split by rows across every ps task.
+    ps_tasks: int = 0
+    ps_sync: bool = False
+    max_staleness: int | None = None
+    ps_partition_mb: float = DEFAULT_PS_PARTITION_MB
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job: the replicas (workers), then the ps tasks."""
+        return self.replicas + self.ps_tasks
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -132,5 +156,24 @@ def _validate(spec: JobSpec) -> None:
     if (spec.resume or spec.checkpoint_every) and not spec.checkpoint_dir:
         flag = "--resume" if spec.resume else "--checkpoint-every"
         raise ConfigError(f"{flag} needs --checkpoint-dir")
+    _validate_ps(spec)
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
+
+
+def _validate_ps(spec: JobSpec) -> None:
+    if spec.strategy is not StrategyName.PARAMETER_SERVER:
+        used = [flag for flag, on in (("--ps-tasks", spec.ps_tasks), ("--ps-sync", spec.ps_sync),
+                                      ("--max-staleness", spec.max_staleness is not None)) if on]
+        if used:
+            raise ConfigError(f"{used[0]} is for --strategy parameter-server. Received: --strategy {spec.strategy.value}")
+        return
+    if spec.ps_tasks < 1:
+        raise ConfigError(f"--strategy parameter-server needs at least one ps task. Received: {spec.ps_tasks}")
+    if spec.max_staleness is not None:
+        if isinstance(spec.max_staleness, bool) or not isinstance(spec.max_staleness, int) or spec.max_staleness < 0:
+            raise ConfigError(f"--max-staleness: expected 0 or more steps. Received: {spec.max_staleness!r}")
+        if spec.ps_sync:
+            raise ConfigError("--max-staleness bounds asynchronous training; --ps-sync has no staleness: give one")
+    if not spec.ps_partition_mb > 0:
+        raise ConfigError(f"--ps-partition-mb: expected a positive size. Received: {spec.ps_partition_mb!r}")

@@ -45,8 +45,16 @@ def _tf_config(spec: WorkerSpec, rank: int, master_port: int) -> dict[str, objec
     listed apart. The port is the job's rendezvous port (tasks share it: it is descriptive)."""
     world = spec.effective_world_size
     hosts = spec.rank_hosts or (spec.master_addr,) * world
-    cluster: dict[str, list[str]] = {"worker": [f"{host}:{master_port}" for host in hosts]}
+    workers = world - spec.num_ps
+    cluster: dict[str, list[str]] = {"worker": [f"{host}:{master_port}" for host in hosts[:workers]]}
+    if spec.num_ps:
+        cluster["ps"] = [f"{host}:{master_port}" for host in hosts[workers:]]
     if spec.evaluator_hosts:
         cluster["evaluator"] = [f"{host}:{master_port}" for host in spec.evaluator_hosts]
-    index = 0 if spec.task_type == "evaluator" else rank
-    return {"cluster": cluster, "task": {"type": spec.task_type, "index": index}}
+    if spec.task_type == "evaluator":
+        task = {"type": "evaluator", "index": 0}
+    elif rank >= workers:
+        task = {"type": "ps", "index": rank - workers}
+    else:
+        task = {"type": spec.task_type, "index": rank}
+    return {"cluster": cluster, "task": task}

@@ -49,6 +49,11 @@ class WorkerSpec:
     rank_hosts: tuple[str, ...] = ()  # the address of every global rank's host (TF_CONFIG); () = master_addr
     evaluator_hosts: tuple[str, ...] = ()  # TF_CONFIG's "evaluator" tasks
     task_type: str = "worker"  # TF_CONFIG task type of these processes: "worker" or "evaluator"
+    num_ps: int = 0  # the last num_ps global ranks are ps tasks (TF_CONFIG "ps")
+    #: Ranks that may fail alone (parameter-server workers other than the chief): their
+    #: failure is reported but stops no one, and each is started again up to ``respawns`` times.
+    independent_ranks: frozenset[int] = frozenset()
+    respawns: int = 0
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

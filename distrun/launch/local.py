@@ -11,7 +11,9 @@ Guarantees (each held by a test):
   decides when it stops, and stopping kills its whole process group (DataLoader
   workers included): SIGTERM, then SIGKILL after ``stop_grace_s``;
 * a rank that exits non-zero stops all others at once; no rank is left waiting
-  on a collective for the backend's 30-minute timeout;
+  on a collective for the backend's 30-minute timeout (except an
+  ``independent_ranks`` rank: a parameter-server worker fails alone, and is
+  started again while ``respawns`` last);
 * training processes ask the kernel to kill them if the launcher dies
   (PR_SET_PDEATHSIG, set by the runtime bootstrap), so even a SIGKILLed
   launcher leaves no orphans;
@@ -79,6 +81,8 @@ class LocalLauncher:
         self._stop_reason: str | None = None
         self._selector = selectors.DefaultSelector()
         self._failures: list[Failed] = []
+        self._respawned: dict[int, int] = {}  # rank -> times started again
+        self._port = 0
         self._started = False
 
     # -- public ---------------------------------------------------------------
@@ -127,6 +131,7 @@ class LocalLauncher:
             port = int(listener.getsockname()[1])
         else:
             port = spec.master_port
+        self._port = port
         try:
             for local_rank in range(spec.local_world_size):
                 self._procs.append(self._spawn(local_rank, port, listener))
@@ -222,14 +227,14 @@ class LocalLauncher:
                 event = decode_event(line)
             except EventDecodeError as exc:
                 event = Output(rank=proc.rank, time=time.time(), stream="stderr", line=f"[distrun] bad event: {exc}")
-            if isinstance(event, Failed):
+            if isinstance(event, Failed) and proc.rank not in self._spec.independent_ranks:
                 self._failures.append(event)
         else:
             event = Output(rank=proc.rank, time=time.time(), stream=stream, line=line.decode("utf-8", "replace"))
         self._sink(event)
 
     def _poll_exits(self) -> None:
-        for proc in self._procs:
+        for proc in list(self._procs):  # a respawn appends
             if proc.returncode is not None:
                 continue
             rc = proc.popen.poll()
@@ -242,10 +247,25 @@ class LocalLauncher:
             self._drain_proc(proc, deadline=time.monotonic() + 0.5)
             now = time.time()
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
-            if rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
+            if rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
+                self._respawn(proc)
+            elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(
                     Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
                 )
+
+    def _respawn(self, proc: _Proc) -> None:
+        """Start a failed independent rank again (it rejoins the job), while respawns last."""
+        done = self._respawned.get(proc.rank, 0)
+        if self._stop_requested.is_set() or self._failures or done >= self._spec.respawns:
+            self._note(proc.rank, f"rank {proc.rank} lost; the job goes on without it")
+            return
+        self._respawned[proc.rank] = done + 1
+        self._note(proc.rank, f"rank {proc.rank} lost; starting it again ({done + 1}/{self._spec.respawns})")
+        self._procs.append(self._spawn(proc.local_rank, self._port, None))
+
+    def _note(self, rank: int, text: str) -> None:
+        self._sink(Output(rank=rank, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
 
     def _root_cause(self) -> Failed | None:
         if not self._failures:

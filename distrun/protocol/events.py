@@ -30,6 +30,7 @@ __all__ = [
     "Heartbeat",
     "HEARTBEAT_INTERVAL_S",
     "Hung",
+    "PsStats",
     "PEER_LOST",
     "SERVER_RANK",
     "EVALUATOR_RANK",
@@ -85,6 +86,10 @@ class Step(Event):
     samples_per_s: float
     mem_mb: float
     total_steps: int | None = None
+    #: parameter-server workers: this worker's own pushes so far, and how many updates
+    #: other workers applied between its pull and its push (its gradient's staleness).
+    pushes: int | None = None
+    staleness: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,19 @@ class Exited(Event):
     returncode: int
 
 
+@dataclass(frozen=True)
+class PsStats(Event):
+    """About once a second from each ps task: what it holds and what it has done."""
+
+    type: ClassVar[str] = "ps"
+    task: int
+    updates: int
+    bytes_in: int
+    bytes_out: int
+    params: int
+    workers: int
+
+
 #: How often each training process sends a Heartbeat (the client's hang detection reads it too).
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -190,7 +208,8 @@ class Hung(Event):
 
 
 _TYPES: dict[str, type[Event]] = {
-    cls.type: cls for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung)
+    cls.type: cls
+    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats)
 }
 
 

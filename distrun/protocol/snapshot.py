@@ -36,6 +36,16 @@ class ReplicaRow:
     last_seen_s: float = 0.0
     status: ReplicaStatus = ReplicaStatus.STARTING
     host: str | None = None  # on a cluster: the host the rank runs on
+    #: parameter-server jobs: "worker" or "ps"; a worker's steps/s (its own pushes) and
+    #: staleness; a ps task's updates/s, traffic and the parameters (elements) it holds.
+    role: str = "worker"
+    steps_per_s: float | None = None
+    staleness: int | None = None
+    updates: int = 0
+    updates_per_s: float = 0.0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    params: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,14 @@ class JobSnapshot:
     @property
     def samples_per_s(self) -> float:
         return sum(r.samples_per_s for r in self.rows)
+
+    @property
+    def workers(self) -> tuple[ReplicaRow, ...]:
+        return tuple(r for r in self.rows if r.role == "worker")
+
+    @property
+    def ps_tasks(self) -> tuple[ReplicaRow, ...]:
+        return tuple(r for r in self.rows if r.role == "ps")
 
     @property
     def eta_s(self) -> float | None:

@@ -53,8 +53,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     if total_steps is None:
         epochs = epochs or 1
         if train.plan is not None:
-            total_steps = epochs * train.plan.batches_per_epoch
+            total_steps = epochs * train.plan.batches_per_epoch * strategy.updates_per_batch
     reporter.total_steps = total_steps
+    strategy.set_step_budget(total_steps)
 
     eval_source = recipe.eval_data(ctx) if hasattr(recipe, "eval_data") else None
     make_metrics = getattr(recipe, "metrics", None)
@@ -75,24 +76,28 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     checkpoint_every = spec.checkpoint_every
     ckpt_dir = spec.checkpoint_dir
     last_saved = strategy.step if spec.resume else -1
+    # Steps may advance by more than one (asynchronous workers see every update), so a
+    # checkpoint is due when the step crosses a multiple of checkpoint_every.
+    last_mark = strategy.step // checkpoint_every if checkpoint_every else 0
 
     def finished() -> bool:
-        if total_steps is not None and strategy.step >= total_steps:
+        if strategy.finished or total_steps is not None and strategy.step >= total_steps:
             return True
-        return epochs is not None and train.position[0] >= epochs
+        # A step budget decides alone: an asynchronous worker's own epochs are not the job's.
+        return total_steps is None and epochs is not None and train.position[0] >= epochs
 
     while not finished():
         epoch = train.position[0]
         model.train()
         for batch in train:
             last_loss = strategy.run(train_step, batch)
-            if ckpt_dir and checkpoint_every and strategy.step % checkpoint_every == 0:
+            if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
                 strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
-                last_saved = strategy.step
-            if total_steps is not None and strategy.step >= total_steps:
+                last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
+            if finished():
                 break
         epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
-        if epoch_done and eval_source is not None:
+        if epoch_done and eval_source is not None and strategy.evaluates:
             # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
             from distrun.runtime._metrics import evaluate
 

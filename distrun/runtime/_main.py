@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from distrun.config import JobSpec, RecipeKind, inspect_recipe
+from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
 from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
@@ -56,7 +56,16 @@ def main() -> None:
                              first_step_time=None))
             _leave_together(launch, store)
             _exit(0)
-        reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
+        if spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas:
+            phase = "import"
+            module = load_module(spec.recipe)
+            phase = "train"
+            from distrun.runtime._ps_task import serve_ps  # a ps task: serve, never train
+
+            serve_ps(module, spec, launch, writer, ps_store(launch))
+            _exit(0)
+        reporter = EventReporter(writer, launch.rank, min(launch.world_size, spec.replicas), spec.log_interval_s,
+                                 device.type)
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
         module = load_module(spec.recipe)
@@ -87,7 +96,8 @@ def main() -> None:
                  samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time)
         )
         strategy.close()
-        _leave_together(launch, store)
+        if spec.strategy.collective:
+            _leave_together(launch, store)
         _exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event, then exit 1
         if isinstance(exc, SystemExit) and exc.code in (0, None):
@@ -175,12 +185,26 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
 
     from distrun.strategies import ReplicaInfo, make_strategy
 
-    if spec.strategy.distributed:
+    options: dict[str, Any] = {}
+    if spec.strategy.collective:
         client = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, _STORE_TIMEOUT)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
-    replica = ReplicaInfo(rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+    if spec.strategy.value in ("mirrored", "multi-worker"):
+        options = {"sync_batch_norm": spec.sync_batch_norm}
+    world_size = launch.world_size
+    if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
+        world_size = spec.replicas
+        options = {"store": ps_store(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
+                   "partition_bytes": int(spec.ps_partition_mb * 2**20)}
+    replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed)
-    options = {"sync_batch_norm": spec.sync_batch_norm} if spec.strategy.value in ("mirrored", "multi-worker") else {}
     return make_strategy(spec.strategy.value, replica, reporter, **options)
+
+
+def ps_store(launch: LaunchEnv) -> Any:
+    """A client of the job's TCPStore (rank 0 hosts it): where ps connections are numbered."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, _STORE_TIMEOUT)

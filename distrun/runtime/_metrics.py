@@ -38,7 +38,8 @@ def evaluate(
     for m in named.values():
         m.reset()
     if is_map_style(dataset):
-        indices = list(range(strategy.replica_id, len(dataset), strategy.num_replicas))
+        index, count = strategy.eval_shard
+        indices = list(range(index, len(dataset), count))
         batches: Any = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_replica_batch_size)
     else:
         batches = dataset

@@ -36,6 +36,8 @@ class EventReporter:
         self._window_samples = 0
         self._last_emit = 0.0
         self._last_epoch = 0
+        self._pushes: int | None = None
+        self._staleness: int | None = None
 
     # Reporter protocol -------------------------------------------------------
 
@@ -54,6 +56,10 @@ class EventReporter:
         last = self.total_steps is not None and step >= self.total_steps
         if step == 1 or last or now - self._last_emit >= self._interval_s:
             self._emit_step(now)
+
+    def worker_progress(self, pushes: int, staleness: int) -> None:
+        """parameter-server workers: own pushes and the last push's staleness (sent with the next Step)."""
+        self._pushes, self._staleness = pushes, staleness
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self._writer.emit(Log(rank=self._rank, time=time.time(), step=step, scalars=scalars))
@@ -90,6 +96,8 @@ class EventReporter:
                 samples_per_s=rate,
                 mem_mb=self._memory_mb(),
                 total_steps=self.total_steps,
+                pushes=self._pushes,
+                staleness=self._staleness,
             )
         )
 

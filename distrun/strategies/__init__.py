@@ -15,6 +15,7 @@ from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from distrun.strategies.one_device import OneDeviceStrategy
+from distrun.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = [
     "Strategy",
@@ -22,6 +23,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "CentralStorageStrategy",
+    "ParameterServerStrategy",
     "InputContext",
     "ReplicaInfo",
     "Reporter",
@@ -36,12 +38,12 @@ __all__ = [
 ]
 
 _BY_NAME: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy)
+    cls.name: cls
+    for cls in (OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy,
+                ParameterServerStrategy)
 }
 
 
 def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
-    cls = _BY_NAME[name]
-    if issubclass(cls, MirroredStrategy):
-        return cls(replica, reporter, **options)
-    return cls(replica, reporter)
+    """``options`` are the strategy's own keyword arguments (sync_batch_norm, store, num_ps, ...)."""
+    return _BY_NAME[name](replica, reporter, **options)

@@ -38,6 +38,8 @@ class Reporter(Protocol):
 
     def step(self, step: int, epoch: int, loss: Any, samples: int) -> None: ...
 
+    def worker_progress(self, pushes: int, staleness: int) -> None: ...
+
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def checkpoint(self, step: int, path: str) -> None: ...
@@ -88,6 +90,31 @@ class Strategy(ABC):
     @property
     def device(self) -> torch.device:
         return self._replica.device
+
+    # -- what the training loop asks of a strategy (parameter-server differs) ---
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Steps (applied updates) per global batch of data: 1 for synchronous strategies."""
+        return 1
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this replica takes part in evaluation."""
+        return True
+
+    @property
+    def eval_shard(self) -> tuple[int, int]:
+        """(index, count): which share of the eval set this replica evaluates."""
+        return (self.replica_id, self.num_replicas)
+
+    def set_step_budget(self, total_steps: int | None) -> None:
+        """The loop's step count, for strategies that enforce it where updates are applied."""
+
+    @property
+    def finished(self) -> bool:
+        """True once the step budget is spent elsewhere (asynchronous strategies)."""
+        return False
 
     # -- building -------------------------------------------------------------
 
@@ -231,6 +258,11 @@ class Strategy(ABC):
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
 
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(model state_dict on the CPU, optimizer state_dict): what a checkpoint stores."""
+        model = self.unwrap()
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, self._optimizer_state()
+
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         if self._optimizer is not None and state:
             self._optimizer.load_state_dict(state)
@@ -240,10 +272,10 @@ class Strategy(ABC):
         path = None
         if self.is_chief:
             position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
-            model = self.unwrap()
+            model_state, optimizer_state = self._checkpoint_state()
             state = {
-                "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-                "optimizer": self._optimizer_state(),
+                "model": model_state,
+                "optimizer": optimizer_state,
                 "step": self.step,
                 "epoch": position[0],
                 "batch_in_epoch": position[1],

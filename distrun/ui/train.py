@@ -20,6 +20,76 @@ _STATUS_STYLE = {
 
 
 def render_progress(snapshot: JobSnapshot) -> RenderableType:
+    if snapshot.ps_tasks:
+        tables: list[RenderableType] = [_worker_table(snapshot), _ps_table(snapshot)]
+    else:
+        tables = [_replica_table(snapshot)]
+    total = snapshot.total_steps
+    bar = ProgressBar(total=float(total) if total else None, completed=float(snapshot.step), width=40)
+    line = Text.assemble(
+        f" step {snapshot.step}/{total if total else '?'}",
+        f"  {fmt_rate(snapshot.samples_per_s)} samples/s",
+        f"  elapsed {fmt_seconds(snapshot.elapsed_s)}",
+        f"  ETA {fmt_seconds(snapshot.eta_s)}",
+    )
+    parts: list[RenderableType] = [*tables, Group(bar, line)]
+    if snapshot.evaluator_step is not None:
+        parts.append(Text(f"evaluator (checkpoint of step {snapshot.evaluator_step}): "
+                          + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.evaluator_metrics.items())))
+    if snapshot.hang:
+        parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
+    if snapshot.eval_metrics:
+        parts.append(Text("eval: " + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.eval_metrics.items())))
+    return Group(*parts)
+
+
+def _columns(table: Table, names: tuple[str, ...], hosts: bool) -> None:
+    for column in names:
+        if column == "host" and not hosts:
+            continue
+        table.add_column(column, justify="left" if column in ("host", "device", "status") else "right")
+
+
+def _worker_table(snapshot: JobSnapshot) -> Table:
+    """parameter-server workers: each trains at its own pace; staleness is how far behind its gradients land."""
+    table = Table(title=f"{snapshot.recipe} · {snapshot.strategy} · workers", title_justify="left")
+    hosts = any(row.host for row in snapshot.rows)
+    _columns(table, ("host", "rank", "step", "steps/s", "staleness", "loss", "samples/s", "seen", "status"), hosts)
+    for row in snapshot.workers:
+        table.add_row(
+            *((row.host or "-",) if hosts else ()),
+            str(row.rank),
+            str(row.step),
+            "-" if row.steps_per_s is None else f"{row.steps_per_s:.1f}",
+            "-" if row.staleness is None else str(row.staleness),
+            fmt_loss(row.loss),
+            fmt_rate(row.samples_per_s),
+            fmt_seconds(row.last_seen_s),
+            Text(row.status.value, style=_STATUS_STYLE[row.status]),
+        )
+    return table
+
+
+def _ps_table(snapshot: JobSnapshot) -> Table:
+    table = Table(title="ps tasks", title_justify="left")
+    hosts = any(row.host for row in snapshot.rows)
+    _columns(table, ("host", "rank", "updates", "updates/s", "MB in", "MB out", "params", "seen", "status"), hosts)
+    for row in snapshot.ps_tasks:
+        table.add_row(
+            *((row.host or "-",) if hosts else ()),
+            str(row.rank),
+            str(row.updates),
+            f"{row.updates_per_s:.1f}",
+            f"{row.bytes_in / 2**20:.1f}",
+            f"{row.bytes_out / 2**20:.1f}",
+            f"{row.params:,}",
+            fmt_seconds(row.last_seen_s),
+            Text(row.status.value, style=_STATUS_STYLE[row.status]),
+        )
+    return table
+
+
+def _replica_table(snapshot: JobSnapshot) -> Table:
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
     for column in ("host", "rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"):
@@ -38,23 +108,7 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
             fmt_seconds(row.last_seen_s),
             Text(row.status.value, style=_STATUS_STYLE[row.status]),
         )
-    total = snapshot.total_steps
-    bar = ProgressBar(total=float(total) if total else None, completed=float(snapshot.step), width=40)
-    line = Text.assemble(
-        f" step {snapshot.step}/{total if total else '?'}",
-        f"  {fmt_rate(snapshot.samples_per_s)} samples/s",
-        f"  elapsed {fmt_seconds(snapshot.elapsed_s)}",
-        f"  ETA {fmt_seconds(snapshot.eta_s)}",
-    )
-    parts: list[RenderableType] = [table, Group(bar, line)]
-    if snapshot.evaluator_step is not None:
-        parts.append(Text(f"evaluator (checkpoint of step {snapshot.evaluator_step}): "
-                          + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.evaluator_metrics.items())))
-    if snapshot.hang:
-        parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
-    if snapshot.eval_metrics:
-        parts.append(Text("eval: " + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.eval_metrics.items())))
-    return Group(*parts)
+    return table
 
 
 def render_summary(summary: JobSummary) -> RenderableType:

@@ -1,0 +1,60 @@
+"""The life of a ps task process: build the shards, serve workers, report, leave.
+
+A ps task builds the recipe's model from the job's seed (the same initial
+parameters one-device training starts from), keeps only the shards placement
+gives it, and the recipe's optimizer over them. It serves until the chief says
+the job is over, sending a PsStats event about once a second for the live view.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from distrun.config import JobSpec
+from distrun.protocol import Done, Output, PsStats
+from distrun.runtime._process import EventWriter, LaunchEnv
+from distrun.strategies._ps_channel import accept_channel, watch_joins
+from distrun.strategies._ps_layout import Layout
+from distrun.strategies._ps_server import ParameterServer, serve_forever
+
+_STATS_INTERVAL_S = 1.0
+
+
+def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: EventWriter, store: Any) -> None:
+    """``store``: a client of the job's TCPStore, where worker connections are numbered."""
+    task = launch.rank - spec.replicas
+    torch.manual_seed(spec.seed)  # the same initial parameters as every other strategy
+    model = recipe.model()
+    layout = Layout(model, spec.ps_tasks, int(spec.ps_partition_mb * 2**20))
+    server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps_sync,
+                             max_staleness=spec.max_staleness, wait_for_load=spec.resume)
+    del model  # only the shards stay
+
+    def report() -> None:
+        stats = server.stats()
+        writer.emit(PsStats(rank=launch.rank, time=time.time(), task=task, updates=stats.updates,
+                            bytes_in=stats.bytes_in, bytes_out=stats.bytes_out, params=stats.params,
+                            workers=stats.workers))
+
+    def note(text: str) -> None:
+        writer.emit(Output(rank=launch.rank, time=time.time(), stream="stdout", line=f"[ps{task}] {text}"))
+
+    stop_reports = threading.Event()
+
+    def reports() -> None:
+        while not stop_reports.wait(_STATS_INTERVAL_S):
+            report()
+
+    reporter = threading.Thread(target=reports, name="ps-stats", daemon=True)
+    reporter.start()
+    report()
+    serve_forever(server, store, lambda connection: accept_channel(store, connection, task), watch_joins, note)
+    stop_reports.set()
+    report()
+    writer.emit(Done(rank=launch.rank, time=time.time(), steps=server.applied, final_loss=None, samples_per_s=0.0,
+                     first_step_time=None))

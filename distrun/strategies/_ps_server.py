@@ -1,0 +1,294 @@
+"""A ps task: holds its shards of the parameters and their optimizer state, applies pushes.
+
+Each worker connection is served by its own thread (see ``_ps_channel``); one
+condition variable orders everything that reads or changes the shards, so an
+update is applied whole, in the order pushes complete: asynchronous SGD, as in
+TensorFlow's ParameterServerStrategy. Two options change when a reply goes out:
+
+* ``sync`` (``--ps-sync``): a push waits until every connected worker has pushed
+  once in this round; the mean of the round's gradients is applied once
+  (SyncReplicasOptimizer). A worker that leaves or dies is dropped from the
+  round, so the others never wait for it.
+* ``max_staleness`` K (``--max-staleness``): a pull waits while the asking worker
+  has pushed more than K times beyond the slowest connected worker (stale
+  synchronous parallel). A worker that joins late starts level with the slowest.
+
+``limit`` (sent with each push) is the step budget: updates beyond it are
+refused, so ``--steps N`` means exactly N applied updates.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrun.strategies._ps_channel import Channel, Op
+from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
+
+__all__ = ["ParameterServer", "ServerStats", "dtype_name", "parse_dtype"]
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    updates: int
+    bytes_in: int
+    bytes_out: int
+    params: int
+    workers: int
+
+
+class ParameterServer:
+    def __init__(self, task: int, layout: Layout, model: nn.Module,
+                 make_optimizer: Callable[[list[nn.Parameter]], Any], *, sync: bool = False,
+                 max_staleness: int | None = None, wait_for_load: bool = False) -> None:
+        self.task = task
+        self._layout = layout
+        self._refs = layout.owned(task)
+        params = dict(model.named_parameters())
+        self._tensors = [nn.Parameter(ref.view(params[ref.name].detach()).clone()) for ref in self._refs]
+        self._dense = [i for i, ref in enumerate(self._refs) if not ref.sparse]
+        self._sparse = [i for i, ref in enumerate(self._refs) if ref.sparse]
+        self._dense_specs = flat_specs([tuple(self._tensors[i].shape) for i in self._dense],
+                                       [self._tensors[i].dtype for i in self._dense])
+        self._optimizer = make_optimizer(list(self._tensors)) if self._tensors else None
+        self._sync = sync
+        self._max_staleness = max_staleness
+        self._cond = threading.Condition()
+        self.applied = 0
+        self._limit: int | None = None
+        self._clocks: dict[int, int] = {}  # connected worker connection -> pushes counted for it
+        self._round_sum: list[torch.Tensor] | None = None
+        self._round_from: set[int] = set()
+        self._round = 0
+        self._loaded = threading.Event()
+        if not wait_for_load:
+            self._loaded.set()
+        self.finished = threading.Event()
+        self._channels: list[Channel] = []
+
+    # -- figures
+
+    @property
+    def done(self) -> bool:
+        return self._limit is not None and self.applied >= self._limit
+
+    def stats(self) -> ServerStats:
+        with self._cond:
+            return ServerStats(self.applied, sum(c.bytes_in for c in self._channels),
+                               sum(c.bytes_out for c in self._channels),
+                               sum(t.numel() for t in self._tensors), len(self._clocks))
+
+    def connected(self) -> int:
+        with self._cond:
+            return len(self._clocks)
+
+    # -- one connection
+
+    def serve(self, channel: Channel, connection: int) -> str:
+        """Answer one worker until it says BYE or its connection breaks; returns how it ended."""
+        with self._cond:
+            self._channels.append(channel)
+            self._clocks[connection] = min(self._clocks.values(), default=0)
+        try:
+            while True:
+                op, *args = channel.recv_header()
+                if op == Op.PULL:
+                    self._pull(channel, connection)
+                elif op == Op.PUSH:
+                    self._push(channel, connection, pulled=args[0], limit=args[2])
+                elif op == Op.ROWS:
+                    self._rows(channel, slot=args[0], count=args[1])
+                elif op == Op.STATE:
+                    self._send_state(channel)
+                elif op == Op.LOAD:
+                    self._load_state(channel)
+                elif op == Op.FINISH:  # the chief's last word
+                    self.finished.set()
+                    channel.send_header(1)
+                    return "finished the job"
+                elif op == Op.BYE:
+                    return "left"
+                else:
+                    return f"sent unknown op {op}"
+        except RuntimeError as exc:  # gloo: the peer closed the connection (died) or timed out
+            return f"lost ({str(exc).splitlines()[0][:120]})"
+        finally:
+            with self._cond:
+                self._clocks.pop(connection, None)
+                self._close_round_if_complete()
+                self._cond.notify_all()
+
+    def _reply_header(self, staleness: int = 0) -> list[int]:
+        return [self.applied, int(self.done), staleness]
+
+    def _pull(self, channel: Channel, connection: int) -> None:
+        self._loaded.wait()
+        with self._cond:
+            if self._max_staleness is not None:
+                while not self.done and self._ahead(connection) > self._max_staleness:
+                    self._cond.wait(0.5)
+            flats = pack([self._tensors[i] for i in self._dense])
+            header = self._reply_header()
+        channel.send_header(*header)
+        channel.send(*flats)
+
+    def _ahead(self, connection: int) -> int:
+        return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
+
+    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int) -> None:
+        flats = [channel.recv((numel,), dtype) for numel, dtype in self._dense_specs]
+        grads: list[torch.Tensor | None] = [None] * len(self._tensors)
+        dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
+        unpack_into(flats, dense)
+        for i, grad in zip(self._dense, dense):
+            grads[i] = grad
+        for i in self._sparse:
+            (count, *_rest) = channel.recv_header()
+            shard = self._tensors[i]
+            ids = channel.recv((count,), torch.int64)
+            rows = channel.recv((count, *shard.shape[1:]), shard.dtype)
+            start = self._refs[i].shard.rows[0]  # type: ignore[index]
+            grads[i] = torch.zeros_like(shard).index_add_(0, ids - start, rows)
+        self._loaded.wait()
+        with self._cond:
+            if limit > 0:
+                self._limit = limit
+            staleness = 0
+            if not self.done and connection in self._clocks:
+                self._clocks[connection] += 1
+                if self._sync:
+                    self._add_to_round(connection, grads)
+                    mine = self._round
+                    self._close_round_if_complete()
+                    while self._round == mine and not self.done:
+                        self._cond.wait(0.5)
+                else:
+                    staleness = self.applied - pulled
+                    self._apply(grads)
+                    self._cond.notify_all()
+            header = self._reply_header(staleness)
+        channel.send_header(*header)
+
+    def _add_to_round(self, connection: int, grads: list[torch.Tensor | None]) -> None:
+        if self._round_sum is None:
+            self._round_sum = [torch.zeros_like(t) if g is None else g.clone() for t, g in zip(self._tensors, grads)]
+        else:
+            for total, grad in zip(self._round_sum, grads):
+                if grad is not None:
+                    total.add_(grad)
+        self._round_from.add(connection)
+
+    def _close_round_if_complete(self) -> None:
+        """Apply the round's mean once every connected worker is in it (call with the lock held)."""
+        if not self._sync or not self._round_from or not self._round_from >= set(self._clocks):
+            return
+        if not self.done:
+            assert self._round_sum is not None
+            self._apply([total / len(self._round_from) for total in self._round_sum])
+        self._round_sum, self._round_from = None, set()
+        self._round += 1
+        self._cond.notify_all()
+
+    def _apply(self, grads: list[torch.Tensor | None]) -> None:
+        if self._optimizer is not None:
+            for tensor, grad in zip(self._tensors, grads):
+                tensor.grad = grad
+            self._optimizer.step()
+            for tensor in self._tensors:
+                tensor.grad = None
+        self.applied += 1
+
+    def _rows(self, channel: Channel, *, slot: int, count: int) -> None:
+        i = self._sparse[slot]
+        ids = channel.recv((count,), torch.int64)
+        start = self._refs[i].shard.rows[0]  # type: ignore[index]
+        self._loaded.wait()
+        with self._cond:
+            rows = self._tensors[i].detach()[ids - start]
+        channel.send(rows)
+
+    # -- checkpoints: shards and optimizer state, described in JSON, sent as tensors
+
+    def _send_state(self, channel: Channel) -> None:
+        self._loaded.wait()
+        with self._cond:
+            shards, tensors = [], []
+            for tensor in self._tensors:
+                state = self._optimizer.state.get(tensor, {}) if self._optimizer is not None else {}
+                described: dict[str, Any] = {}
+                tensors.append(tensor.detach().clone())
+                for key in sorted(state):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor):
+                        described[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
+                        tensors.append(value.detach().clone())
+                    else:
+                        described[key] = {"value": value}
+                shards.append({"state": described})
+            doc = {"applied": self.applied, "shards": shards}
+        channel.send_json(doc)
+        channel.send(*tensors)
+
+    def _load_state(self, channel: Channel) -> None:
+        doc = channel.recv_json()
+        with self._cond:
+            for tensor, shard in zip(self._tensors, doc["shards"]):
+                channel.recv_into(tensor.data)
+                state: dict[str, Any] = {}
+                for key, spec in shard["state"].items():
+                    if "value" in spec:
+                        state[key] = spec["value"]
+                    else:
+                        state[key] = channel.recv(tuple(spec["shape"]), parse_dtype(spec["dtype"]))
+                if self._optimizer is not None and state:
+                    self._optimizer.state[tensor] = state
+            self.applied = int(doc["applied"])
+            self._loaded.set()
+            self._cond.notify_all()
+        channel.send_header(1)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def serve_forever(server: ParameterServer, store: Any, accept: Callable[[int], tuple[Channel, int]],
+                  watch: Callable[..., None], on_event: Callable[[str], None],
+                  linger_s: float = 120.0) -> None:
+    """Accept workers until the chief says FINISH, then wait (bounded) for the rest to leave."""
+    stopping = threading.Event()
+
+    def handle(connection: int) -> None:
+        try:
+            channel, worker = accept(connection)
+        except RuntimeError as exc:
+            on_event(f"connection {connection} never opened: {str(exc).splitlines()[0][:120]}")
+            return
+        on_event(f"worker {worker} joined")
+        how = server.serve(channel, connection)
+        on_event(f"worker {worker} {how}")
+
+    def on_join(connection: int) -> None:
+        threading.Thread(target=handle, args=(connection,), name=f"ps-conn{connection}", daemon=True).start()
+
+    watcher = threading.Thread(target=watch, args=(store, on_join, stopping.is_set), name="ps-joins", daemon=True)
+    watcher.start()
+    server.finished.wait()
+    stopping.set()
+    watcher.join()
+    deadline = time.monotonic() + linger_s
+    while server.connected() and time.monotonic() < deadline:
+        time.sleep(0.05)

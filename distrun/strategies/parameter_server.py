@@ -1,0 +1,386 @@
+"""ParameterServerStrategy: ps tasks hold the parameters, workers train on their own.
+
+TensorFlow's asynchronous strategy, for the same fit-style recipe. Each worker
+keeps a compute copy of the model; every step it
+
+1. pulls the current dense parameters from every ps task (before the forward:
+   a forward pre-hook), and, inside the forward, only the rows of a
+   partitioned embedding that the batch looks up;
+2. computes gradients on its own shard of the data (``loss.backward()``);
+3. pushes them at ``optimizer.step()``: the ps tasks apply the recipe's
+   optimizer to their shards, one push at a time.
+
+The global step is the number of updates applied (the ps task 0's count), so
+``--steps N`` means N applied updates whatever the number of workers; with
+``--epochs`` each worker's batch is one update, so N = epochs x batches per
+epoch x workers (synchronous rounds, ``--ps-sync``, apply one update per round).
+
+Workers share no process group, so one can die without stopping the others.
+The chief (worker 0) also coordinates: it prints the placement, evaluates,
+writes checkpoints in the synchronous strategies' format (parameters and
+optimizer state gathered from the ps tasks) and tells the ps tasks when the job
+is over. Choosing this over all-reduce: docs/parameter-server.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distrun.errors import TrainingError
+from distrun.strategies._ps_channel import Channel, Op, open_worker_channels
+from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
+from distrun.strategies._ps_server import dtype_name, parse_dtype
+from distrun.strategies.base import ReplicaInfo, Reporter, Strategy
+
+__all__ = ["ParameterServerStrategy"]
+
+
+class _PushOptimizer:
+    """Stands in for the recipe's optimizer on a worker: ``step()`` pushes gradients.
+
+    The recipe's own optimizer object is kept (never stepped here) for its
+    hyperparameters and its ``state_dict`` layout, which checkpoints reuse.
+    """
+
+    def __init__(self, strategy: ParameterServerStrategy, inner: Any) -> None:
+        self._strategy = strategy
+        self.inner = inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups if self.inner is not None else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._strategy._params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def step(self) -> None:
+        self._strategy._push()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._strategy._gather_optimizer_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._strategy._pending_optimizer_state = state
+
+
+class ParameterServerStrategy(Strategy):
+    name = "parameter-server"
+
+    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
+                 partition_bytes: int = 64 << 20) -> None:
+        super().__init__(replica, reporter)
+        self._store = store
+        self._num_ps = num_ps
+        self._sync = sync
+        self._partition_bytes = partition_bytes
+        self._channels: list[Channel] = []
+        self._layout: Layout | None = None
+        self._params: list[nn.Parameter] = []
+        self._stale = True
+        self._version = 0
+        self._done = False
+        self._limit = 0
+        self._pushes = 0
+        self._touched: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self.staleness = 0
+
+    # -- identity: workers are the replicas; the ps tasks are not
+
+    @property
+    def updates_per_batch(self) -> int:
+        """Applied updates per global batch of data: each worker's batch is one, unless in rounds."""
+        return 1 if self._sync else self.num_replicas
+
+    @property
+    def evaluates(self) -> bool:
+        return self.is_chief  # the chief evaluates the whole eval set; workers only train
+
+    @property
+    def eval_shard(self) -> tuple[int, int]:
+        return (0, 1)
+
+    def set_step_budget(self, total_steps: int | None) -> None:
+        self._limit = total_steps or 0
+
+    # -- building
+
+    def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        model = model.to(self.device)
+        self._layout = Layout(model, self._num_ps, self._partition_bytes)
+        self._params = list(model.parameters())
+        if self.is_chief:
+            for line in self._layout.describe():
+                print(f"[placement] {line}", flush=True)
+        self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id)
+        model.register_forward_pre_hook(lambda module, args: self._pull() if self._stale else None)
+        modules = dict(model.named_modules())
+        for name in self._layout.sparse_names:
+            owner = name.rsplit(".", 1)[0] if "." in name else ""
+            embedding = modules[owner]
+            embedding.forward = self._sparse_forward(embedding, name)  # type: ignore[method-assign]
+        self._dense_specs = [flat_specs([self._layout.shard_shape(r) for r in self._layout.dense(t)],
+                                        [self._layout.dtypes[r.name] for r in self._layout.dense(t)])
+                             for t in range(self._num_ps)]
+        return model, _PushOptimizer(self, optimizer)
+
+    # -- the step: pull, (forward, backward), push
+
+    @torch.no_grad()
+    def _pull(self) -> None:
+        assert self._layout is not None
+        for channel in self._channels:
+            channel.send_header(Op.PULL, self._pushes)
+        for task, channel in enumerate(self._channels):
+            header = self._receive(channel, channel.recv_header)
+            flats = [self._receive(channel, channel.recv, (n,), dtype) for n, dtype in self._dense_specs[task]]
+            targets = [ref.view(self._params[ref.index].data) for ref in self._layout.dense(task)]
+            unpack_into([f.to(self.device) for f in flats], targets)
+            if task == 0:
+                self._version = header[0]
+            self._done = self._done or bool(header[1])
+        if self._done and self._limit:
+            self.step = self._limit  # finished by the others while this worker was away (evaluating, say)
+        self._stale = False
+
+    @torch.no_grad()
+    def _push(self) -> None:
+        assert self._layout is not None
+        touched = self._touched
+        self._touched = []
+        for task, channel in enumerate(self._channels):
+            grads = []
+            for ref in self._layout.dense(task):
+                param = self._params[ref.index]
+                grads.append(ref.view(param.grad) if param.grad is not None else ref.view(torch.zeros_like(param)))
+            channel.send_header(Op.PUSH, self._version, self._pushes, self._limit)
+            channel.send(*[g.cpu() for g in pack(grads)])
+            for ref in self._layout.sparse(task):
+                lo, hi = ref.shard.rows  # type: ignore[misc]
+                ids, rows = [], []
+                for name, uniq, values in touched:
+                    if name != ref.name or values.grad is None:
+                        continue
+                    mask = (uniq >= lo) & (uniq < hi)
+                    ids.append(uniq[mask])
+                    rows.append(values.grad[mask])
+                row_shape = self._layout.shapes[ref.name][1:]
+                ids_t = torch.cat(ids).cpu() if ids else torch.zeros(0, dtype=torch.int64)
+                rows_t = (torch.cat(rows).cpu() if rows
+                          else torch.zeros((0, *row_shape), dtype=self._layout.dtypes[ref.name]))
+                channel.send_header(ids_t.numel())
+                channel.send(ids_t, rows_t)
+        for task, channel in enumerate(self._channels):
+            applied, done, staleness, *_rest = self._receive(channel, channel.recv_header)
+            if task == 0:
+                self._version, self.staleness = applied, staleness
+            self._done = self._done or bool(done)
+        self._pushes += 1
+        self._stale = True
+
+    def _sparse_forward(self, embedding: nn.Embedding, name: str) -> Any:
+        """An embedding forward that pulls only the looked-up rows, and keeps them for the push."""
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows = self._pull_rows(name, uniq)
+            rows.requires_grad_(torch.is_grad_enabled())
+            if rows.requires_grad:
+                self._touched.append((name, uniq, rows))
+            padding = None
+            if embedding.padding_idx is not None:
+                hit = (uniq == embedding.padding_idx).nonzero()
+                padding = int(hit[0, 0]) if hit.numel() else None
+            return F.embedding(inverse.view(ids.shape), rows, padding, None, 2.0,
+                               embedding.scale_grad_by_freq, False)
+        return forward
+
+    @torch.no_grad()
+    def _pull_rows(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
+        assert self._layout is not None
+        shape = self._layout.shapes[name]
+        rows = torch.empty((uniq.numel(), *shape[1:]), dtype=self._layout.dtypes[name])
+        asks = []
+        cpu_ids = uniq.cpu()
+        for ref in self._layout.shards_of(name):
+            lo, hi = ref.shard.rows  # type: ignore[misc]
+            mask = (cpu_ids >= lo) & (cpu_ids < hi)
+            wanted = cpu_ids[mask]
+            channel = self._channels[ref.shard.task]
+            channel.send_header(Op.ROWS, self._layout.sparse(ref.shard.task).index(ref), wanted.numel())
+            channel.send(wanted)
+            asks.append((channel, mask, wanted.numel()))
+        for channel, mask, count in asks:
+            rows[mask] = self._receive(channel, channel.recv, (count, *shape[1:]), rows.dtype)
+        return rows.to(self.device)
+
+    def _receive(self, channel: Channel, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RuntimeError as exc:
+            raise TrainingError(f"lost ps task {channel.label}: {str(exc).splitlines()[0][:160]}") from None
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        self.step = self._limit if self._done and self._limit else self._version
+        loss = result if isinstance(result, (torch.Tensor, float, int)) else None
+        self._reporter.worker_progress(self._pushes, self.staleness)
+        self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
+        return result
+
+    @property
+    def finished(self) -> bool:
+        """The ps tasks have applied the step budget: stop training."""
+        return self._done
+
+    # -- checkpoints: gathered from (and restored to) the ps tasks, in the common format
+
+    def _fetch_state(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+        """Every owned shard's values and optimizer state, per ps task."""
+        assert self._layout is not None
+        replies = []
+        for task, channel in enumerate(self._channels):
+            channel.send_header(Op.STATE)
+            doc = self._receive(channel, channel.recv_json)
+            tensors = []
+            for ref, shard in zip(self._layout.owned(task), doc["shards"]):
+                tensors.append(self._receive(channel, channel.recv, self._layout.shard_shape(ref),
+                                             self._layout.dtypes[ref.name]))
+                for spec in shard["state"].values():
+                    if "value" not in spec:
+                        tensors.append(self._receive(channel, channel.recv, tuple(spec["shape"]),
+                                                     parse_dtype(spec["dtype"])))
+            replies.append((doc, tensors))
+        return replies
+
+    def _gathered(self) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]], int]:
+        """Whole parameters and per-parameter optimizer state, assembled from the shards."""
+        assert self._layout is not None
+        pieces: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        states: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+        applied = 0
+        for task, (doc, tensors) in enumerate(self._fetch_state()):
+            if task == 0:
+                applied = int(doc["applied"])
+            it = iter(tensors)
+            for ref, shard in zip(self._layout.owned(task), doc["shards"]):
+                start = ref.shard.rows[0] if ref.shard.rows else 0
+                pieces.setdefault(ref.index, []).append((start, next(it)))
+                state = {key: spec["value"] if "value" in spec else next(it) for key, spec in shard["state"].items()}
+                states.setdefault(ref.index, []).append((start, state))
+        values = {i: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for i, parts in pieces.items()}
+        merged: dict[int, dict[str, Any]] = {}
+        for i, parts in states.items():
+            parts.sort(key=lambda p: p[0])
+            shard_rows = [self._rows_of(i, start) for start, _ in parts]
+            whole: dict[str, Any] = {}
+            for key in parts[0][1]:
+                first = parts[0][1][key]
+                if isinstance(first, torch.Tensor) and first.dim() and len(parts) > 1 and first.shape[0] == shard_rows[0]:
+                    whole[key] = torch.cat([state[key] for _, state in parts])
+                else:
+                    whole[key] = first
+            if whole:
+                merged[i] = whole
+        return values, merged, applied
+
+    def _rows_of(self, index: int, start: int) -> int:
+        assert self._layout is not None
+        for ref in self._layout.refs:
+            if ref.index == index and (ref.shard.rows or (0, 0))[0] == start:
+                return self._layout.shard_shape(ref)[0]
+        return 0
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The model (parameters from the ps tasks, buffers from the chief) and the optimizer
+        state, in exactly the layout the synchronous strategies write, from one gather."""
+        values, states, _applied = self._gathered()
+        with torch.no_grad():
+            for i, value in values.items():
+                self._params[i].data.copy_(value.to(self._params[i].device))
+        model_state = {k: v.detach().cpu() for k, v in self.unwrap().state_dict().items()}
+        return model_state, self._optimizer_layout(states)
+
+    def _gather_optimizer_state(self) -> dict[str, Any]:
+        return self._optimizer_layout(self._gathered()[1])
+
+    def _optimizer_layout(self, states: dict[int, dict[str, Any]]) -> dict[str, Any]:
+        inner = self._optimizer.inner if self._optimizer is not None else None
+        if inner is None:
+            return {}
+        position = self._optimizer_positions(inner)
+        layout = inner.state_dict()
+        layout["state"] = {position[i]: state for i, state in states.items() if i in position}
+        return layout
+
+    def _optimizer_positions(self, inner: Any) -> dict[int, int]:
+        """Layout parameter index -> its index in the optimizer's state_dict."""
+        by_id = {id(p): i for i, p in enumerate(self._params)}
+        positions: dict[int, int] = {}
+        flat = [p for group in inner.param_groups for p in group["params"]]
+        for position, param in enumerate(flat):
+            if id(param) in by_id:
+                positions[by_id[id(param)]] = position
+        return positions
+
+    def save(self, directory: Any, *, keep: int = 3) -> Any:
+        if not self.is_chief:
+            return None  # the chief writes; the others keep training
+        return super().save(directory, keep=keep)
+
+    def restore(self, directory: Any) -> dict[str, Any]:
+        if not self.is_chief:
+            return {}  # the ps tasks hold every worker until the chief has loaded them
+        return super().restore(directory)
+
+    def _after_restore(self) -> None:
+        """Send the loaded parameters and optimizer state to the ps tasks that own them."""
+        assert self._layout is not None
+        inner = self._optimizer.inner if self._optimizer is not None else None
+        saved = self._pending_optimizer_state or {}
+        position = self._optimizer_positions(inner) if inner is not None else {}
+        saved_state = saved.get("state", {})
+        for task, channel in enumerate(self._channels):
+            shards, tensors = [], []
+            for ref in self._layout.owned(task):
+                param = self._params[ref.index].detach().cpu()
+                tensors.append(ref.view(param).contiguous())
+                state = saved_state.get(position.get(ref.index, -1), {})
+                described: dict[str, Any] = {}
+                for key in sorted(state):
+                    value = state[key]
+                    if isinstance(value, torch.Tensor):
+                        part = ref.view(value) if value.shape == param.shape else value
+                        described[key] = {"shape": list(part.shape), "dtype": dtype_name(part.dtype)}
+                        tensors.append(part.contiguous())
+                    else:
+                        described[key] = {"value": value}
+                shards.append({"state": described})
+            channel.send_header(Op.LOAD)
+            channel.send_json({"applied": self.step, "shards": shards})
+            channel.send(*tensors)
+            self._receive(channel, channel.recv_header)
+        self._pending_optimizer_state = None
+        self._version = self.step
+        self._stale = True
+
+    # -- the end
+
+    def close(self) -> None:
+        """The chief ends the job on every ps task; any other worker just leaves."""
+        op = Op.FINISH if self.is_chief else Op.BYE
+        for channel in self._channels:
+            try:
+                channel.send_header(op)
+                if op == Op.FINISH:
+                    channel.recv_header()
+            except RuntimeError:
+                pass  # that ps task is gone already
+        self._channels = []
