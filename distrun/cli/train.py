@@ -124,7 +124,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         return
     if not json_output:
         sent = ", ".join(job.bundle_sent_to) or "none (every host had it)"
-        stderr.print(f"job {job.job_id}: {job.world_size} replica(s) on {len(job.placements)} host(s); "
+        ps = f" + {job.ps_tasks} ps task(s)" if job.ps_tasks else ""
+        stderr.print(f"job {job.job_id}: {job.replicas} replica(s){ps} on {len(job.placements)} host(s); "
                      f"code sent to: {sent}", markup=False)
     else:
         _print_json(_job_line(job))

@@ -33,9 +33,9 @@ from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker
 from distrun.client.cluster import slots_for
-from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message
+from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
-from distrun.errors import HostError, Interrupted, TrainingError, UsageError
+from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
 from distrun.protocol import EVALUATOR_RANK, PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
@@ -54,12 +54,25 @@ class Placement:
 
 
 def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
-    """Hosts that run ranks: every worker for multi-worker; one host (rank 0's) otherwise."""
+    """Hosts that run ranks: every worker for multi-worker; one host (rank 0's) otherwise;
+    for parameter-server every worker host, then every ps host (one ps task each)."""
     workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
     workers.sort(key=lambda host: not host.is_chief)  # the chief, when it trains, holds rank 0
     if not workers:
         cluster.require_strategy(strategy.value)
+    if strategy is StrategyName.PARAMETER_SERVER:
+        return tuple(workers) + ps_hosts(cluster)
     return tuple(workers) if strategy is StrategyName.MULTI_WORKER else tuple(workers[:1])
+
+
+def ps_hosts(cluster: ClusterSpec) -> tuple[HostSpec, ...]:
+    """The hosts with role ps; each runs one ps task, and nothing else of the job."""
+    hosts = tuple(host for host in cluster.hosts if Role.PS in host.roles)
+    for host in hosts:
+        if Role.WORKER in host.roles:
+            raise ConfigError(f"{cluster.source or 'cluster'}: host {host.label} has roles worker and ps; under "
+                              "--strategy parameter-server a host runs workers or a ps task, not both")
+    return hosts
 
 
 class ClusterJob:
@@ -100,7 +113,7 @@ class ClusterJob:
         for node_rank, link in enumerate(links):
             assert link.info is not None
             slots, gpus = slots_for(link.host, link.info)
-            if strategy is StrategyName.ONE_DEVICE:
+            if strategy is StrategyName.ONE_DEVICE or Role.PS in link.host.roles:
                 slots = 1
             placements.append(Placement(link.host, slots, offset, node_rank, gpus))
             offset += slots
@@ -132,7 +145,8 @@ class ClusterJob:
                            for index, (link, meta) in enumerate(found))
         job = cls(cluster, job_id, [link for link, _ in found], placements, attached=True)
         meta = found[0][1]
-        job._feed = EventFeed(JobTracker(meta["recipe"], meta["strategy"], meta["world_size"],
+        ps_tasks = int(meta.get("ps_tasks", 0))
+        job._feed = EventFeed(JobTracker(meta["recipe"], meta["strategy"], meta["world_size"] - ps_tasks, ps_tasks=ps_tasks,
                                          started_at=meta["started_at"], host_of_rank=job.host_of_rank))
         job._start_following()
         return job
@@ -140,6 +154,15 @@ class ClusterJob:
     @property
     def world_size(self) -> int:
         return sum(p.slots for p in self.placements)
+
+    @property
+    def ps_tasks(self) -> int:
+        return sum(p.slots for p in self.placements if Role.PS in p.host.roles)
+
+    @property
+    def replicas(self) -> int:
+        """Training processes: every rank but the ps tasks."""
+        return self.world_size - self.ps_tasks
 
     @property
     def rank_hosts(self) -> list[str]:
@@ -177,7 +200,8 @@ class ClusterJob:
         self._bundle = bundle
         self._detach = detach
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
-                                          host_of_rank=self.host_of_rank), hang_timeout_s=hang_timeout_s)
+                                          host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks),
+                               hang_timeout_s=hang_timeout_s)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
@@ -200,7 +224,9 @@ class ClusterJob:
                       rank_offset=placement.rank_offset, node_rank=placement.node_rank,
                       master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
                       rank_hosts=self.rank_hosts, detach=self._detach,
-                      evaluator_hosts=[link.host.address for link in self._evaluators])
+                      evaluator_hosts=[link.host.address for link in self._evaluators],
+                      num_ps=spec.ps_tasks, independent_ranks=sorted(independent_ranks(spec)),
+                      respawns=self.max_restarts)
         self.attempt_id = attempt_id
 
     def _start_following(self) -> None:

@@ -176,12 +176,16 @@ class JobManager:
             rank_hosts=tuple(str(host) for host in args.get("rank_hosts", ())),
             evaluator_hosts=tuple(str(host) for host in args.get("evaluator_hosts", ())),
             task_type="evaluator" if evaluating else "worker",
+            num_ps=0 if evaluating else int(args.get("num_ps", 0)),
+            independent_ranks=frozenset(int(rank) for rank in args.get("independent_ranks", ())),
+            respawns=int(args.get("respawns", 0)),
         )
         starter = self._starter()
         job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
         job.state = "running"
         job.detached = bool(args.get("detach", False))
         job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": worker.world_size,
+                    "ps_tasks": worker.num_ps,
                     "ranks": [worker.rank_offset, worker.rank_offset + worker.local_world_size - 1]}
         threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
         self._watch_lease(job)

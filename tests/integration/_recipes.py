@@ -74,3 +74,54 @@ RAISES_IN_RANK_1 = _TINY.format(samples=256, loss_body="""\
 
 # Slow enough to be interrupted mid-training.
 SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
+
+# parameter-server tests: `-- --die-rank R --die-at N --once FILE` makes rank R SIGKILL
+# itself at its Nth step, once (the file marks it done, so a restarted worker lives);
+# `--sleep-s S` slows every step of rank `--slow-rank` (default: every rank).
+PS_RECIPE = """
+import os
+import signal
+import sys
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 32}
+
+
+def _arg(name, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+DIE_RANK, DIE_AT, ONCE = _arg("--die-rank", -1), _arg("--die-at", 0), _arg("--once", "")
+SLEEP_S, SLOW_RANK = _arg("--sleep-s", 0.0), _arg("--slow-rank", -1)
+RANK = int(os.environ.get("RANK", "0"))
+calls = 0
+
+
+def model():
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def loss(outputs, batch):
+    global calls
+    calls += 1
+    if RANK == DIE_RANK and calls == DIE_AT and not os.path.exists(ONCE):
+        open(ONCE, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if SLEEP_S and SLOW_RANK in (-1, RANK):
+        time.sleep(SLEEP_S)
+    return nn.functional.mse_loss(outputs, batch[1])
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2048, 8, generator=gen)
+    w = torch.linspace(-1, 1, 8).unsqueeze(1)
+    return TensorDataset(x, x @ w + 0.5)
+"""

@@ -1,0 +1,128 @@
+"""`--strategy parameter-server` on namespace hosts: h1 runs two workers (rank 0 the chief), h2 the ps task.
+
+Worker-to-ps traffic crosses the bridge between namespaces (gloo pairs on the
+interface that routes to the chief), the ps and the chief are different hosts,
+and faults are real SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import os
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests._sshd import cluster_yaml
+from tests.cluster.conftest import Lab, json_lines, lab_cli, training_pids
+from tests.integration._recipes import PS_RECIPE
+
+
+@pytest.fixture
+def ps_cluster(lab: Lab) -> Iterator[Path]:
+    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]", "slots": "2"},
+             {"address": lab.hosts["h2"][1], "roles": "[ps]"}]
+    path = lab.root / "ps.yaml"
+    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="ps"))
+    up = lab_cli(lab, "up", str(path), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield path
+    lab_cli(lab, "down", str(path))
+
+
+def _recipe(tmp_path: Path) -> Path:
+    recipe = tmp_path / "code" / "ps_recipe.py"
+    recipe.parent.mkdir(exist_ok=True)
+    recipe.write_text(PS_RECIPE)
+    return recipe
+
+
+def _losses(lines: list[dict], rank: int) -> list[float]:
+    return [line["loss"] for line in lines if line.get("type") == "step" and line["rank"] == rank and line["loss"]]
+
+
+def _said(lines: list[dict], text: str) -> list[dict]:
+    return [line for line in lines if line.get("type") == "output" and text in line["line"]]
+
+
+def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_cluster: Path, tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path)
+    # A worker SIGKILLed at its 15th step: the job goes on without it and still applies 200 updates.
+    run = lab_cli(lab, "train", str(recipe), "--cluster", str(ps_cluster), "--strategy", "ps", "--json",
+                  "--steps", "200", "--", "--die-rank", "1", "--die-at", "15", "--once", str(tmp_path / "died"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = json_lines(run)
+    assert lines[0]["world_size"] == 3 and lines[0]["hosts"] == [lab.hosts["h1"][1], lab.hosts["h2"][1]]
+    started = {line["rank"]: line for line in lines if line.get("type") == "started"}
+    assert sorted(started) == [0, 1, 2]
+    assert _said(lines, "[placement] ps0:"), "the chief shows the placement"
+    assert [line["returncode"] for line in lines if line.get("type") == "exited" and line["rank"] == 1] == [-9]
+    assert _said(lines, "rank 1 lost; the job goes on without it")
+    summary = lines[-1]
+    assert summary["type"] == "summary" and summary["status"] == "succeeded" and summary["steps"] == 200
+    ps = [line for line in lines if line.get("type") == "ps"]
+    assert ps[-1]["updates"] == 200 and ps[-1]["params"] == 8 * 32 + 32 + 32 + 1
+    assert ps[-1]["bytes_in"] > 0 and ps[-1]["bytes_out"] > 0
+    chief = _losses(lines, 0)
+    assert chief[-1] < chief[0] / 4, chief  # the chief trained on alone
+
+    # With --max-restarts the lost worker is started again and joins the running job.
+    (tmp_path / "died").unlink()
+    run = lab_cli(lab, "train", str(recipe), "--cluster", str(ps_cluster), "--strategy", "ps", "--json",
+                  "--steps", "300", "--max-restarts", "1",
+                  "--", "--die-rank", "1", "--die-at", "15", "--once", str(tmp_path / "died"),
+                  "--sleep-s", "0.01")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = json_lines(run)
+    assert _said(lines, "rank 1 lost; starting it again (1/1)")
+    assert len(_said(lines, "[ps0] worker 1 joined")) == 2
+    second = [i for i, line in enumerate(lines) if line.get("type") == "started" and line["rank"] == 1][1]
+    after = [line for line in lines[second:] if line.get("type") == "step" and line["rank"] == 1]
+    assert after and after[-1]["pushes"] > 1, "the rejoined worker pushed updates"
+    assert lines[-1]["status"] == "succeeded" and lines[-1]["steps"] == 300 and lines[-1]["restarts"] == 0
+    assert training_pids(lab) == []
+
+
+def test_a_killed_ps_task_restarts_the_job_from_its_checkpoint(lab: Lab, ps_cluster: Path, tmp_path: Path) -> None:
+    recipe = _recipe(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    argv = ["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train", str(recipe),
+            "--cluster", str(ps_cluster), "--strategy", "ps", "--json", "--steps", "400", "--max-restarts", "1",
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50", "--", "--sleep-s", "0.01"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
+    lines: list[dict] = []
+    killed = None
+    try:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            if not raw.startswith("{"):
+                continue
+            line = json.loads(raw)
+            lines.append(line)
+            if killed is None and line.get("type") == "checkpoint" and line["step"] >= 100:
+                ps_pid = next(l["pid"] for l in lines if l.get("type") == "started" and l["rank"] == 2)
+                os.kill(ps_pid, signal.SIGKILL)
+                killed = line["step"]
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert killed is not None, stderr[-3000:]
+    assert proc.returncode == 0, stderr[-3000:]
+    assert _said(lines, "restarting every rank (1/1) from the newest checkpoint")
+    summary = lines[-1]
+    assert summary["status"] == "succeeded" and summary["restarts"] == 1 and summary["steps"] == 400
+    # The second attempt resumed where a checkpoint left off, not from step 0.
+    restarted = next(i for i, l in enumerate(lines) if l.get("type") == "output" and "restarting every rank" in l["line"])
+    first_steps = [l["step"] for l in lines[restarted:] if l.get("type") == "step" and l["rank"] == 0]
+    assert first_steps and first_steps[0] > killed - 50
+    final = torch.load(latest_checkpoint(ckpt), weights_only=True)
+    assert final["step"] == 400 and final["strategy"] == "parameter-server"

@@ -1,0 +1,98 @@
+"""`--strategy parameter-server` on this machine: the ps tasks and workers are local processes,
+talking through real gloo pairs; the same code runs across hosts (tests/cluster)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests.conftest import REPO, run_cli
+from tests.integration._recipes import PS_RECIPE
+
+EMBEDDING = str(REPO / "recipes" / "embedding.py")
+SPLIT = ("--ps-tasks", "2", "--ps-partition-mb", "0.1")  # the 320 KB embedding is split by rows
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def _train(*args: str) -> list[dict]:
+    cut = args.index("--") if "--" in args else len(args)
+    result = run_cli("train", *args[:cut], "--json", *args[cut:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _lines(result.stdout)
+
+
+def test_sync_rounds_with_one_worker_equal_one_device_with_the_embedding_split_across_two_ps(tmp_path: Path) -> None:
+    lines = _train(EMBEDDING, "--strategy", "ps", "--replicas", "1", "--ps-sync", *SPLIT, "--steps", "30",
+                   "--checkpoint-dir", str(tmp_path / "ps"))
+    placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
+    assert any("ps0:" in p and "embedding.weight[0:2500]" in p for p in placement), placement
+    assert any("ps1:" in p and "embedding.weight[2500:5000]" in p for p in placement), placement
+    ps = {line["task"]: line for line in lines if line.get("type") == "ps"}
+    assert ps[0]["params"] + ps[1]["params"] == 5000 * 16 + 16 * 2 + 2
+    # Only the rows a batch looks up travel: far less than pulling the table every step.
+    table_bytes = 5000 * 16 * 4
+    assert ps[0]["bytes_out"] + ps[1]["bytes_out"] < 30 * table_bytes / 4
+    _train(EMBEDDING, "--steps", "30", "--checkpoint-dir", str(tmp_path / "one"))
+    a = torch.load(latest_checkpoint(tmp_path / "ps"), weights_only=True)
+    b = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    assert a["step"] == b["step"] == 30 and a["strategy"] == "parameter-server"
+    for key, tensor in b["model"].items():
+        assert torch.equal(a["model"][key], tensor), key
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    assert sorted(a["optimizer"]["state"]) == sorted(b["optimizer"]["state"]) == [0, 1, 2]
+    for index, state in b["optimizer"]["state"].items():  # Adam's moments, gathered from both ps tasks
+        for key, value in state.items():
+            assert torch.equal(a["optimizer"]["state"][index][key], value), (index, key)
+
+
+def test_a_ps_checkpoint_resumes_under_mirrored_and_the_reverse(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    _train(EMBEDDING, "--strategy", "ps", *SPLIT, "--steps", "20", "--checkpoint-dir", str(ckpt))
+    lines = _train(EMBEDDING, "--strategy", "mirrored", "--steps", "40", "--resume", "--checkpoint-dir", str(ckpt))
+    steps = [line["step"] for line in lines if line.get("type") == "step"]
+    assert min(steps) == 21 and lines[-1]["steps"] == 40
+    lines = _train(EMBEDDING, "--strategy", "ps", *SPLIT, "--steps", "70", "--resume", "--checkpoint-dir", str(ckpt))
+    steps = [line["step"] for line in lines if line.get("type") == "step"]
+    assert min(steps) > 40 and lines[-1]["steps"] == 70
+    assert torch.load(latest_checkpoint(ckpt), weights_only=True)["step"] == 70
+
+
+def _pushes(lines: list[dict], rank: int) -> int:
+    return max(line["pushes"] for line in lines if line.get("type") == "step" and line["rank"] == rank)
+
+
+def test_max_staleness_holds_a_fast_worker_near_a_slow_one(tmp_path: Path) -> None:
+    recipe = tmp_path / "ps_recipe.py"
+    recipe.write_text(PS_RECIPE)
+    slow = ("--", "--slow-rank", "1", "--sleep-s", "0.05")
+    free = _train(str(recipe), "--strategy", "ps", "--steps", "120", *slow)
+    assert _pushes(free, 0) > 3 * _pushes(free, 1), "without a bound the fast worker runs ahead"
+    bounded = _train(str(recipe), "--strategy", "ps", "--steps", "120", "--max-staleness", "2", *slow)
+    assert abs(_pushes(bounded, 0) - _pushes(bounded, 1)) <= 3
+    assert bounded[-1]["steps"] == 120
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--strategy", "mirrored", "--ps-sync"), "--ps-sync is for --strategy parameter-server"),
+        (("--strategy", "ps", "--ps-sync", "--max-staleness", "2"), "--ps-sync has no staleness"),
+        (("--strategy", "ps", "--ps-tasks", "0"), "needs at least one ps task"),
+        (("--strategy", "ps", "--max-staleness", "-1"), "--max-staleness: expected 0 or more"),
+    ],
+)
+def test_bad_parameter_server_flags_are_one_line_errors(args: tuple[str, ...], message: str) -> None:
+    result = run_cli("train", EMBEDDING, *args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_parameter_server_needs_a_fit_style_recipe() -> None:
+    result = run_cli("train", str(REPO / "recipes" / "custom_loop.py"), "--strategy", "ps")
+    assert result.returncode == 2 and "trains fit-style recipes" in result.stderr, result.stderr
