@@ -17,20 +17,21 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from distrun.bench.overhead import run_overhead
 from distrun.bench.scaling import replica_counts, run_scaling
+from distrun.bench.straggler import run_straggler
 from distrun.bench.ttfs import run_ttfs
 from distrun.cli._app import app, stderr
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_overhead, render_scaling, render_ttfs
+from distrun.ui.bench import render_overhead, render_scaling, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | resnet50 | resnet18 | mlp"),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | resnet50 | resnet18 | mlp"),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling: the (running) cluster to measure."),
-    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2)."),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2); straggler: workers (3)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
     device: str = typer.Option("auto", "--device", help="scaling: auto | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); scaling: timed steps (20)."),
@@ -42,6 +43,9 @@ def bench(
     plot: Path | None = typer.Option(None, "--plot", help="scaling: draw images/s and efficiency to FILE.png (matplotlib)."),
     global_batch_size: int = typer.Option(256, "--global-batch-size", "-b", help="overhead: samples per step."),
     repeats: int = typer.Option(3, "--repeats", help="overhead, ttfs: runs per contender; the median is reported."),
+    slow_factor: float = typer.Option(3.0, "--slow-factor", help="straggler: how many times slower the slow worker is."),
+    step_s: float = typer.Option(0.03, "--step-s", help="straggler: the other workers' step time (an injected sleep)."),
+    target_loss: float = typer.Option(0.15, "--target-loss", help="straggler: report batches and seconds to this loss."),
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -55,6 +59,15 @@ def bench(
             if cluster_file is None:
                 raise UsageError("bench ttfs: --cluster FILE is required (a cluster after `distrun up`)")
             _show(run_ttfs(cluster=cluster_file, repeats=repeats, progress=say).to_dict(), json_output, render_ttfs)
+        elif workload == "straggler":
+            workers = replicas or 3
+            _positive(replicas=workers, steps=steps or 600)
+            if workers < 2 or slow_factor <= 1 or step_s <= 0:
+                raise UsageError("bench straggler: needs --replicas 2 or more, --slow-factor above 1 and a positive "
+                                 f"--step-s. Received: {workers}, {slow_factor:g}, {step_s:g}")
+            report = run_straggler(workers=workers, slow_factor=slow_factor, step_s=step_s, steps=steps or 600,
+                                   target_loss=target_loss, progress=say)
+            _show(report.to_dict(), json_output, render_straggler)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
                               strategy, compare, json_output)
@@ -62,7 +75,8 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, {', '.join(_SCALING)}")
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, "
+                             f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None
 

@@ -63,6 +63,7 @@ def train(
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
+    log_interval_s: float = typer.Option(0.25, "--log-interval-s", help="Send each replica's progress at most this often (0: every step)."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -72,7 +73,7 @@ def train(
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
-        ps_partition_mb=ps_partition_mb,
+        ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")

@@ -49,3 +49,17 @@ def render_scaling(report: Mapping[str, Any]) -> Table:
     if report.get("vs_ddp") is not None:
         table.add_row("torchrun+DDP", f"{report['ddp_images_per_s']:.1f}", "", f"distrun {report['vs_ddp']:.3f}x")
     return table
+
+
+def render_straggler(report: Mapping[str, Any]) -> Table:
+    title = (f"straggler: {report['workers']} workers, one {report['slow_factor']:g}x slower; async/sync "
+             f"{report['ratio']:.2f}x of a {report['bound']:.2f}x bound = {100 * report['fraction_of_bound']:.0f}%")
+    table = Table(title=title, title_justify="left")
+    for column in ("mode", "batches/s", f"batches to loss {report['target_loss']:g}", "seconds to it", "final loss"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for row in report["rows"]:
+        table.add_row(row["mode"], f"{row['batches_per_s']:.1f}",
+                      "-" if row["batches_to_target"] is None else str(row["batches_to_target"]),
+                      "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}",
+                      "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}")
+    return table

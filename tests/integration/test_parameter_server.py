@@ -96,3 +96,19 @@ def test_bad_parameter_server_flags_are_one_line_errors(args: tuple[str, ...], m
 def test_parameter_server_needs_a_fit_style_recipe() -> None:
     result = run_cli("train", str(REPO / "recipes" / "custom_loop.py"), "--strategy", "ps")
     assert result.returncode == 2 and "trains fit-style recipes" in result.stderr, result.stderr
+
+
+def test_bench_straggler_reports_async_against_sync_and_the_bound() -> None:
+    from distrun.bench.straggler import straggler_bound
+
+    assert straggler_bound(3, 3) == pytest.approx(7 / 3)  # ((n-1) + 1/k) / (n/k)
+    result = run_cli("bench", "straggler", "--replicas", "2", "--steps", "40", "--step-s", "0.01", "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["bound"] == pytest.approx(straggler_bound(2, 3.0))
+    assert [row["mode"] for row in report["rows"]] == ["sync", "async"]
+    sync, asynchronous = report["rows"]
+    assert sync["updates"] == 20 and asynchronous["updates"] == 40  # the same 40 batches: rounds of 2, or one each
+    assert sync["batches_per_s"] > 0 and asynchronous["batches_per_s"] > 0
+    assert report["ratio"] == pytest.approx(asynchronous["batches_per_s"] / sync["batches_per_s"])
+    assert report["fraction_of_bound"] == pytest.approx(report["ratio"] / report["bound"])
