@@ -93,16 +93,15 @@ def _run_mode(mode: str, workers: int, slow_factor: float, step_s: float, steps:
             *(["--ps-sync"] if mode == "sync" else []),
             "--", "--step-s", str(step_s), "--slow-rank", "1", "--slow-factor", str(slow_factor)]
     _t0, lines = run_command(argv, dict(os.environ))
-    ps = [line for line in lines if line.get("type") == "ps"]
-    steps_seen = [line for line in lines if line.get("type") == "step"]
-    # Throughput between the first and the last applied update, from the ps task's own counts.
-    first = next((p for p in ps if int(p["updates"]) > 0), None)  # type: ignore[arg-type]
-    last = ps[-1] if ps else None
+    steps_seen = sorted((line for line in lines if line.get("type") == "step"), key=lambda s: float(s["time"]))  # type: ignore[arg-type]
+    # Throughput between the first and the last update any worker saw (every step is reported).
     batches_per_update = workers if mode == "sync" else 1
     rate = 0.0
-    if first is not None and last is not None and float(last["time"]) > float(first["time"]):  # type: ignore[arg-type]
-        done = int(last["updates"]) - int(first["updates"])  # type: ignore[arg-type]
-        rate = done * batches_per_update / (float(last["time"]) - float(first["time"]))  # type: ignore[arg-type]
+    if len(steps_seen) > 1:
+        first, last = steps_seen[0], steps_seen[-1]
+        span_s = float(last["time"]) - float(first["time"])  # type: ignore[arg-type]
+        if span_s > 0:
+            rate = (int(last["step"]) - int(first["step"])) * batches_per_update / span_s  # type: ignore[arg-type]
     reached = _first_below(steps_seen, target_loss, window=2 * workers)
     start = float(steps_seen[0]["time"]) if steps_seen else 0.0  # type: ignore[arg-type]
     summary = lines[-1]
