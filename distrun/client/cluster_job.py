@@ -171,7 +171,8 @@ class ClusterJob:
 
     @property
     def gpus_everywhere(self) -> bool:
-        return all(p.gpus >= p.slots for p in self.placements)
+        """Every training rank has a GPU (ps tasks run on CPUs and do not count)."""
+        return all(p.gpus >= p.slots for p in self.placements if Role.PS not in p.host.roles)
 
     def host_of_rank(self, rank: int) -> str:
         if rank == EVALUATOR_RANK and self._evaluators:

@@ -37,7 +37,8 @@ def main() -> None:
     reporter: EventReporter | None = None
     try:
         info = inspect_recipe(spec.recipe)
-        device = _device(spec, launch)
+        ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas
+        device = _device(spec, launch) if not ps_task else _cpu()  # a ps task applies updates on its CPU
         writer.emit(
             Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
                     world_size=launch.world_size, recipe_kind=info.kind.value)
@@ -56,7 +57,7 @@ def main() -> None:
                              first_step_time=None))
             _leave_together(launch, store)
             _exit(0)
-        if spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas:
+        if ps_task:
             phase = "import"
             module = load_module(spec.recipe)
             phase = "train"
@@ -161,6 +162,12 @@ def _device(spec: JobSpec, launch: LaunchEnv) -> Any:
             raise RecipeError("device cuda asked for, but torch sees no GPU on this host")
         torch.cuda.set_device(launch.local_rank)
         return torch.device("cuda", launch.local_rank)
+    return torch.device("cpu")
+
+
+def _cpu() -> Any:
+    import torch
+
     return torch.device("cpu")
 
 

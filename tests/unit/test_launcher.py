@@ -1,5 +1,6 @@
 """The launcher with real processes (plain Python children; no torch needed)."""
 
+import json
 import os
 import sys
 import textwrap
@@ -87,3 +88,45 @@ def test_a_killed_rank_is_reported_with_its_signal():
     result = launcher.run()
     assert result.state is ProcessState.FAILED
     assert result.failure.rank == 0 and result.failure.message == "killed by SIGKILL"
+
+
+INDEPENDENT = textwrap.dedent(
+    """
+    import json, os, sys, time
+    rank, marker = int(os.environ["RANK"]), sys.argv[1]
+    print("tf", os.environ["TF_CONFIG"], flush=True)
+    if rank == 1 and not os.path.exists(marker):  # fails once; a second start lives
+        open(marker, "w").close()
+        sys.exit(3)
+    time.sleep(1.0)
+    print(f"rank {rank} finished", flush=True)
+    """
+)
+
+
+def _independent(tmp_path, respawns: int):
+    events = []
+    spec = WorkerSpec(argv=(sys.executable, "-c", INDEPENDENT, str(tmp_path / "failed-once")), local_world_size=3,
+                      num_ps=1, independent_ranks=frozenset({1}), respawns=respawns, stop_grace_s=2.0)
+    return LocalLauncher(spec, events.append).run(), events
+
+
+def test_an_independent_rank_fails_alone_and_is_started_again_while_respawns_last(tmp_path):
+    result, events = _independent(tmp_path, respawns=1)
+    lines = [e.line for e in events if isinstance(e, Output)]
+    assert result.state is ProcessState.SUCCEEDED and result.failure is None
+    assert "[distrun] rank 1 lost; starting it again (1/1)" in lines
+    assert sorted(line for line in lines if line.endswith("finished")) == [f"rank {r} finished" for r in (0, 1, 2)]
+    assert [e.returncode for e in events if isinstance(e, Exited) and e.rank == 1] == [3, 0]
+    tf = [json.loads(line[3:]) for line in lines if line.startswith("tf ")]
+    assert {t["task"]["type"] for t in tf} == {"worker", "ps"}
+    assert next(t for t in tf if t["task"]["type"] == "ps")["task"]["index"] == 0
+    assert len(tf[0]["cluster"]["worker"]) == 2 and len(tf[0]["cluster"]["ps"]) == 1
+
+
+def test_without_respawns_an_independent_rank_is_lost_and_the_others_finish(tmp_path):
+    result, events = _independent(tmp_path, respawns=0)
+    lines = [e.line for e in events if isinstance(e, Output)]
+    assert result.state is ProcessState.SUCCEEDED
+    assert "[distrun] rank 1 lost; the job goes on without it" in lines
+    assert sorted(line for line in lines if line.endswith("finished")) == ["rank 0 finished", "rank 2 finished"]
