@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -106,8 +107,8 @@ class Lab:
     root: Path
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[Lab]:
+@contextlib.contextmanager
+def _lab(tmp_path: Path, names: tuple[str, ...]) -> Iterator[Lab]:
     require_root_tools("ip")
     tag = f"dr{os.getpid() % 100000}"
     netns = NetnsLab(tag)
@@ -117,7 +118,7 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         client_ns, _ = netns.add_node("c", 10)
         hosts = {}
         lines = []
-        for index, name in enumerate(("h1", "h2")):
+        for index, name in enumerate(names):
             ns, address = netns.add_node(name, 11 + index)
             sshd = Sshd(tmp_path / f"sshd-{name}", address=address, port=22, netns=ns)
             sshd.start(keys.authorized_keys)
@@ -131,6 +132,20 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         for sshd in sshds:
             sshd.stop()
         netns.close()
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    """Two hosts, h1 and h2."""
+    with _lab(tmp_path, ("h1", "h2")) as made:
+        yield made
+
+
+@pytest.fixture
+def lab3(tmp_path: Path) -> Iterator[Lab]:
+    """Three hosts, h1, h2 and h3."""
+    with _lab(tmp_path, ("h1", "h2", "h3")) as made:
+        yield made
 
 
 # -- helpers for tests that drive the CLI from the lab's client namespace

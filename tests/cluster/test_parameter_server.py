@@ -8,20 +8,20 @@ and faults are real SIGKILLs.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import os
 import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
 from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, json_lines, lab_cli, training_pids
+from tests.conftest import REPO, run_cli
 from tests.integration._recipes import PS_RECIPE
 
 
@@ -126,3 +126,48 @@ def test_a_killed_ps_task_restarts_the_job_from_its_checkpoint(lab: Lab, ps_clus
     assert first_steps and first_steps[0] > killed - 50
     final = torch.load(latest_checkpoint(ckpt), weights_only=True)
     assert final["step"] == 400 and final["strategy"] == "parameter-server"
+
+
+def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_under_mirrored(
+        lab3: Lab, tmp_path: Path) -> None:
+    """One worker host, two ps hosts: the embedding is split by rows across h2 and h3."""
+    hosts = [{"address": lab3.hosts["h1"][1], "roles": "[chief, worker]", "slots": "1"},
+             {"address": lab3.hosts["h2"][1], "roles": "[ps]"},
+             {"address": lab3.hosts["h3"][1], "roles": "[ps]"}]
+    path = lab3.root / "ps2.yaml"
+    path.write_text(cluster_yaml(lab3.keys, hosts, workdir=lab3.workdir, name="ps2"))
+    up = lab_cli(lab3, "up", str(path), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        code = tmp_path / "code"
+        code.mkdir()
+        recipe = code / "embedding.py"
+        recipe.write_text((REPO / "recipes" / "embedding.py").read_text())
+        run = lab_cli(lab3, "train", str(recipe), "--cluster", str(path), "--strategy", "ps", "--ps-sync",
+                      "--ps-partition-mb", "0.1", "--steps", "30", "--json", "--checkpoint-dir", str(tmp_path / "ps"))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        lines = json_lines(run)
+        assert lines[0]["world_size"] == 3
+        placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
+        assert any("embedding.weight[0:2500]" in p for p in placement)
+        assert any("embedding.weight[2500:5000]" in p for p in placement)
+        ps = {line["task"]: line for line in lines if line.get("type") == "ps"}
+        assert set(ps) == {0, 1} and ps[0]["updates"] == ps[1]["updates"] == 30
+    finally:
+        lab_cli(lab3, "down", str(path))
+    local = run_cli("train", str(recipe), "--steps", "30", "--json", "--checkpoint-dir", str(tmp_path / "one"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    home = lab3.root / "distrun-results" / lines[0]["job"]
+    remote = torch.load(latest_checkpoint(home), weights_only=True)  # the checkpoint came home over SFTP
+    one = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    assert remote["step"] == one["step"] == 30
+    for key, tensor in one["model"].items():
+        assert torch.equal(remote["model"][key], tensor), key
+    for index, state in one["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(remote["optimizer"]["state"][index][key], value), (index, key)
+    resumed = run_cli("train", str(recipe), "--strategy", "mirrored", "--steps", "45", "--resume", "--json",
+                      "--checkpoint-dir", str(home))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = [json.loads(l)["step"] for l in resumed.stdout.splitlines() if l.startswith('{"type":"step"')]
+    assert min(steps) == 31 and json.loads(resumed.stdout.splitlines()[-1])["steps"] == 45
