@@ -332,6 +332,15 @@ class Strategy(ABC):
         raise TypeError("a Strategy is not iterable; iterate strategy.distribute_dataset(...)")
 
 
+def zero_grads(params: list[nn.Parameter], set_to_none: bool) -> None:
+    """``optimizer.zero_grad`` for optimizers that stand in for the recipe's (they own no grads)."""
+    for p in params:
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.zero_()
+
+
 def _as_tuple(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_as_tuple(v) for v in value)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from distrun.strategies.base import Strategy
+from distrun.strategies.base import Strategy, zero_grads
 
 _CHIEF = 0
 
@@ -47,11 +47,7 @@ class _CentralOptimizer:
         return self._inner.param_groups if self._inner is not None else []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._replica:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self._replica, set_to_none)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -34,7 +34,7 @@ from distrun.errors import TrainingError
 from distrun.strategies._ps_channel import Channel, Op, open_worker_channels
 from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
 from distrun.strategies._ps_server import dtype_name, parse_dtype
-from distrun.strategies.base import ReplicaInfo, Reporter, Strategy
+from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -55,11 +55,7 @@ class _PushOptimizer:
         return self.inner.param_groups if self.inner is not None else []
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self._strategy._params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        zero_grads(self._strategy._params, set_to_none)
 
     def step(self) -> None:
         self._strategy._push()

@@ -7,7 +7,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from distrun.protocol import JobSnapshot, JobSummary, ReplicaStatus
+from distrun.protocol import JobSnapshot, JobSummary, ReplicaRow, ReplicaStatus
 from distrun.ui._format import fmt_loss, fmt_rate, fmt_seconds
 
 _STATUS_STYLE = {
@@ -56,17 +56,12 @@ def _worker_table(snapshot: JobSnapshot) -> Table:
     hosts = any(row.host for row in snapshot.rows)
     _columns(table, ("host", "rank", "step", "steps/s", "staleness", "loss", "samples/s", "seen", "status"), hosts)
     for row in snapshot.workers:
-        table.add_row(
-            *((row.host or "-",) if hosts else ()),
-            str(row.rank),
-            str(row.step),
-            "-" if row.steps_per_s is None else f"{row.steps_per_s:.1f}",
-            "-" if row.staleness is None else str(row.staleness),
-            fmt_loss(row.loss),
-            fmt_rate(row.samples_per_s),
-            fmt_seconds(row.last_seen_s),
-            Text(row.status.value, style=_STATUS_STYLE[row.status]),
-        )
+        _add_row(table, row, hosts,
+                 str(row.step),
+                 "-" if row.steps_per_s is None else f"{row.steps_per_s:.1f}",
+                 "-" if row.staleness is None else str(row.staleness),
+                 fmt_loss(row.loss),
+                 fmt_rate(row.samples_per_s))
     return table
 
 
@@ -75,39 +70,28 @@ def _ps_table(snapshot: JobSnapshot) -> Table:
     hosts = any(row.host for row in snapshot.rows)
     _columns(table, ("host", "rank", "updates", "updates/s", "MB in", "MB out", "params", "seen", "status"), hosts)
     for row in snapshot.ps_tasks:
-        table.add_row(
-            *((row.host or "-",) if hosts else ()),
-            str(row.rank),
-            str(row.updates),
-            f"{row.updates_per_s:.1f}",
-            f"{row.bytes_in / 2**20:.1f}",
-            f"{row.bytes_out / 2**20:.1f}",
-            f"{row.params:,}",
-            fmt_seconds(row.last_seen_s),
-            Text(row.status.value, style=_STATUS_STYLE[row.status]),
-        )
+        _add_row(table, row, hosts,
+                 str(row.updates),
+                 f"{row.updates_per_s:.1f}",
+                 f"{row.bytes_in / 2**20:.1f}",
+                 f"{row.bytes_out / 2**20:.1f}",
+                 f"{row.params:,}")
     return table
+
+
+def _add_row(table: Table, row: ReplicaRow, hosts: bool, *cells: RenderableType) -> None:
+    """host (on a cluster), rank, the table's own cells, then seen and status: every table's frame."""
+    table.add_row(*((row.host or "-",) if hosts else ()), str(row.rank), *cells, fmt_seconds(row.last_seen_s),
+                  Text(row.status.value, style=_STATUS_STYLE[row.status]))
 
 
 def _replica_table(snapshot: JobSnapshot) -> Table:
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
-    for column in ("host", "rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"):
-        if column == "host" and not hosts:
-            continue
-        table.add_column(column, justify="left" if column in ("host", "device", "status") else "right")
+    _columns(table, ("host", "rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"), hosts)
     for row in snapshot.rows:
-        table.add_row(
-            *((row.host or "-",) if hosts else ()),
-            str(row.rank),
-            row.device,
-            str(row.step),
-            fmt_loss(row.loss),
-            fmt_rate(row.samples_per_s),
-            f"{row.mem_mb:.0f}",
-            fmt_seconds(row.last_seen_s),
-            Text(row.status.value, style=_STATUS_STYLE[row.status]),
-        )
+        _add_row(table, row, hosts, row.device, str(row.step), fmt_loss(row.loss), fmt_rate(row.samples_per_s),
+                 f"{row.mem_mb:.0f}")
     return table
 
 

@@ -176,14 +176,22 @@ def training_pids(lab: Lab) -> list[int]:
     return [pid for ns, _ in lab.hosts.values() for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)]
 
 
+@contextlib.contextmanager
+def brought_up(lab: Lab, roles: dict[str, dict[str, str]], name: str) -> Iterator[Path]:
+    """A cluster file of the lab's hosts (name -> their keys, e.g. roles and slots), up, and after, down."""
+    hosts = [{"address": lab.hosts[host][1], **keys} for host, keys in roles.items()]
+    path = lab.root / f"{name}.yaml"
+    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name=name))
+    up = lab_cli(lab, "up", str(path), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        yield path
+    finally:
+        lab_cli(lab, "down", str(path))
+
+
 @pytest.fixture
 def cluster(lab: Lab) -> Iterator[Path]:
     """The lab's two hosts as a cluster file (h1 chief+worker, h2 worker), brought up and, after, down."""
-    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]"},
-             {"address": lab.hosts["h2"][1], "roles": "[worker]"}]
-    path = lab.root / "lab.yaml"
-    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="lab"))
-    up = lab_cli(lab, "up", str(path), "--json")
-    assert up.returncode == 0, up.stdout + up.stderr
-    yield path
-    lab_cli(lab, "down", str(path))
+    with brought_up(lab, {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}, "lab") as path:
+        yield path

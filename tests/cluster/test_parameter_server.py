@@ -19,22 +19,15 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests._sshd import cluster_yaml
-from tests.cluster.conftest import Lab, json_lines, lab_cli, training_pids
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import PS_RECIPE
 
 
 @pytest.fixture
 def ps_cluster(lab: Lab) -> Iterator[Path]:
-    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]", "slots": "2"},
-             {"address": lab.hosts["h2"][1], "roles": "[ps]"}]
-    path = lab.root / "ps.yaml"
-    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="ps"))
-    up = lab_cli(lab, "up", str(path), "--json")
-    assert up.returncode == 0, up.stdout + up.stderr
-    yield path
-    lab_cli(lab, "down", str(path))
+    with brought_up(lab, {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[ps]"}}, "ps") as path:
+        yield path
 
 
 def _recipe(tmp_path: Path) -> Path:
@@ -131,14 +124,8 @@ def test_a_killed_ps_task_restarts_the_job_from_its_checkpoint(lab: Lab, ps_clus
 def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_under_mirrored(
         lab3: Lab, tmp_path: Path) -> None:
     """One worker host, two ps hosts: the embedding is split by rows across h2 and h3."""
-    hosts = [{"address": lab3.hosts["h1"][1], "roles": "[chief, worker]", "slots": "1"},
-             {"address": lab3.hosts["h2"][1], "roles": "[ps]"},
-             {"address": lab3.hosts["h3"][1], "roles": "[ps]"}]
-    path = lab3.root / "ps2.yaml"
-    path.write_text(cluster_yaml(lab3.keys, hosts, workdir=lab3.workdir, name="ps2"))
-    up = lab_cli(lab3, "up", str(path), "--json")
-    assert up.returncode == 0, up.stdout + up.stderr
-    try:
+    roles = {"h1": {"roles": "[chief, worker]", "slots": "1"}, "h2": {"roles": "[ps]"}, "h3": {"roles": "[ps]"}}
+    with brought_up(lab3, roles, "ps2") as path:
         code = tmp_path / "code"
         code.mkdir()
         recipe = code / "embedding.py"
@@ -146,15 +133,13 @@ def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_un
         run = lab_cli(lab3, "train", str(recipe), "--cluster", str(path), "--strategy", "ps", "--ps-sync",
                       "--ps-partition-mb", "0.1", "--steps", "30", "--json", "--checkpoint-dir", str(tmp_path / "ps"))
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        lines = json_lines(run)
-        assert lines[0]["world_size"] == 3
-        placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
-        assert any("embedding.weight[0:2500]" in p for p in placement)
-        assert any("embedding.weight[2500:5000]" in p for p in placement)
-        ps = {line["task"]: line for line in lines if line.get("type") == "ps"}
-        assert set(ps) == {0, 1} and ps[0]["updates"] == ps[1]["updates"] == 30
-    finally:
-        lab_cli(lab3, "down", str(path))
+    lines = json_lines(run)
+    assert lines[0]["world_size"] == 3
+    placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
+    assert any("embedding.weight[0:2500]" in p for p in placement)
+    assert any("embedding.weight[2500:5000]" in p for p in placement)
+    ps = {line["task"]: line for line in lines if line.get("type") == "ps"}
+    assert set(ps) == {0, 1} and ps[0]["updates"] == ps[1]["updates"] == 30
     local = run_cli("train", str(recipe), "--steps", "30", "--json", "--checkpoint-dir", str(tmp_path / "one"))
     assert local.returncode == 0, local.stderr[-2000:]
     home = lab3.root / "distrun-results" / lines[0]["job"]
