@@ -112,3 +112,14 @@ def test_bench_straggler_reports_async_against_sync_and_the_bound() -> None:
     assert sync["batches_per_s"] > 0 and asynchronous["batches_per_s"] > 0
     assert report["ratio"] == pytest.approx(asynchronous["batches_per_s"] / sync["batches_per_s"])
     assert report["fraction_of_bound"] == pytest.approx(report["ratio"] / report["bound"])
+
+
+def test_a_worker_dying_mid_round_does_not_hold_the_synchronous_rounds(tmp_path: Path) -> None:
+    recipe = tmp_path / "ps_recipe.py"
+    recipe.write_text(PS_RECIPE)
+    lines = _train(str(recipe), "--strategy", "ps", "--ps-sync", "--steps", "60",
+                   "--", "--die-rank", "1", "--die-at", "10", "--once", str(tmp_path / "died"))
+    assert [line["returncode"] for line in lines if line.get("type") == "exited" and line["rank"] == 1] == [-9]
+    assert any("[ps0] worker 1 lost" in line["line"] for line in lines if line.get("type") == "output")
+    assert lines[-1]["status"] == "succeeded" and lines[-1]["steps"] == 60
+    assert max(line["updates"] for line in lines if line.get("type") == "ps") == 60
