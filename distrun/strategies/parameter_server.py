@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distrun.config import DEFAULT_PS_PARTITION_MB
 from distrun.errors import TrainingError
 from distrun.strategies._ps_channel import Channel, Op, open_worker_channels
 from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
@@ -71,7 +72,7 @@ class ParameterServerStrategy(Strategy):
     name = "parameter-server"
 
     def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
-                 partition_bytes: int = 64 << 20) -> None:
+                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20)) -> None:
         super().__init__(replica, reporter)
         self._store = store
         self._num_ps = num_ps
@@ -117,6 +118,7 @@ class ParameterServerStrategy(Strategy):
             for line in self._layout.describe():
                 print(f"[placement] {line}", flush=True)
         self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id)
+        # Evaluation (and any forward outside ``run``) sees the current parameters too.
         model.register_forward_pre_hook(lambda module, args: self._pull() if self._stale else None)
         modules = dict(model.named_modules())
         for name in self._layout.sparse_names:
@@ -224,6 +226,8 @@ class ParameterServerStrategy(Strategy):
             raise TrainingError(f"lost ps task {channel.label}: {str(exc).splitlines()[0][:160]}") from None
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
+            self._pull()
         result = fn(*args, **kwargs)
         self.step = self._limit if self._done and self._limit else self._version
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None

@@ -131,3 +131,17 @@ def test_strategy_requirements_are_checked() -> None:
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"{tmp_path / 'x.yaml'}: no such file"):
         load_cluster(tmp_path / "x.yaml")
+
+
+def test_parameter_server_hosts_workers_first_then_ps_and_never_both():
+    from distrun.client.cluster_job import training_hosts
+    from distrun.config import StrategyName
+
+    cluster = parse_cluster("hosts:\n  - {address: p, roles: [ps]}\n  - {address: w, roles: [worker]}\n"
+                            "  - {address: c, roles: [chief, worker]}\n")
+    assert [h.address for h in training_hosts(cluster, StrategyName.PARAMETER_SERVER)] == ["c", "w", "p"]
+    both = parse_cluster("hosts:\n  - {address: c}\n  - {address: x, roles: [worker, ps]}\n")
+    with pytest.raises(ConfigError, match="host x has roles worker and ps"):
+        training_hosts(both, StrategyName.PARAMETER_SERVER)
+    with pytest.raises(ConfigError, match="needs at least one host with role 'ps'"):
+        parse_cluster("hosts:\n  - {address: c}\n").require_strategy("parameter-server")
