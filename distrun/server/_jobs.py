@@ -152,7 +152,8 @@ class JobManager:
                 raise JobError(f"checkpoint {args['eval_checkpoint']!r} is not in this server's folder")
         if evaluating:  # the evaluator role: one process, one device, no process group
             spec = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False,
-                                       checkpoint_dir=None, checkpoint_every=None)
+                                       checkpoint_dir=None, checkpoint_every=None, ps_tasks=0, ps_sync=False,
+                                       max_staleness=None)
             args = {**args, "local_world_size": 1, "world_size": 1, "rank_offset": 0, "node_rank": 0,
                     "master_addr": "127.0.0.1", "master_port": None}
         master_addr = str(args["master_addr"])

@@ -156,3 +156,20 @@ def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_un
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in resumed.stdout.splitlines() if l.startswith('{"type":"step"')]
     assert min(steps) == 31 and json.loads(resumed.stdout.splitlines()[-1])["steps"] == 45
+
+
+def test_an_evaluator_host_evaluates_parameter_server_checkpoints(lab3: Lab, tmp_path: Path) -> None:
+    roles = {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[ps]"}, "h3": {"roles": "[evaluator]"}}
+    code = tmp_path / "code"
+    code.mkdir()
+    recipe = code / "embedding.py"
+    recipe.write_text((REPO / "recipes" / "embedding.py").read_text())
+    with brought_up(lab3, roles, "pse") as path:
+        run = lab_cli(lab3, "train", str(recipe), "--cluster", str(path), "--strategy", "ps", "--steps", "40",
+                      "--checkpoint-every", "20", "--json", "--checkpoint-dir", str(tmp_path / "ck"))
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = json_lines(run)
+    assert lines[0]["world_size"] == 3 and lab3.hosts["h3"][1] not in lines[0]["hosts"]
+    evaluated = [line for line in lines if line.get("type") == "eval" and line["rank"] == -2]
+    assert evaluated and evaluated[-1]["step"] == 40 and 0 < evaluated[-1]["metrics"]["loss"] < 10
+    assert lines[-1]["status"] == "succeeded" and lines[-1]["evaluator_step"] == 40
