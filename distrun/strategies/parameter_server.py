@@ -24,6 +24,8 @@ is over. Choosing this over all-reduce: docs/parameter-server.md.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +40,18 @@ from distrun.strategies._ps_server import dtype_name, parse_dtype
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
+
+
+@contextlib.contextmanager
+def _ps_link() -> Iterator[None]:
+    """A broken connection to a ps task, as one clear error (not gloo's C++ message and stack)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "gloo" not in text and "Connection" not in text:
+            raise
+        raise TrainingError(f"lost a ps task: {text.splitlines()[0][:200]}") from None
 
 
 class _PushOptimizer:
@@ -135,25 +149,42 @@ class ParameterServerStrategy(Strategy):
     @torch.no_grad()
     def _pull(self) -> None:
         assert self._layout is not None
+        with _ps_link():
+            self._pull_dense()
+        if self._done and self._limit:
+            self.step = self._limit  # finished by the others while this worker was away (evaluating, say)
+        self._stale = False
+
+    def _pull_dense(self) -> None:
+        assert self._layout is not None
         for channel in self._channels:
             channel.send_header(Op.PULL, self._pushes)
         for task, channel in enumerate(self._channels):
-            header = self._receive(channel, channel.recv_header)
-            flats = [self._receive(channel, channel.recv, (n,), dtype) for n, dtype in self._dense_specs[task]]
+            header = channel.recv_header()
+            flats = [channel.recv((n,), dtype) for n, dtype in self._dense_specs[task]]
             targets = [ref.view(self._params[ref.index].data) for ref in self._layout.dense(task)]
             unpack_into([f.to(self.device) for f in flats], targets)
             if task == 0:
                 self._version = header[0]
             self._done = self._done or bool(header[1])
-        if self._done and self._limit:
-            self.step = self._limit  # finished by the others while this worker was away (evaluating, say)
-        self._stale = False
 
     @torch.no_grad()
     def _push(self) -> None:
-        assert self._layout is not None
         touched = self._touched
         self._touched = []
+        with _ps_link():
+            self._send_gradients(touched)
+            for task, channel in enumerate(self._channels):
+                applied, done, staleness, *_rest = channel.recv_header()
+                if task == 0:
+                    self._version, self.staleness = applied, staleness
+                self._done = self._done or bool(done)
+        self._pushes += 1
+        self._stale = True
+
+    def _send_gradients(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """One PUSH to every ps task: its dense shards' gradients, then its embedding rows'."""
+        assert self._layout is not None
         for task, channel in enumerate(self._channels):
             grads = []
             for ref in self._layout.dense(task):
@@ -176,13 +207,6 @@ class ParameterServerStrategy(Strategy):
                           else torch.zeros((0, *row_shape), dtype=self._layout.dtypes[ref.name]))
                 channel.send_header(ids_t.numel())
                 channel.send(ids_t, rows_t)
-        for task, channel in enumerate(self._channels):
-            applied, done, staleness, *_rest = self._receive(channel, channel.recv_header)
-            if task == 0:
-                self._version, self.staleness = applied, staleness
-            self._done = self._done or bool(done)
-        self._pushes += 1
-        self._stale = True
 
     def _sparse_forward(self, embedding: nn.Embedding, name: str) -> Any:
         """An embedding forward that pulls only the looked-up rows, and keeps them for the push."""
@@ -202,6 +226,10 @@ class ParameterServerStrategy(Strategy):
 
     @torch.no_grad()
     def _pull_rows(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
+        with _ps_link():
+            return self._exchange_rows(name, uniq)
+
+    def _exchange_rows(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
         assert self._layout is not None
         shape = self._layout.shapes[name]
         rows = torch.empty((uniq.numel(), *shape[1:]), dtype=self._layout.dtypes[name])
@@ -216,14 +244,9 @@ class ParameterServerStrategy(Strategy):
             channel.send(wanted)
             asks.append((channel, mask, wanted.numel()))
         for channel, mask, count in asks:
-            rows[mask] = self._receive(channel, channel.recv, (count, *shape[1:]), rows.dtype)
+            rows[mask] = channel.recv((count, *shape[1:]), rows.dtype)
         return rows.to(self.device)
 
-    def _receive(self, channel: Channel, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except RuntimeError as exc:
-            raise TrainingError(f"lost ps task {channel.label}: {str(exc).splitlines()[0][:160]}") from None
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
@@ -244,18 +267,22 @@ class ParameterServerStrategy(Strategy):
 
     def _fetch_state(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
         """Every owned shard's values and optimizer state, per ps task."""
+        with _ps_link():
+            return self._exchange_state()
+
+    def _exchange_state(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
         assert self._layout is not None
         replies = []
         for task, channel in enumerate(self._channels):
             channel.send_header(Op.STATE)
-            doc = self._receive(channel, channel.recv_json)
+            doc = channel.recv_json()
             tensors = []
             for ref, shard in zip(self._layout.owned(task), doc["shards"]):
-                tensors.append(self._receive(channel, channel.recv, self._layout.shard_shape(ref),
+                tensors.append(channel.recv(self._layout.shard_shape(ref),
                                              self._layout.dtypes[ref.name]))
                 for spec in shard["state"].values():
                     if "value" not in spec:
-                        tensors.append(self._receive(channel, channel.recv, tuple(spec["shape"]),
+                        tensors.append(channel.recv(tuple(spec["shape"]),
                                                      parse_dtype(spec["dtype"])))
             replies.append((doc, tensors))
         return replies
@@ -363,10 +390,11 @@ class ParameterServerStrategy(Strategy):
                     else:
                         described[key] = {"value": value}
                 shards.append({"state": described})
-            channel.send_header(Op.LOAD)
-            channel.send_json({"applied": self.step, "shards": shards})
-            channel.send(*tensors)
-            self._receive(channel, channel.recv_header)
+            with _ps_link():
+                channel.send_header(Op.LOAD)
+                channel.send_json({"applied": self.step, "shards": shards})
+                channel.send(*tensors)
+                channel.recv_header()
         self._pending_optimizer_state = None
         self._version = self.step
         self._stale = True
