@@ -102,7 +102,8 @@ def _run_mode(mode: str, workers: int, slow_factor: float, step_s: float, steps:
         span_s = float(last["time"]) - float(first["time"])  # type: ignore[arg-type]
         if span_s > 0:
             rate = (int(last["step"]) - int(first["step"])) * batches_per_update / span_s  # type: ignore[arg-type]
-    reached = _first_below(steps_seen, target_loss, window=2 * workers)
+    # Both modes average the loss over the same number of worker batches (2 per worker).
+    reached = _first_below(steps_seen, target_loss, window=2 if mode == "sync" else 2 * workers)
     start = float(steps_seen[0]["time"]) if steps_seen else 0.0  # type: ignore[arg-type]
     summary = lines[-1]
     return ModeResult(
@@ -116,12 +117,20 @@ def _run_mode(mode: str, workers: int, slow_factor: float, step_s: float, steps:
 
 
 def _first_below(steps: list[dict[str, object]], target: float, window: int) -> dict[str, object] | None:
-    """The first step event at which the mean of the last ``window`` reported losses is below ``target``."""
-    recent: list[float] = []
-    for line in sorted(steps, key=lambda s: float(s["time"])):  # type: ignore[arg-type]
+    """The first step event at which the training loss, averaged per step and then over the
+    last ``window`` steps, is below ``target``. Per step first, so the order in which workers'
+    events arrive cannot change the answer."""
+    by_step: dict[int, list[float]] = {}
+    first_seen: dict[int, dict[str, object]] = {}
+    for line in steps:
         if line.get("loss") is None:
             continue
-        recent = (recent + [float(line["loss"])])[-window:]  # type: ignore[arg-type]
+        step = int(line["step"])  # type: ignore[arg-type]
+        by_step.setdefault(step, []).append(float(line["loss"]))  # type: ignore[arg-type]
+        first_seen.setdefault(step, line)
+    recent: list[float] = []
+    for step in sorted(by_step):
+        recent = (recent + [sum(by_step[step]) / len(by_step[step])])[-window:]
         if len(recent) == window and sum(recent) / window < target:
-            return line
+            return first_seen[step]
     return None

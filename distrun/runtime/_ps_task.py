@@ -32,7 +32,8 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     model = recipe.model()
     layout = Layout(model, spec.ps_tasks, int(spec.ps_partition_mb * 2**20))
     server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps_sync,
-                             max_staleness=spec.max_staleness, wait_for_load=spec.resume)
+                             max_staleness=spec.max_staleness, wait_for_load=spec.resume,
+                             expected_workers=spec.replicas)
     del model  # only the shards stay
 
     def report() -> None:

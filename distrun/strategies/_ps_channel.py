@@ -45,7 +45,7 @@ class Op:
     """Header word 0: what a worker asks of a ps task."""
 
     PULL = 1  # dense parameters and the version they are at
-    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings)
+    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); may ask for a PULL's reply too
     ROWS = 3  # rows of a partitioned embedding
     STATE = 4  # everything, for a checkpoint
     LOAD = 5  # everything, from a checkpoint

@@ -46,7 +46,10 @@ class ServerStats:
 class ParameterServer:
     def __init__(self, task: int, layout: Layout, model: nn.Module,
                  make_optimizer: Callable[[list[nn.Parameter]], Any], *, sync: bool = False,
-                 max_staleness: int | None = None, wait_for_load: bool = False) -> None:
+                 max_staleness: int | None = None, wait_for_load: bool = False, expected_workers: int = 1,
+                 join_grace_s: float = 60.0) -> None:
+        """``expected_workers``, ``join_grace_s``: synchronous rounds start once every worker has
+        connected, or after this grace (a worker that never comes must not stall the job)."""
         self.task = task
         self._layout = layout
         self._refs = layout.owned(task)
@@ -63,9 +66,12 @@ class ParameterServer:
         self.applied = 0
         self._limit: int | None = None
         self._clocks: dict[int, int] = {}  # connected worker connection -> pushes counted for it
-        self._round_sum: list[torch.Tensor] | None = None
-        self._round_from: set[int] = set()
-        self._round = 0
+        self._workers: dict[int, int] = {}  # connection -> worker index
+        self._round: dict[int, tuple[int, list[torch.Tensor | None]]] = {}  # connection -> (worker, grads)
+        self._round_number = 0
+        self._expected_workers = expected_workers
+        self._joined: set[int] = set()  # worker indices that ever connected
+        self._join_deadline = time.monotonic() + join_grace_s
         self._loaded = threading.Event()
         if not wait_for_load:
             self._loaded.set()
@@ -90,9 +96,11 @@ class ParameterServer:
 
     # -- one connection
 
-    def serve(self, channel: Channel, connection: int) -> str:
+    def serve(self, channel: Channel, connection: int, worker: int) -> str:
         """Answer one worker until it says BYE or its connection breaks; returns how it ended."""
         with self._cond:
+            self._joined.add(worker)
+            self._workers[connection] = worker
             self._channels.append(channel)
             self._clocks[connection] = min(self._clocks.values(), default=0)
         try:
@@ -101,7 +109,7 @@ class ParameterServer:
                 if op == Op.PULL:
                     self._pull(channel, connection)
                 elif op == Op.PUSH:
-                    self._push(channel, connection, pulled=args[0], limit=args[2])
+                    self._push(channel, connection, pulled=args[0], limit=args[2], then_pull=bool(args[3]))
                 elif op == Op.ROWS:
                     self._rows(channel, slot=args[0], count=args[1])
                 elif op == Op.STATE:
@@ -130,18 +138,22 @@ class ParameterServer:
     def _pull(self, channel: Channel, connection: int) -> None:
         self._loaded.wait()
         with self._cond:
-            if self._max_staleness is not None:
-                while not self.done and self._ahead(connection) > self._max_staleness:
-                    self._cond.wait(0.5)
-            flats = pack([self._tensors[i] for i in self._dense])
+            flats = self._current_parameters(connection)
             header = self._reply_header()
         channel.send_header(*header)
         channel.send(*flats)
 
+    def _current_parameters(self, connection: int) -> list[torch.Tensor]:
+        """The dense shards, once this worker is within the staleness bound (lock held)."""
+        if self._max_staleness is not None:
+            while not self.done and self._ahead(connection) > self._max_staleness:
+                self._cond.wait(0.5)
+        return pack([self._tensors[i] for i in self._dense])
+
     def _ahead(self, connection: int) -> int:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
 
-    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int) -> None:
+    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int, then_pull: bool) -> None:
         flats = [channel.recv((numel,), dtype) for numel, dtype in self._dense_specs]
         grads: list[torch.Tensor | None] = [None] * len(self._tensors)
         dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
@@ -163,36 +175,42 @@ class ParameterServer:
             if not self.done and connection in self._clocks:
                 self._clocks[connection] += 1
                 if self._sync:
-                    self._add_to_round(connection, grads)
-                    mine = self._round
+                    self._round[connection] = (self._workers[connection], grads)
+                    mine = self._round_number
                     self._close_round_if_complete()
-                    while self._round == mine and not self.done:
+                    while self._round_number == mine and not self.done:
                         self._cond.wait(0.5)
+                        self._close_round_if_complete()  # the join grace may have run out
                 else:
                     staleness = self.applied - pulled
                     self._apply(grads)
                     self._cond.notify_all()
+            # The reply carries the parameters the worker's next step needs: no separate pull.
+            flats = self._current_parameters(connection) if then_pull else []
             header = self._reply_header(staleness)
         channel.send_header(*header)
-
-    def _add_to_round(self, connection: int, grads: list[torch.Tensor | None]) -> None:
-        if self._round_sum is None:
-            self._round_sum = [torch.zeros_like(t) if g is None else g.clone() for t, g in zip(self._tensors, grads)]
-        else:
-            for total, grad in zip(self._round_sum, grads):
-                if grad is not None:
-                    total.add_(grad)
-        self._round_from.add(connection)
+        channel.send(*flats)
 
     def _close_round_if_complete(self) -> None:
-        """Apply the round's mean once every connected worker is in it (call with the lock held)."""
-        if not self._sync or not self._round_from or not self._round_from >= set(self._clocks):
+        """Apply the round's mean once every connected worker is in it (call with the lock held).
+
+        Summed in worker order, so a synchronous job is reproducible; not before every
+        expected worker has connected once (or the join grace is over), so the first
+        rounds are not the chief's alone.
+        """
+        if not self._sync or not self._round or not set(self._round) >= set(self._clocks):
+            return
+        if len(self._joined) < self._expected_workers and time.monotonic() < self._join_deadline:
             return
         if not self.done:
-            assert self._round_sum is not None
-            self._apply([total / len(self._round_from) for total in self._round_sum])
-        self._round_sum, self._round_from = None, set()
-        self._round += 1
+            contributions = [grads for _worker, grads in sorted(self._round.values(), key=lambda pair: pair[0])]
+            mean: list[torch.Tensor | None] = []
+            for i, tensor in enumerate(self._tensors):
+                parts = [grads[i] for grads in contributions if grads[i] is not None]
+                mean.append(torch.stack(parts).sum(0) / len(contributions) if parts else torch.zeros_like(tensor))
+            self._apply(mean)
+        self._round = {}
+        self._round_number += 1
         self._cond.notify_all()
 
     def _apply(self, grads: list[torch.Tensor | None]) -> None:
@@ -278,7 +296,7 @@ def serve_forever(server: ParameterServer, store: Any, accept: Callable[[int], t
             on_event(f"connection {connection} never opened: {str(exc).splitlines()[0][:120]}")
             return
         on_event(f"worker {worker} joined")
-        how = server.serve(channel, connection)
+        how = server.serve(channel, connection, worker)
         on_event(f"worker {worker} {how}")
 
     def on_join(connection: int) -> None:

@@ -161,12 +161,17 @@ class ParameterServerStrategy(Strategy):
             channel.send_header(Op.PULL, self._pushes)
         for task, channel in enumerate(self._channels):
             header = channel.recv_header()
-            flats = [channel.recv((n,), dtype) for n, dtype in self._dense_specs[task]]
-            targets = [ref.view(self._params[ref.index].data) for ref in self._layout.dense(task)]
-            unpack_into([f.to(self.device) for f in flats], targets)
+            self._receive_dense(task, channel)
             if task == 0:
                 self._version = header[0]
             self._done = self._done or bool(header[1])
+
+    def _receive_dense(self, task: int, channel: Channel) -> None:
+        """Task ``task``'s dense shards, straight into this worker's parameters."""
+        assert self._layout is not None
+        flats = [channel.recv((n,), dtype) for n, dtype in self._dense_specs[task]]
+        targets = [ref.view(self._params[ref.index].data) for ref in self._layout.dense(task)]
+        unpack_into([f.to(self.device) for f in flats], targets)
 
     @torch.no_grad()
     def _push(self) -> None:
@@ -176,11 +181,12 @@ class ParameterServerStrategy(Strategy):
             self._send_gradients(touched)
             for task, channel in enumerate(self._channels):
                 applied, done, staleness, *_rest = channel.recv_header()
+                self._receive_dense(task, channel)  # the next step's parameters, in the same reply
                 if task == 0:
                     self._version, self.staleness = applied, staleness
                 self._done = self._done or bool(done)
         self._pushes += 1
-        self._stale = True
+        self._stale = False
 
     def _send_gradients(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """One PUSH to every ps task: its dense shards' gradients, then its embedding rows'."""
@@ -190,7 +196,7 @@ class ParameterServerStrategy(Strategy):
             for ref in self._layout.dense(task):
                 param = self._params[ref.index]
                 grads.append(ref.view(param.grad) if param.grad is not None else ref.view(torch.zeros_like(param)))
-            channel.send_header(Op.PUSH, self._version, self._pushes, self._limit)
+            channel.send_header(Op.PUSH, self._version, self._pushes, self._limit, 1)  # 1: reply with parameters
             channel.send(*[g.cpu() for g in pack(grads)])
             for ref in self._layout.sparse(task):
                 lo, hi = ref.shard.rows  # type: ignore[misc]

@@ -123,3 +123,22 @@ def test_a_worker_dying_mid_round_does_not_hold_the_synchronous_rounds(tmp_path:
     assert any("[ps0] worker 1 lost" in line["line"] for line in lines if line.get("type") == "output")
     assert lines[-1]["status"] == "succeeded" and lines[-1]["steps"] == 60
     assert max(line["updates"] for line in lines if line.get("type") == "ps") == 60
+
+
+def test_sync_rounds_with_two_workers_equal_mirrored_and_repeat_exactly(tmp_path: Path) -> None:
+    """Two workers' mean gradient per round is the global batch's: mirrored's update, even on the
+    uneven last batch; and rounds are summed in worker order, so a second run is bit for bit the same."""
+    from tests.integration._recipes import EQUIV
+
+    recipe = tmp_path / "equiv.py"
+    recipe.write_text(EQUIV)
+    common = ("--replicas", "2", "--epochs", "2", "--", "--samples", "99")
+    _train(str(recipe), "--strategy", "mirrored", "--checkpoint-dir", str(tmp_path / "mirrored"), *common)
+    for run in ("ps1", "ps2"):
+        _train(str(recipe), "--strategy", "ps", "--ps-sync", "--checkpoint-dir", str(tmp_path / run), *common)
+    mirrored, first, second = (torch.load(latest_checkpoint(tmp_path / run), weights_only=True)
+                               for run in ("mirrored", "ps1", "ps2"))
+    assert mirrored["step"] == first["step"] == 14
+    for key, tensor in mirrored["model"].items():
+        torch.testing.assert_close(first["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+        assert torch.equal(first["model"][key], second["model"][key]), key
