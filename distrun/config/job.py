@@ -95,6 +95,10 @@ class JobSpec:
         """Processes in the job: the replicas (workers), then the ps tasks."""
         return self.replicas + self.ps_tasks
 
+    @property
+    def ps_partition_bytes(self) -> int:
+        return int(self.ps_partition_mb * 2**20)
+
     def __post_init__(self) -> None:
         _validate(self)
 

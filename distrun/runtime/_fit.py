@@ -81,7 +81,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     last_mark = strategy.step // checkpoint_every if checkpoint_every else 0
 
     def finished() -> bool:
-        if strategy.finished or total_steps is not None and strategy.step >= total_steps:
+        if total_steps is not None and strategy.step >= total_steps:
             return True
         # A step budget decides alone: an asynchronous worker's own epochs are not the job's.
         return total_steps is None and epochs is not None and train.position[0] >= epochs

@@ -63,10 +63,9 @@ def main() -> None:
             phase = "train"
             from distrun.runtime._ps_task import serve_ps  # a ps task: serve, never train
 
-            serve_ps(module, spec, launch, writer, ps_store(launch))
+            serve_ps(module, spec, launch, writer, _store_client(launch))
             _exit(0)
-        reporter = EventReporter(writer, launch.rank, min(launch.world_size, spec.replicas), spec.log_interval_s,
-                                 device.type)
+        reporter = EventReporter(writer, launch.rank, spec.replicas, spec.log_interval_s, device.type)
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
         module = load_module(spec.recipe)
@@ -194,7 +193,7 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
 
     options: dict[str, Any] = {}
     if spec.strategy.collective:
-        client = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, _STORE_TIMEOUT)
+        client = _store_client(launch)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
@@ -203,15 +202,16 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     world_size = launch.world_size
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
-        options = {"store": ps_store(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
-                   "partition_bytes": int(spec.ps_partition_mb * 2**20)}
+        options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
+                   "partition_bytes": spec.ps_partition_bytes}
     replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed)
     return make_strategy(spec.strategy.value, replica, reporter, **options)
 
 
-def ps_store(launch: LaunchEnv) -> Any:
-    """A client of the job's TCPStore (rank 0 hosts it): where ps connections are numbered."""
+def _store_client(launch: LaunchEnv) -> Any:
+    """A client of the job's TCPStore (rank 0 hosts it): for the process group, or where
+    parameter-server connections are numbered."""
     import torch.distributed as dist
 
     return dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, False, _STORE_TIMEOUT)

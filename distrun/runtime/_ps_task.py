@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from distrun.config import JobSpec
-from distrun.protocol import Done, Output, PsStats
+from distrun.protocol import Done, Output
 from distrun.runtime._process import EventWriter, LaunchEnv
-from distrun.strategies._ps_channel import accept_channel, watch_joins
 from distrun.strategies._ps_layout import Layout
 from distrun.strategies._ps_server import ParameterServer, serve_forever
 
@@ -30,17 +29,14 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     task = launch.rank - spec.replicas
     torch.manual_seed(spec.seed)  # the same initial parameters as every other strategy
     model = recipe.model()
-    layout = Layout(model, spec.ps_tasks, int(spec.ps_partition_mb * 2**20))
+    layout = Layout(model, spec.ps_tasks, spec.ps_partition_bytes)
     server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps_sync,
                              max_staleness=spec.max_staleness, wait_for_load=spec.resume,
                              expected_workers=spec.replicas)
     del model  # only the shards stay
 
     def report() -> None:
-        stats = server.stats()
-        writer.emit(PsStats(rank=launch.rank, time=time.time(), task=task, updates=stats.updates,
-                            bytes_in=stats.bytes_in, bytes_out=stats.bytes_out, params=stats.params,
-                            workers=stats.workers))
+        writer.emit(server.stats(launch.rank))
 
     def note(text: str) -> None:
         writer.emit(Output(rank=launch.rank, time=time.time(), stream="stdout", line=f"[ps{task}] {text}"))
@@ -54,7 +50,7 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     reporter = threading.Thread(target=reports, name="ps-stats", daemon=True)
     reporter.start()
     report()
-    serve_forever(server, store, lambda connection: accept_channel(store, connection, task), watch_joins, note)
+    serve_forever(server, store, note)
     stop_reports.set()
     report()
     writer.emit(Done(rank=launch.rank, time=time.time(), steps=server.applied, final_loss=None, samples_per_s=0.0,

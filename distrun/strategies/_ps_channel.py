@@ -27,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Op", "HEADER_LEN", "open_worker_channels", "accept_channel", "watch_joins"]
+__all__ = ["Channel", "Op", "HEADER_LEN", "open_worker_channels", "accept_channel", "watch_joins",
+           "describe_state", "receive_state"]
 
 HEADER_LEN = 8
 #: How long one send or receive may wait: long, because a ps answers a worker only when
@@ -45,7 +46,7 @@ class Op:
     """Header word 0: what a worker asks of a ps task."""
 
     PULL = 1  # dense parameters and the version they are at
-    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); may ask for a PULL's reply too
+    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); the reply is a PULL's
     ROWS = 3  # rows of a partitioned embedding
     STATE = 4  # everything, for a checkpoint
     LOAD = 5  # everything, from a checkpoint
@@ -98,6 +99,35 @@ class Channel:
         (length, *_rest) = self.recv_header()
         data = self.recv((length,), torch.uint8)
         return json.loads(bytes(data.tolist()).decode())
+
+
+def describe_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """An optimizer state entry as a message: JSON for its keys (a scalar's value, a tensor's
+    shape and dtype), and its tensors, to send in key order after the JSON."""
+    described: dict[str, Any] = {}
+    tensors = []
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, torch.Tensor):
+            described[key] = {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch.")}
+            tensors.append(value.detach().contiguous())
+        else:
+            described[key] = {"value": value}
+    return described, tensors
+
+
+def receive_state(channel: Channel, described: dict[str, Any]) -> dict[str, Any]:
+    """The state entry ``describe_state`` described, its tensors read from ``channel``."""
+    state: dict[str, Any] = {}
+    for key, spec in described.items():
+        if "value" in spec:
+            state[key] = spec["value"]
+            continue
+        dtype = getattr(torch, str(spec["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"not a torch dtype: {spec['dtype']!r}")
+        state[key] = channel.recv(tuple(spec["shape"]), dtype)
+    return state
 
 
 def _pair(store: Any, connection: int, task: int, rank: int) -> Any:

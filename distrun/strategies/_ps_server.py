@@ -22,25 +22,23 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from distrun.strategies._ps_channel import Channel, Op
+from distrun.protocol import PsStats
+from distrun.strategies._ps_channel import (
+    Channel,
+    Op,
+    accept_channel,
+    describe_state,
+    receive_state,
+    watch_joins,
+)
 from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
 
-__all__ = ["ParameterServer", "ServerStats", "dtype_name", "parse_dtype"]
-
-
-@dataclass(frozen=True)
-class ServerStats:
-    updates: int
-    bytes_in: int
-    bytes_out: int
-    params: int
-    workers: int
+__all__ = ["ParameterServer", "serve_forever"]
 
 
 class ParameterServer:
@@ -51,7 +49,6 @@ class ParameterServer:
         """``expected_workers``, ``join_grace_s``: synchronous rounds start once every worker has
         connected, or after this grace (a worker that never comes must not stall the job)."""
         self.task = task
-        self._layout = layout
         self._refs = layout.owned(task)
         params = dict(model.named_parameters())
         self._tensors = [nn.Parameter(ref.view(params[ref.name].detach()).clone()) for ref in self._refs]
@@ -84,11 +81,13 @@ class ParameterServer:
     def done(self) -> bool:
         return self._limit is not None and self.applied >= self._limit
 
-    def stats(self) -> ServerStats:
+    def stats(self, rank: int) -> PsStats:
+        """What this task holds and has done, as the live view's event (``rank``: this process's)."""
         with self._cond:
-            return ServerStats(self.applied, sum(c.bytes_in for c in self._channels),
-                               sum(c.bytes_out for c in self._channels),
-                               sum(t.numel() for t in self._tensors), len(self._clocks))
+            return PsStats(rank=rank, time=time.time(), task=self.task, updates=self.applied,
+                           bytes_in=sum(c.bytes_in for c in self._channels),
+                           bytes_out=sum(c.bytes_out for c in self._channels),
+                           params=sum(t.numel() for t in self._tensors), workers=len(self._clocks))
 
     def connected(self) -> int:
         with self._cond:
@@ -109,7 +108,7 @@ class ParameterServer:
                 if op == Op.PULL:
                     self._pull(channel, connection)
                 elif op == Op.PUSH:
-                    self._push(channel, connection, pulled=args[0], limit=args[2], then_pull=bool(args[3]))
+                    self._push(channel, connection, pulled=args[0], limit=args[1])
                 elif op == Op.ROWS:
                     self._rows(channel, slot=args[0], count=args[1])
                 elif op == Op.STATE:
@@ -153,7 +152,7 @@ class ParameterServer:
     def _ahead(self, connection: int) -> int:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
 
-    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int, then_pull: bool) -> None:
+    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int) -> None:
         flats = [channel.recv((numel,), dtype) for numel, dtype in self._dense_specs]
         grads: list[torch.Tensor | None] = [None] * len(self._tensors)
         dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
@@ -186,7 +185,7 @@ class ParameterServer:
                     self._apply(grads)
                     self._cond.notify_all()
             # The reply carries the parameters the worker's next step needs: no separate pull.
-            flats = self._current_parameters(connection) if then_pull else []
+            flats = self._current_parameters(connection)
             header = self._reply_header(staleness)
         channel.send_header(*header)
         channel.send(*flats)
@@ -239,16 +238,9 @@ class ParameterServer:
             shards, tensors = [], []
             for tensor in self._tensors:
                 state = self._optimizer.state.get(tensor, {}) if self._optimizer is not None else {}
-                described: dict[str, Any] = {}
-                tensors.append(tensor.detach().clone())
-                for key in sorted(state):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor):
-                        described[key] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}
-                        tensors.append(value.detach().clone())
-                    else:
-                        described[key] = {"value": value}
+                described, state_tensors = describe_state(state)
                 shards.append({"state": described})
+                tensors += [tensor.detach().clone(), *(t.clone() for t in state_tensors)]  # sent after the lock
             doc = {"applied": self.applied, "shards": shards}
         channel.send_json(doc)
         channel.send(*tensors)
@@ -258,12 +250,7 @@ class ParameterServer:
         with self._cond:
             for tensor, shard in zip(self._tensors, doc["shards"]):
                 channel.recv_into(tensor.data)
-                state: dict[str, Any] = {}
-                for key, spec in shard["state"].items():
-                    if "value" in spec:
-                        state[key] = spec["value"]
-                    else:
-                        state[key] = channel.recv(tuple(spec["shape"]), parse_dtype(spec["dtype"]))
+                state = receive_state(channel, shard["state"])
                 if self._optimizer is not None and state:
                     self._optimizer.state[tensor] = state
             self.applied = int(doc["applied"])
@@ -272,26 +259,15 @@ class ParameterServer:
         channel.send_header(1)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
-
-
-def serve_forever(server: ParameterServer, store: Any, accept: Callable[[int], tuple[Channel, int]],
-                  watch: Callable[..., None], on_event: Callable[[str], None],
+def serve_forever(server: ParameterServer, store: Any, on_event: Callable[[str], None],
                   linger_s: float = 120.0) -> None:
-    """Accept workers until the chief says FINISH, then wait (bounded) for the rest to leave."""
+    """Accept workers (numbered through ``store``, the job's TCPStore) until the chief says
+    FINISH, then wait (bounded) for the rest to leave."""
     stopping = threading.Event()
 
     def handle(connection: int) -> None:
         try:
-            channel, worker = accept(connection)
+            channel, worker = accept_channel(store, connection, server.task)
         except RuntimeError as exc:
             on_event(f"connection {connection} never opened: {str(exc).splitlines()[0][:120]}")
             return
@@ -302,7 +278,8 @@ def serve_forever(server: ParameterServer, store: Any, accept: Callable[[int], t
     def on_join(connection: int) -> None:
         threading.Thread(target=handle, args=(connection,), name=f"ps-conn{connection}", daemon=True).start()
 
-    watcher = threading.Thread(target=watch, args=(store, on_join, stopping.is_set), name="ps-joins", daemon=True)
+    watcher = threading.Thread(target=watch_joins, args=(store, on_join, stopping.is_set), name="ps-joins",
+                               daemon=True)
     watcher.start()
     server.finished.wait()
     stopping.set()

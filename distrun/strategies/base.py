@@ -111,11 +111,6 @@ class Strategy(ABC):
     def set_step_budget(self, total_steps: int | None) -> None:
         """The loop's step count, for strategies that enforce it where updates are applied."""
 
-    @property
-    def finished(self) -> bool:
-        """True once the step budget is spent elsewhere (asynchronous strategies)."""
-        return False
-
     # -- building -------------------------------------------------------------
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:

@@ -3,9 +3,9 @@
 TensorFlow's asynchronous strategy, for the same fit-style recipe. Each worker
 keeps a compute copy of the model; every step it
 
-1. pulls the current dense parameters from every ps task (before the forward:
-   a forward pre-hook), and, inside the forward, only the rows of a
-   partitioned embedding that the batch looks up;
+1. has the current dense parameters of every ps task (the reply to its last
+   push brought them; the first step pulls), and, inside the forward, pulls
+   only the rows of a partitioned embedding that the batch looks up;
 2. computes gradients on its own shard of the data (``loss.backward()``);
 3. pushes them at ``optimizer.step()``: the ps tasks apply the recipe's
    optimizer to their shards, one push at a time.
@@ -34,9 +34,8 @@ from torch import nn
 
 from distrun.config import DEFAULT_PS_PARTITION_MB
 from distrun.errors import TrainingError
-from distrun.strategies._ps_channel import Channel, Op, open_worker_channels
+from distrun.strategies._ps_channel import Channel, Op, describe_state, open_worker_channels, receive_state
 from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
-from distrun.strategies._ps_server import dtype_name, parse_dtype
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
@@ -148,7 +147,6 @@ class ParameterServerStrategy(Strategy):
 
     @torch.no_grad()
     def _pull(self) -> None:
-        assert self._layout is not None
         with _ps_link():
             self._pull_dense()
         if self._done and self._limit:
@@ -158,7 +156,7 @@ class ParameterServerStrategy(Strategy):
     def _pull_dense(self) -> None:
         assert self._layout is not None
         for channel in self._channels:
-            channel.send_header(Op.PULL, self._pushes)
+            channel.send_header(Op.PULL)
         for task, channel in enumerate(self._channels):
             header = channel.recv_header()
             self._receive_dense(task, channel)
@@ -196,7 +194,7 @@ class ParameterServerStrategy(Strategy):
             for ref in self._layout.dense(task):
                 param = self._params[ref.index]
                 grads.append(ref.view(param.grad) if param.grad is not None else ref.view(torch.zeros_like(param)))
-            channel.send_header(Op.PUSH, self._version, self._pushes, self._limit, 1)  # 1: reply with parameters
+            channel.send_header(Op.PUSH, self._version, self._limit)  # the reply brings the next parameters
             channel.send(*[g.cpu() for g in pack(grads)])
             for ref in self._layout.sparse(task):
                 lo, hi = ref.shard.rows  # type: ignore[misc]
@@ -253,7 +251,6 @@ class ParameterServerStrategy(Strategy):
             rows[mask] = channel.recv((count, *shape[1:]), rows.dtype)
         return rows.to(self.device)
 
-
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
             self._pull()
@@ -264,77 +261,48 @@ class ParameterServerStrategy(Strategy):
         self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
         return result
 
-    @property
-    def finished(self) -> bool:
-        """The ps tasks have applied the step budget: stop training."""
-        return self._done
-
     # -- checkpoints: gathered from (and restored to) the ps tasks, in the common format
 
-    def _fetch_state(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
-        """Every owned shard's values and optimizer state, per ps task."""
-        with _ps_link():
-            return self._exchange_state()
-
-    def _exchange_state(self) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+    def _fetch_state(self) -> list[list[tuple[torch.Tensor, dict[str, Any]]]]:
+        """Per ps task, each owned shard's values and optimizer state (in the layout's order)."""
         assert self._layout is not None
         replies = []
-        for task, channel in enumerate(self._channels):
-            channel.send_header(Op.STATE)
-            doc = channel.recv_json()
-            tensors = []
-            for ref, shard in zip(self._layout.owned(task), doc["shards"]):
-                tensors.append(channel.recv(self._layout.shard_shape(ref),
-                                             self._layout.dtypes[ref.name]))
-                for spec in shard["state"].values():
-                    if "value" not in spec:
-                        tensors.append(channel.recv(tuple(spec["shape"]),
-                                                     parse_dtype(spec["dtype"])))
-            replies.append((doc, tensors))
+        with _ps_link():
+            for task, channel in enumerate(self._channels):
+                channel.send_header(Op.STATE)
+                doc = channel.recv_json()
+                shards = []
+                for ref, shard in zip(self._layout.owned(task), doc["shards"]):
+                    value = channel.recv(self._layout.shard_shape(ref), self._layout.dtypes[ref.name])
+                    shards.append((value, receive_state(channel, shard["state"])))
+                replies.append(shards)
         return replies
 
-    def _gathered(self) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]], int]:
-        """Whole parameters and per-parameter optimizer state, assembled from the shards."""
+    def _gathered(self) -> tuple[dict[int, torch.Tensor], dict[int, dict[str, Any]]]:
+        """Whole parameters and per-parameter optimizer state, joined from the row shards."""
         assert self._layout is not None
-        pieces: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        states: dict[int, list[tuple[int, dict[str, Any]]]] = {}
-        applied = 0
-        for task, (doc, tensors) in enumerate(self._fetch_state()):
-            if task == 0:
-                applied = int(doc["applied"])
-            it = iter(tensors)
-            for ref, shard in zip(self._layout.owned(task), doc["shards"]):
-                start = ref.shard.rows[0] if ref.shard.rows else 0
-                pieces.setdefault(ref.index, []).append((start, next(it)))
-                state = {key: spec["value"] if "value" in spec else next(it) for key, spec in shard["state"].items()}
-                states.setdefault(ref.index, []).append((start, state))
-        values = {i: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for i, parts in pieces.items()}
-        merged: dict[int, dict[str, Any]] = {}
-        for i, parts in states.items():
-            parts.sort(key=lambda p: p[0])
-            shard_rows = [self._rows_of(i, start) for start, _ in parts]
-            whole: dict[str, Any] = {}
-            for key in parts[0][1]:
-                first = parts[0][1][key]
-                if isinstance(first, torch.Tensor) and first.dim() and len(parts) > 1 and first.shape[0] == shard_rows[0]:
-                    whole[key] = torch.cat([state[key] for _, state in parts])
-                else:
-                    whole[key] = first
+        parts: dict[int, list[tuple[int, torch.Tensor, dict[str, Any]]]] = {}
+        for task, shards in enumerate(self._fetch_state()):
+            for ref, (value, state) in zip(self._layout.owned(task), shards):
+                parts.setdefault(ref.index, []).append(((ref.shard.rows or (0, 0))[0], value, state))
+        values: dict[int, torch.Tensor] = {}
+        states: dict[int, dict[str, Any]] = {}
+        for i, pieces in parts.items():
+            pieces.sort(key=lambda piece: piece[0])
+            values[i] = torch.cat([value for _, value, _ in pieces])
+            first_value, first_state = pieces[0][1], pieces[0][2]
+            whole = {}
+            for key, item in first_state.items():
+                split = len(pieces) > 1 and isinstance(item, torch.Tensor) and item.shape == first_value.shape
+                whole[key] = torch.cat([state[key] for _, _, state in pieces]) if split else item
             if whole:
-                merged[i] = whole
-        return values, merged, applied
-
-    def _rows_of(self, index: int, start: int) -> int:
-        assert self._layout is not None
-        for ref in self._layout.refs:
-            if ref.index == index and (ref.shard.rows or (0, 0))[0] == start:
-                return self._layout.shard_shape(ref)[0]
-        return 0
+                states[i] = whole
+        return values, states
 
     def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model (parameters from the ps tasks, buffers from the chief) and the optimizer
         state, in exactly the layout the synchronous strategies write, from one gather."""
-        values, states, _applied = self._gathered()
+        values, states = self._gathered()
         with torch.no_grad():
             for i, value in values.items():
                 self._params[i].data.copy_(value.to(self._params[i].device))
@@ -384,18 +352,13 @@ class ParameterServerStrategy(Strategy):
             shards, tensors = [], []
             for ref in self._layout.owned(task):
                 param = self._params[ref.index].detach().cpu()
-                tensors.append(ref.view(param).contiguous())
                 state = saved_state.get(position.get(ref.index, -1), {})
-                described: dict[str, Any] = {}
-                for key in sorted(state):
-                    value = state[key]
-                    if isinstance(value, torch.Tensor):
-                        part = ref.view(value) if value.shape == param.shape else value
-                        described[key] = {"shape": list(part.shape), "dtype": dtype_name(part.dtype)}
-                        tensors.append(part.contiguous())
-                    else:
-                        described[key] = {"value": value}
+                # This shard's rows of every state tensor shaped like the parameter (Adam's moments).
+                rows = {key: ref.view(value) if isinstance(value, torch.Tensor) and value.shape == param.shape
+                        else value for key, value in state.items()}
+                described, state_tensors = describe_state(rows)
                 shards.append({"state": described})
+                tensors += [ref.view(param).contiguous(), *state_tensors]
             with _ps_link():
                 channel.send_header(Op.LOAD)
                 channel.send_json({"applied": self.step, "shards": shards})
