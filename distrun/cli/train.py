@@ -56,6 +56,9 @@ def train(
     ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: apply the mean of one push from every worker per step (synchronous rounds)."),
     max_staleness: int | None = typer.Option(None, "--max-staleness", help="parameter-server: a worker more than K steps ahead of the slowest waits."),
     ps_partition_mb: float = typer.Option(DEFAULT_PS_PARTITION_MB, "--ps-partition-mb", help="parameter-server: split parameters bigger than this by rows across the ps tasks."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16: autocast around forward and loss; fp16 adds a loss scaler (docs/precision.md)."),
+    compile_model: bool = typer.Option(False, "--compile", help="torch.compile the prepared model (after DDP's wrap); kernels cached per host."),
+    compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
@@ -73,7 +76,8 @@ def train(
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
-        ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s,
+        ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
+        compile=compile_model, compile_mode=compile_mode,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
@@ -156,6 +160,12 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         raise UsageError(f"{recipe}: --strategy parameter-server trains fit-style recipes (model, optimizer, loss, "
                          f"train_data), where the ps tasks can build the model and its optimizer; this one is a "
                          f"{info.kind.value}")
+    if info.kind is RecipeKind.SCRIPT:
+        step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
+                                              ("--precision", rest.get("precision", "fp32") != "fp32")) if used]
+        if step_flags:
+            raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
+                             "a plain script owns its model and loop: call torch.compile / torch.autocast in it")
     gpus = visible_gpu_count() if gpus is None else gpus
     if device == "auto":
         device = "cuda" if gpus else "cpu"

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
+from distrun.config import JobSpec
 from distrun.protocol import (
     EVALUATOR_RANK,
     Checkpointed,
+    Compiled,
     Done,
     Eval,
     Event,
@@ -26,12 +29,19 @@ from distrun.protocol import (
 )
 
 
+def tracker_settings(spec: JobSpec) -> dict[str, Any]:
+    """The step settings a summary reports, from the job's spec (JobTracker's keywords)."""
+    return {"precision": spec.precision, "compile_mode": spec.compile_mode if spec.compile else None}
+
+
 class JobTracker:
     """Mutable accumulator owned by one consumer thread; hands out frozen snapshots."""
 
     def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
-                 host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0) -> None:
-        """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks."""
+                 host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0, precision: str = "fp32",
+                 compile_mode: str | None = None) -> None:
+        """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks; ``compile_mode``
+        is None unless the job runs with ``--compile``."""
         self._recipe = recipe
         self._strategy = strategy
         self._t0 = started_at if started_at is not None else time.time()
@@ -51,6 +61,9 @@ class JobTracker:
         self._beat: dict[int, float] = {}
         self._hang: Hung | None = None
         self._evaluator: tuple[int, dict[str, float]] | None = None
+        self._precision = precision
+        self._compile_mode = compile_mode
+        self._compiled: Compiled | None = None  # the chief's newest compiler figures
 
     def update(self, event: Event) -> None:
         if isinstance(event, Hung):  # made by the client; may name no rank (-1)
@@ -91,6 +104,9 @@ class JobTracker:
             self._eval = dict(event.metrics)
         elif isinstance(event, Checkpointed):
             self._checkpoint = event.path
+        elif isinstance(event, Compiled):
+            if event.rank == 0:
+                self._compiled = event
         elif isinstance(event, Done):
             self._done[event.rank] = event
             row = dataclasses.replace(row, status=ReplicaStatus.DONE)
@@ -151,6 +167,7 @@ class JobTracker:
             hang=describe_hang(self._hang, self._rows) if self._hang else None,
             evaluator_step=self._evaluator[0] if self._evaluator else None,
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
+            compile_line=describe_compile(self._compiled) if self._compiled else None,
         )
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
@@ -172,7 +189,28 @@ class JobTracker:
             error=error,
             evaluator_step=self._evaluator[0] if self._evaluator else None,
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
+            precision=self._precision,
+            compile=self._compile_summary(),
         )
+
+    def _compile_summary(self) -> dict[str, object] | None:
+        if self._compile_mode is None and self._compiled is None:
+            return None
+        figures = self._compiled
+        return {"mode": self._compile_mode or "default",
+                "compile_s": figures.compile_s if figures else None,
+                "graphs": figures.graphs if figures else 0,
+                "graph_breaks": figures.graph_breaks if figures else 0,
+                "recompiles": figures.recompiles if figures else 0}
+
+
+def describe_compile(event: Compiled) -> str:
+    """One line for the live view: what the compiler did on the chief, breaks named."""
+    line = (f"compiled: {event.graphs} graph(s) in {event.compile_s:.1f} s, {event.graph_breaks} graph break(s), "
+            f"{event.recompiles} recompilation(s)")
+    if event.reasons:
+        line += f"; first break: {event.reasons[0]}"
+    return line
 
 
 def describe_hang(hang: Hung, rows: dict[int, ReplicaRow]) -> str:

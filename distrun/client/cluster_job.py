@@ -31,7 +31,7 @@ from distrun.client._feed import EventFeed
 from distrun.client._links import HostLink, holders_of, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
-from distrun.client._tracker import JobTracker
+from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
 from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
@@ -201,7 +201,8 @@ class ClusterJob:
         self._bundle = bundle
         self._detach = detach
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
-                                          host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks),
+                                          host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
+                                          **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:

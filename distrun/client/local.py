@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from distrun.client._feed import EventFeed
-from distrun.client._tracker import JobTracker
+from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
@@ -46,7 +46,7 @@ class LocalJob:
             independent_ranks=independent_ranks(spec),
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
-                                          ps_tasks=spec.ps_tasks),
+                                          ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s)
         self._launcher = LocalLauncher(worker, self._feed.put)
         self._result: RunResult | None = None

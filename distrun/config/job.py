@@ -18,7 +18,8 @@ from typing import Any
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
-__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB"]
+__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB",
+           "PRECISIONS", "COMPILE_MODES"]
 
 #: Replicas started on a machine without GPUs when --replicas is not given: two is
 #: the smallest count that exercises the distributed path (documented in docs/cli.md).
@@ -26,6 +27,10 @@ DEFAULT_CPU_REPLICAS = 2
 DEFAULT_KEEP_CHECKPOINTS = 3
 #: Parameters bigger than this are split by rows across the ps tasks (docs/parameter-server.md).
 DEFAULT_PS_PARTITION_MB = 64.0
+#: ``--precision``: fp32, or autocast to bf16 / fp16 around forward and loss (docs/precision.md).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``--compile-mode``: torch.compile's own modes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 class StrategyName(str, Enum):
@@ -89,6 +94,10 @@ class JobSpec:
     ps_sync: bool = False
     max_staleness: int | None = None
     ps_partition_mb: float = DEFAULT_PS_PARTITION_MB
+    #: a replica's step: autocast precision, and torch.compile of the prepared model.
+    precision: str = "fp32"
+    compile: bool = False
+    compile_mode: str = "default"
 
     @property
     def world_size(self) -> int:
@@ -161,6 +170,7 @@ def _validate(spec: JobSpec) -> None:
         flag = "--resume" if spec.resume else "--checkpoint-every"
         raise ConfigError(f"{flag} needs --checkpoint-dir")
     _validate_ps(spec)
+    _validate_step(spec)
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
 
@@ -181,3 +191,22 @@ def _validate_ps(spec: JobSpec) -> None:
             raise ConfigError("--max-staleness bounds asynchronous training; --ps-sync has no staleness: give one")
     if not spec.ps_partition_mb > 0:
         raise ConfigError(f"--ps-partition-mb: expected a positive size. Received: {spec.ps_partition_mb!r}")
+
+
+def _validate_step(spec: JobSpec) -> None:
+    if spec.precision not in PRECISIONS:
+        raise ConfigError(f"--precision: expected {', '.join(PRECISIONS)}. Received: {spec.precision!r}"
+                          f"{did_you_mean(str(spec.precision), PRECISIONS)}")
+    if spec.compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"--compile-mode: expected {', '.join(COMPILE_MODES)}. Received: {spec.compile_mode!r}"
+                          f"{did_you_mean(str(spec.compile_mode), COMPILE_MODES)}")
+    if spec.compile_mode != "default" and not spec.compile:
+        raise ConfigError(f"--compile-mode {spec.compile_mode} needs --compile")
+    if spec.strategy is StrategyName.PARAMETER_SERVER:
+        if spec.compile:
+            raise ConfigError("--compile: parameter-server workers pull parameters in forward hooks and swap "
+                              "embedding forwards per batch, which torch.compile cannot trace; "
+                              "use it with one-device, mirrored, multi-worker or central-storage")
+        if spec.precision == "fp16":
+            raise ConfigError("--precision fp16: parameter-server workers have no loss scaler yet "
+                              "(asynchronous pushes cannot skip a step together); use --precision bf16")

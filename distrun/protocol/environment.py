@@ -9,3 +9,4 @@ STORE_FD_VAR = "DISTRUN_STORE_FD"  # rank 0 only: listening socket for the TCPSt
 PARENT_PID_VAR = "DISTRUN_PARENT_PID"  # the launcher; training processes die with it
 JOB_SPEC_VAR = "DISTRUN_JOB_SPEC"  # JobSpec as JSON
 EVAL_CHECKPOINT_VAR = "DISTRUN_EVAL_CHECKPOINT"  # evaluator role: evaluate this checkpoint, then exit
+CACHE_DIR_VAR = "DISTRUN_CACHE_DIR"  # a worker server's per-host cache folder (compiled kernels)

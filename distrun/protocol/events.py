@@ -31,6 +31,7 @@ __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "Hung",
     "PsStats",
+    "Compiled",
     "PEER_LOST",
     "SERVER_RANK",
     "EVALUATOR_RANK",
@@ -172,6 +173,26 @@ class PsStats(Event):
     workers: int
 
 
+@dataclass(frozen=True)
+class Compiled(Event):
+    """``--compile``: what TorchDynamo did so far on this rank, sent when it changes.
+
+    ``graphs`` compiled graphs, ``graph_breaks`` places it fell back to Python,
+    ``recompiles`` graphs compiled after the first step (new shapes, guards that
+    failed), ``compile_s`` seconds spent compiling, ``reasons`` the first break reasons.
+    """
+
+    type: ClassVar[str] = "compile"
+    graphs: int
+    graph_breaks: int
+    recompiles: int
+    compile_s: float
+    reasons: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reasons", tuple(self.reasons))  # JSON brings a list
+
+
 #: How often each training process sends a Heartbeat (the client's hang detection reads it too).
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -209,7 +230,8 @@ class Hung(Event):
 
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats)
+    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats,
+                Compiled)
 }
 
 

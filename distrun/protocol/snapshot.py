@@ -61,6 +61,7 @@ class JobSnapshot:
     hang: str | None = None  # set while no rank makes progress past --hang-timeout-s
     evaluator_step: int | None = None  # the evaluator's newest result: the checkpoint's step...
     evaluator_metrics: dict[str, float] = field(default_factory=dict)  # ...and its metrics
+    compile_line: str | None = None  # --compile: graphs, breaks and recompilations on the chief
 
     @property
     def samples_per_s(self) -> float:
@@ -101,6 +102,9 @@ class JobSummary:
     restarts: int = 0  # cluster jobs with --max-restarts: how many times every rank was restarted
     evaluator_step: int | None = None  # cluster jobs with an evaluator host: its newest result
     evaluator_metrics: dict[str, float] = field(default_factory=dict)
+    precision: str = "fp32"
+    #: --compile: {"mode", "compile_s", "graphs", "graph_breaks", "recompiles"} from the chief; None without it.
+    compile: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

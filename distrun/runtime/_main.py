@@ -18,7 +18,7 @@ from typing import Any
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
-from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
+from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
@@ -189,8 +189,12 @@ def _rendezvous_store(launch: LaunchEnv) -> Any:
 def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: EventReporter, store: Any) -> Any:
     import torch.distributed as dist
 
-    from distrun.strategies import ReplicaInfo, make_strategy
+    from distrun.strategies import ReplicaInfo, StepSettings, make_strategy
 
+    if spec.compile:
+        from distrun.strategies._compile import use_cache_dir
+
+        use_cache_dir(os.environ.get(CACHE_DIR_VAR))
     options: dict[str, Any] = {}
     if spec.strategy.collective:
         client = _store_client(launch)
@@ -206,7 +210,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                    "partition_bytes": spec.ps_partition_bytes}
     replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed)
-    return make_strategy(spec.strategy.value, replica, reporter, **options)
+    step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode)
+    return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
 
 
 def _store_client(launch: LaunchEnv) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from distrun.protocol import Checkpointed, Log, Step
+from distrun.protocol import Checkpointed, Compiled, Log, Step
 from distrun.runtime._process import EventWriter
 
 
@@ -66,6 +66,12 @@ class EventReporter:
 
     def checkpoint(self, step: int, path: str) -> None:
         self._writer.emit(Checkpointed(rank=self._rank, time=time.time(), step=step, path=path))
+
+    def compiled(self, stats: Any) -> None:
+        """``--compile``: the compiler's figures changed (a CompileStats)."""
+        self._writer.emit(Compiled(rank=self._rank, time=time.time(), graphs=stats.graphs,
+                                   graph_breaks=stats.graph_breaks, recompiles=stats.recompiles,
+                                   compile_s=stats.compile_s, reasons=stats.reasons))
 
     # figures ----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 from distrun.config import JobSpec, StrategyName
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import SERVER_RANK, Event, Output, encode_event, event_to_dict
-from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
+from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._net import interface_towards
 
@@ -158,7 +158,7 @@ class JobManager:
                     "master_addr": "127.0.0.1", "master_port": None}
         master_addr = str(args["master_addr"])
         interface = args.get("interface") or interface_towards(master_addr)
-        env = {JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}
+        env = {JOB_SPEC_VAR: spec.to_json(), CACHE_DIR_VAR: str(self.state_dir / "cache"), **spec.extra_env}
         if evaluating:
             env[EVAL_CHECKPOINT_VAR] = str(evaluating)
         if interface:

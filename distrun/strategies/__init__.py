@@ -10,7 +10,7 @@ from typing import Any
 
 from distrun.strategies._context import InputContext
 from distrun.strategies._data import DistributedDataset, GlobalBatchPlan, Share
-from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, Strategy
+from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, StepSettings, Strategy
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
@@ -26,6 +26,7 @@ __all__ = [
     "ParameterServerStrategy",
     "InputContext",
     "ReplicaInfo",
+    "StepSettings",
     "Reporter",
     "REDUCE_OPS",
     "DistributedDataset",

@@ -26,9 +26,12 @@ from torch import nn
 
 from distrun.errors import CheckpointError, ConfigError
 from distrun.strategies import checkpoint as ckpt
+from distrun.strategies._compile import CompileStats, plain_module
 from distrun.strategies._data import DistributedDataset
+from distrun.strategies._precision import all_reduce_max
+from distrun.strategies._step import ReplicaStep, StepSettings
 
-__all__ = ["Strategy", "Reporter", "ReplicaInfo", "REDUCE_OPS"]
+__all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -43,6 +46,8 @@ class Reporter(Protocol):
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def checkpoint(self, step: int, path: str) -> None: ...
+
+    def compiled(self, stats: CompileStats) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +66,12 @@ class Strategy(ABC):
 
     name = "strategy"
 
-    def __init__(self, replica: ReplicaInfo, reporter: Reporter) -> None:
+    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, step: StepSettings = StepSettings()) -> None:
         self._replica = replica
         self._reporter = reporter
+        self._step = ReplicaStep(step, lambda: self.device,
+                                 all_reduce_max(lambda: self._distributed, lambda: self._collective_device),
+                                 self._skipped)
         self._model: nn.Module | None = None
         self._optimizer: Any = None
         self.step = 0
@@ -114,26 +122,43 @@ class Strategy(ABC):
     # -- building -------------------------------------------------------------
 
     def scope(self) -> contextlib.AbstractContextManager[Any]:
-        """Create the model and optimizer inside this to place parameters right."""
-        if self.device.type == "cuda":
-            return torch.device(self.device)
-        return contextlib.nullcontext()
+        """Create the model and optimizer inside this; ``prepare`` moves them to the device.
+
+        Parameters are built on the CPU, whatever the device: initialisation draws from
+        the CPU generator the job's seed set, so the same seed gives the same initial
+        parameters on CPU and on CUDA, under every strategy (building on the GPU would draw
+        from CUDA's generator, a different stream).
+        """
+        return torch.device("cpu")
 
     @abstractmethod
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         """Return the (model, optimizer) pair the training step must use."""
 
     def prepare(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
-        model, optimizer = self._wrap(model, optimizer)
+        """The strategy's wrapping, then the step's: compile (after DDP, in its order) and fp16 scaling."""
+        model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer))
         self._model, self._optimizer = model, optimizer
         return model, optimizer
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
-        """The plain module under any wrapper (what checkpoints store)."""
+        """The plain module under any wrapper, torch.compile's and DDP's (what checkpoints store)."""
         target = model if model is not None else self._model
         if target is None:
             raise ConfigError("strategy.unwrap: call prepare(model, optimizer) first")
-        return getattr(target, "module", target)
+        return plain_module(target)
+
+    def _skipped(self, scale: float) -> None:
+        """fp16: this step's update was skipped (inf/NaN gradients on some replica); said as a log."""
+        self._reporter.log(self.step + 1, {"fp16_skipped_step": 1.0, "loss_scale": scale})
+
+    @property
+    def precision(self) -> str:
+        return self._step.settings.precision
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast to the job's ``--precision`` (a no-op for fp32); ``run`` enters it for you."""
+        return self._step.autocast()
 
     # -- data -----------------------------------------------------------------
 
@@ -189,11 +214,18 @@ class Strategy(ABC):
     # -- stepping and collectives ---------------------------------------------
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        result = fn(*args, **kwargs)
+        with self.autocast():
+            result = fn(*args, **kwargs)
         self.step += 1
+        self._report_step(result)
+        return result
+
+    def _report_step(self, result: Any) -> None:
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
         self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
-        return result
+        stats = self._step.compile_progress()
+        if stats is not None:
+            self._reporter.compiled(stats)
 
     def reduce(self, op: str, value: torch.Tensor | float) -> torch.Tensor | float:
         """All-reduce ``value`` over replicas with ``op`` in sum|mean|max|min."""
@@ -274,12 +306,15 @@ class Strategy(ABC):
                 "step": self.step,
                 "epoch": position[0],
                 "batch_in_epoch": position[1],
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                "rng": _rng_state(),
                 "strategy": self.name,
                 "num_replicas": self.num_replicas,
                 "global_batch_size": self._global_batch_size,
                 "seed": self._replica.seed,
             }
+            scaler = self._step.scaler_state()
+            if scaler is not None:
+                state["scaler"] = scaler
             path = ckpt.save_checkpoint(directory, self.step, state, keep=keep)
             self._reporter.checkpoint(self.step, str(path))
         self.barrier()
@@ -306,11 +341,8 @@ class Strategy(ABC):
         self.epoch = int(data.get("epoch", 0))
         if self._dataset is not None:
             self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
-        rng = data.get("rng") or {}
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        if "python" in rng:
-            random.setstate(_as_tuple(rng["python"]))
+        _set_rng_state(data.get("rng") or {}, self.device)
+        self._step.load_scaler_state(data.get("scaler"))
         self._after_restore()
         return data
 
@@ -334,6 +366,29 @@ def zero_grads(params: list[nn.Parameter], set_to_none: bool) -> None:
             p.grad = None
         elif p.grad is not None:
             p.grad.zero_()
+
+
+def _rng_state() -> dict[str, Any]:
+    """The generators a recipe may draw from: CPU torch, Python, and CUDA's when in use.
+
+    distrun itself draws nothing on the device (data order and initial parameters come
+    from the CPU generator), so a checkpoint moves between CPU and CUDA with the same
+    next batch; the CUDA state only keeps a recipe's own device draws (dropout) going
+    where the device is the same.
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(rng: dict[str, Any], device: torch.device) -> None:
+    if "torch" in rng:
+        torch.set_rng_state(rng["torch"])
+    if "python" in rng:
+        random.setstate(_as_tuple(rng["python"]))
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
 
 
 def _as_tuple(value: Any) -> Any:

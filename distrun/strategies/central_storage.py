@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from distrun.strategies._compile import plain_module
 from distrun.strategies.base import Strategy, zero_grads
 
 _CHIEF = 0
@@ -84,10 +85,6 @@ class _CentralOptimizer:
 class CentralStorageStrategy(Strategy):
     name = "central-storage"
 
-    def scope(self) -> Any:
-        # Parameters are created in host memory: that is the central storage.
-        return torch.device("cpu")
-
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         central_model = model
         compute_model = copy.deepcopy(model).to(self.device) if self.device.type != "cpu" else model
@@ -109,7 +106,7 @@ class CentralStorageStrategy(Strategy):
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         if model is None and getattr(self, "_central_model", None) is not None:
-            return self._central_model
+            return plain_module(self._central_model)
         return super().unwrap(model)
 
     def _after_restore(self) -> None:

@@ -85,8 +85,8 @@ class ParameterServerStrategy(Strategy):
     name = "parameter-server"
 
     def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
-                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20)) -> None:
-        super().__init__(replica, reporter)
+                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), **kwargs: Any) -> None:
+        super().__init__(replica, reporter, **kwargs)
         self._store = store
         self._num_ps = num_ps
         self._sync = sync
@@ -254,11 +254,11 @@ class ParameterServerStrategy(Strategy):
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
             self._pull()
-        result = fn(*args, **kwargs)
+        with self.autocast():
+            result = fn(*args, **kwargs)
         self.step = self._limit if self._done and self._limit else self._version
-        loss = result if isinstance(result, (torch.Tensor, float, int)) else None
         self._reporter.worker_progress(self._pushes, self.staleness)
-        self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
+        self._report_step(result)
         return result
 
     # -- checkpoints: gathered from (and restored to) the ps tasks, in the common format

@@ -36,6 +36,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
     if snapshot.evaluator_step is not None:
         parts.append(Text(f"evaluator (checkpoint of step {snapshot.evaluator_step}): "
                           + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.evaluator_metrics.items())))
+    if snapshot.compile_line:
+        parts.append(Text(snapshot.compile_line, style="yellow" if "0 graph break" not in snapshot.compile_line else ""))
     if snapshot.hang:
         parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
     if snapshot.eval_metrics:
@@ -106,6 +108,13 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s", fmt_rate(summary.samples_per_s))
     table.add_row("time to first step", fmt_seconds(summary.time_to_first_step_s))
+    if summary.precision != "fp32":
+        table.add_row("precision", summary.precision)
+    if summary.compile is not None:
+        figures = summary.compile
+        table.add_row("compile", f"{figures['mode']}: {fmt_seconds(figures['compile_s'])} compiling, "
+                                 f"{figures['graphs']} graph(s), {figures['graph_breaks']} break(s), "
+                                 f"{figures['recompiles']} recompilation(s)")
     table.add_row("wall time", fmt_seconds(summary.wall_s))
     if summary.restarts:
         table.add_row("restarts", str(summary.restarts))
