@@ -67,8 +67,10 @@ class GlobalBatchPlan:
     def order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.num_samples))
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.num_samples, generator=gen).tolist()
+        # Drawn on the CPU, named explicitly: the same order whatever device trains, and
+        # whatever default device a recipe may have set (torch.set_default_device).
+        gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_samples, generator=gen, device="cpu").tolist()
 
     def share(self, order: list[int], batch: int, replica: int) -> Share:
         start = batch * self.global_batch_size

@@ -125,3 +125,22 @@ def train_data(ctx):
     w = torch.linspace(-1, 1, 8).unsqueeze(1)
     return TensorDataset(x, x @ w + 0.5)
 """
+
+# fp16 tests: `-- --overflow-at N --overflow-rank R` multiplies rank R's loss at its Nth
+# step by 1e30: finite in fp32, inf once its gradient is cast to fp16 in backward.
+FP16_OVERFLOW = EQUIV + """
+
+_ARGS = sys.argv[1:]
+OVERFLOW_AT = int(_ARGS[_ARGS.index("--overflow-at") + 1]) if "--overflow-at" in _ARGS else 0
+OVERFLOW_RANK = int(_ARGS[_ARGS.index("--overflow-rank") + 1]) if "--overflow-rank" in _ARGS else 0
+_steps = [0]
+
+
+def loss(outputs, batch):
+    import os
+    _steps[0] += 1
+    value = nn.functional.cross_entropy(outputs, batch[1])
+    if _steps[0] == OVERFLOW_AT and int(os.environ["RANK"]) == OVERFLOW_RANK:
+        return value * 1e30
+    return value
+"""

@@ -47,6 +47,11 @@ def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
         (["--replicas", "2"], "one-device runs one replica"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--device", "cuda"], "--device cuda: no GPU found"),
+        (["--precision", "fp8"], "--precision: expected fp32, bf16, fp16. Received: 'fp8'"),
+        (["--compile-mode", "max-autotune"], "--compile-mode max-autotune needs --compile"),
+        (["--compile", "--compile-mode", "fastest"], "--compile-mode: expected default, reduce-overhead, max-autotune"),
+        (["-s", "ps", "--compile"], "--compile: parameter-server workers pull parameters in forward hooks"),
+        (["-s", "ps", "--precision", "fp16"], "--precision fp16: parameter-server workers have no loss scaler"),
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
@@ -65,6 +70,14 @@ def test_typer_usage_errors_exit_2_without_a_traceback(args, fragment):
     assert result.returncode == 2
     assert fragment in result.stderr and "Traceback" not in result.stderr
     assert "internal error" not in result.stderr
+
+
+@pytest.mark.parametrize("flag", [["--compile"], ["--precision", "bf16"]])
+def test_step_flags_are_refused_for_a_plain_script(flag):
+    result = run_cli("train", str(RECIPES / "torchrun_script.py"), *flag)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{flag[0]} applies to recipes distrun steps" in lines[0]
 
 
 def test_missing_recipe_is_named():

@@ -47,3 +47,37 @@ def test_order_does_not_touch_the_global_rng():
     torch.manual_seed(5)
     GlobalBatchPlan(10, 2, 1, seed=0).order(0)
     assert torch.equal(torch.rand(1), expected)
+
+
+# The order and the initial parameters come from the CPU generator whatever device
+# trains. CI has no GPU, so the "other device" here is a non-CPU default device
+# (meta): anything that drew from the default device would fail or differ under it.
+
+@pytest.mark.parametrize("default_device", ["meta", "cpu"])
+def test_the_epoch_order_is_drawn_on_the_cpu_whatever_the_default_device(default_device):
+    expected = GlobalBatchPlan(97, 16, 2, seed=5).order(3)
+    with torch.device(default_device):
+        assert GlobalBatchPlan(97, 16, 2, seed=5).order(3) == expected
+
+
+class _Quiet:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def _initial_parameters(device: torch.device) -> dict[str, torch.Tensor]:
+    from distrun.strategies import OneDeviceStrategy, ReplicaInfo
+
+    strategy = OneDeviceStrategy(ReplicaInfo(rank=0, world_size=1, local_rank=0, device=device, seed=0), _Quiet())
+    torch.manual_seed(11)
+    with torch.device("meta"), strategy.scope():  # an outer default device does not leak in
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
+    return model.state_dict()
+
+
+def test_models_are_built_on_the_cpu_for_any_device_so_the_seed_gives_the_same_init():
+    on_cpu = _initial_parameters(torch.device("cpu"))
+    for_cuda = _initial_parameters(torch.device("cuda", 0))  # built, not moved: no GPU needed
+    assert all(t.device.type == "cpu" for t in for_cuda.values())
+    for key, tensor in on_cpu.items():
+        assert torch.equal(for_cuda[key], tensor), key
