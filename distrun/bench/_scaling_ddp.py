@@ -25,8 +25,11 @@ def main() -> None:
     model = DistributedDataParallel(workload.build_model(args, cuda).to(device),
                                     device_ids=[device.index] if cuda else None)
     optimizer = workload.make_optimizer(model)
+    if args.compile:  # the PyTorch docs' order: wrap, then compile
+        model = torch.compile(model)
     images, labels = workload.synthetic_batch(args, device, rank)
-    step = workload.make_step(model, optimizer, images, labels)
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    step = workload.make_step(model, optimizer, images, labels, autocast=dtype)
 
     for _ in range(args.warmup):
         step()

@@ -3,7 +3,9 @@
 Both contenders must run exactly the same work: the same model, the same
 synthetic ImageNet-shaped batch (made on the device once, as NVIDIA's
 synthetic-data benchmarks do, so input is never the bottleneck), the same
-optimizer and the same step (channels_last and bf16 autocast on GPU).
+optimizer and the same step (channels_last on GPU; ``--precision`` and ``--compile``
+as distrun's flags of the same names mean them: distrun's strategy enters autocast
+and compiles, the baseline does both by hand, wrap then compile).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--compile", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -47,12 +51,14 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-              labels: torch.Tensor) -> Callable[[], None]:
-    cuda = images.device.type == "cuda"
+              labels: torch.Tensor, autocast: torch.dtype | None = None) -> Callable[[], None]:
+    """``autocast``: the dtype the step autocasts to itself (the baseline); None where the
+    caller already does (distrun's ``strategy.run``)."""
     loss_fn = nn.CrossEntropyLoss()
 
     def step() -> None:
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(device_type=images.device.type, dtype=autocast or torch.float32,
+                            enabled=autocast is not None):
             loss = loss_fn(model(images), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -71,7 +71,9 @@ def run_overhead(
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // replicas)))
     py = sys.executable
     script_args = ["--steps", str(steps), "--global-batch-size", str(global_batch_size)]
-    distrun = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas)]
+    # A CPU benchmark everywhere: on a GPU machine --device auto would otherwise ask for N GPUs.
+    distrun = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas),
+               "--device", "cpu"]
     def ddp() -> Measurement:
         t0, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
                         str(DDP_SCRIPT), *script_args], env)

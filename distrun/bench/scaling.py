@@ -57,6 +57,8 @@ class ScalingReport:
     steps: int
     rows: tuple[ScalingRow, ...]
     ddp_images_per_s: float | None = None
+    precision: str = "fp32"
+    compiled: bool = False
 
     @property
     def vs_ddp(self) -> float | None:
@@ -68,6 +70,7 @@ class ScalingReport:
         data: dict[str, object] = {
             "benchmark": "scaling", "model": self.model, "parameters": self.parameters, "device": self.device,
             "image_size": self.image_size, "batch_per_replica": self.batch_per_replica, "steps": self.steps,
+            "precision": self.precision, "compile": self.compiled,
             "rows": [row.to_dict() for row in self.rows], "reference_efficiency": list(SEEDS_EFFICIENCY),
         }
         if self.ddp_images_per_s is not None:
@@ -87,7 +90,11 @@ def replica_counts(maximum: int) -> list[int]:
 
 def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, batch: int, steps: int,
                 warmup: int, strategy: str, cluster: Path | None = None, compare_ddp: bool = False,
+                precision: str | None = None, compile_model: bool = False,
                 progress: Callable[[str], None] = lambda _: None) -> ScalingReport:
+    """``precision`` None: bf16 on GPU, fp32 on CPU (where bf16 autocast is slower than fp32)."""
+    precision = precision or ("bf16" if device == "cuda" else "fp32")
+    step_flags = ["--precision", precision, *(["--compile"] if compile_model else [])]
     py = sys.executable
     env = dict(os.environ)
     workload = ["--model", model, "--image-size", str(image_size), "--batch", str(batch),
@@ -97,7 +104,7 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
     def distrun(replicas: int | None, strategy_name: str) -> tuple[int, float]:
         """One `distrun train` of the workload: (replicas it ran, images/s)."""
         argv = [py, "-m", "distrun", "train", str(_RECIPE), "--json", "--strategy", strategy_name,
-                "--device", device]
+                "--device", device, *step_flags]
         if cluster is not None:
             argv += ["--cluster", str(cluster), "--no-fetch"]
         else:
@@ -124,6 +131,6 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
     if compare_ddp:
         progress(f"torchrun + DDP at {max_replicas} replica(s)")
         _, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={max_replicas}",
-                              str(_DDP), *workload], {**env, "DISTRUN_BENCH_DEVICE": device})
+                              str(_DDP), *workload, *step_flags], {**env, "DISTRUN_BENCH_DEVICE": device})
         ddp = float(measurement(out, "scaling")["images_per_s"])  # type: ignore[arg-type]
-    return ScalingReport(model, parameters, device, image_size, batch, steps, rows, ddp)
+    return ScalingReport(model, parameters, device, image_size, batch, steps, rows, ddp, precision, compile_model)

@@ -89,7 +89,7 @@ def _run_mode(mode: str, workers: int, slow_factor: float, step_s: float, steps:
     # Each update in rounds is `workers` batches: give both modes the same number of batches.
     updates = steps // workers if mode == "sync" else steps
     argv = [sys.executable, "-m", "distrun", "train", str(RECIPE), "--strategy", "parameter-server",
-            "--replicas", str(workers), "--steps", str(updates), "--log-interval-s", "0", "--json",
+            "--replicas", str(workers), "--device", "cpu", "--steps", str(updates), "--log-interval-s", "0", "--json",
             *(["--ps-sync"] if mode == "sync" else []),
             "--", "--step-s", str(step_s), "--slow-rank", "1", "--slow-factor", str(slow_factor)]
     _t0, lines = run_command(argv, dict(os.environ))

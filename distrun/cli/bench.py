@@ -39,6 +39,8 @@ def bench(
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step."),
     strategy: str = typer.Option("mirrored", "--strategy", "-s", help="scaling: the strategy for 2+ replicas."),
+    precision: str | None = typer.Option(None, "--precision", help="scaling: fp32 | bf16 | fp16 (default bf16 on GPU, fp32 on CPU)."),
+    compile_model: bool = typer.Option(False, "--compile", help="scaling: torch.compile distrun's model and the --compare baseline."),
     compare: str | None = typer.Option(None, "--compare", help="scaling: `ddp` also runs torchrun + DDP of the same model."),
     plot: Path | None = typer.Option(None, "--plot", help="scaling: draw images/s and efficiency to FILE.png (matplotlib)."),
     global_batch_size: int = typer.Option(256, "--global-batch-size", "-b", help="overhead: samples per step."),
@@ -70,7 +72,7 @@ def bench(
             _show(report.to_dict(), json_output, render_straggler)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
-                              strategy, compare, json_output)
+                              strategy, compare, json_output, precision, compile_model)
             _show(report, json_output, render_scaling)
             if plot is not None:
                 _plot(report, plot)
@@ -106,8 +108,10 @@ def _overhead(replicas: int, steps: int, global_batch_size: int, repeats: int, s
 
 def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int | None, device: str, steps: int,
              warmup: int, image_size: int, batch: int, strategy: str, compare: str | None,
-             json_output: bool) -> dict[str, Any]:
+             json_output: bool, precision: str | None = None, compile_model: bool = False) -> dict[str, Any]:
     _positive(steps=steps, image_size=image_size, batch=batch)
+    if precision not in (None, "fp32", "bf16", "fp16"):
+        raise UsageError(f"--precision: expected fp32, bf16, fp16. Received: {precision!r}")
     if compare not in (None, "ddp"):
         raise UsageError(f"--compare: only `ddp` is built. Received: {compare!r}")
     if cluster is not None and compare:
@@ -142,7 +146,8 @@ def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int |
 
         report = run_scaling(model=model, device=device, max_replicas=maximum, image_size=image_size, batch=batch,
                              steps=steps, warmup=warmup, strategy=strategy, cluster=cluster,
-                             compare_ddp=compare == "ddp", progress=step)
+                             compare_ddp=compare == "ddp", precision=precision, compile_model=compile_model,
+                             progress=step)
         bar.update(task, completed=total)
     return report.to_dict()
 

@@ -36,7 +36,8 @@ def render_ttfs(report: Mapping[str, Any]) -> Table:
 def render_scaling(report: Mapping[str, Any]) -> Table:
     low, high = report["reference_efficiency"]
     title = (f"{report['model']} ({report['parameters']:,} parameters) on {report['device']}: image "
-             f"{report['image_size']}, batch {report['batch_per_replica']} per replica, {report['steps']} timed steps")
+             f"{report['image_size']}, batch {report['batch_per_replica']} per replica, {report['steps']} timed steps, "
+             f"{report.get('precision', 'fp32')}{', compiled' if report.get('compile') else ''}")
     table = Table(title=title, title_justify="left", caption=f"reference: the seeds' ResNet-50 on 1-8 V100s scaled at "
                   f"{low:.0%}-{high:.0%} efficiency", caption_justify="left")
     for column in ("replicas", "images/s", "images/s per replica", "scaling efficiency"):
