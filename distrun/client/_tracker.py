@@ -81,7 +81,7 @@ class JobTracker:
         elif isinstance(event, Step):
             row = dataclasses.replace(
                 row, step=event.step, epoch=event.epoch, loss=event.loss, samples_per_s=event.samples_per_s,
-                mem_mb=event.mem_mb, status=ReplicaStatus.RUNNING,
+                mem_mb=event.mem_mb, gpu_util=event.gpu_util, status=ReplicaStatus.RUNNING,
             )
             if event.pushes is not None:
                 row = dataclasses.replace(row, staleness=event.staleness,

@@ -91,6 +91,8 @@ class Step(Event):
     #: other workers applied between its pull and its push (its gradient's staleness).
     pushes: int | None = None
     staleness: int | None = None
+    #: GPU ranks with NVML (the ``gpu`` extra): the device's utilisation, in percent.
+    gpu_util: float | None = None
 
 
 @dataclass(frozen=True)

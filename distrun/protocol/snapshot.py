@@ -36,6 +36,7 @@ class ReplicaRow:
     last_seen_s: float = 0.0
     status: ReplicaStatus = ReplicaStatus.STARTING
     host: str | None = None  # on a cluster: the host the rank runs on
+    gpu_util: float | None = None  # GPU ranks with NVML: utilisation in percent
     #: parameter-server jobs: "worker" or "ps"; a worker's steps/s (its own pushes) and
     #: staleness; a ps task's updates/s, traffic and the parameters (elements) it holds.
     role: str = "worker"

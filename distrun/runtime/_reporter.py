@@ -23,6 +23,7 @@ class EventReporter:
         self._rank = rank
         self._world = world_size
         self._interval_s = interval_s
+        self._gpu: Any = None  # a GpuProbe, opened at the first step event on a CUDA rank
         self._cuda = device_type == "cuda"
         self._proc = psutil.Process(os.getpid())
         self.total_steps: int | None = None
@@ -92,6 +93,7 @@ class EventReporter:
         span = now - self._window_start
         rate = self._window_samples / span if span > 0 else 0.0
         self._window_start, self._window_samples, self._last_emit = now, 0, now
+        gpu_util, mem_mb = self._device_figures()
         self._writer.emit(
             Step(
                 rank=self._rank,
@@ -100,19 +102,25 @@ class EventReporter:
                 epoch=self._last_epoch,
                 loss=to_float(self.last_loss),
                 samples_per_s=rate,
-                mem_mb=self._memory_mb(),
+                mem_mb=mem_mb,
+                gpu_util=gpu_util,
                 total_steps=self.total_steps,
                 pushes=self._pushes,
                 staleness=self._staleness,
             )
         )
 
-    def _memory_mb(self) -> float:
-        if self._cuda:
+    def _device_figures(self) -> tuple[float | None, float]:
+        """(GPU utilisation % or None, memory MB): NVML on a GPU rank, else the process's RSS."""
+        if not self._cuda:
+            return None, self._proc.memory_info().rss / 2**20
+        if self._gpu is None:
             import torch
 
-            return torch.cuda.max_memory_allocated() / 2**20
-        return self._proc.memory_info().rss / 2**20
+            from distrun.runtime._gpu import GpuProbe
+
+            self._gpu = GpuProbe(torch.cuda.current_device())
+        return self._gpu.sample()
 
 
 def to_float(value: Any) -> float | None:

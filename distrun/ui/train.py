@@ -90,10 +90,14 @@ def _add_row(table: Table, row: ReplicaRow, hosts: bool, *cells: RenderableType)
 def _replica_table(snapshot: JobSnapshot) -> Table:
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
-    _columns(table, ("host", "rank", "device", "step", "loss", "samples/s", "mem MB", "seen", "status"), hosts)
+    gpu = any(row.gpu_util is not None for row in snapshot.rows)  # NVML figures: a GPU % column
+    names = ("host", "rank", "device", "step", "loss", "samples/s", *(("GPU %",) if gpu else ()), "mem MB", "seen",
+             "status")
+    _columns(table, names, hosts)
     for row in snapshot.rows:
+        util = (("-" if row.gpu_util is None else f"{row.gpu_util:.0f}"),) if gpu else ()
         _add_row(table, row, hosts, row.device, str(row.step), fmt_loss(row.loss), fmt_rate(row.samples_per_s),
-                 f"{row.mem_mb:.0f}")
+                 *util, f"{row.mem_mb:.0f}")
     return table
 
 

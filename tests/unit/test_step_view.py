@@ -1,0 +1,55 @@
+"""The live view and summary for a replica's step settings: GPU figures, precision, compile."""
+
+from rich.console import Console
+
+from distrun.client._tracker import JobTracker
+from distrun.protocol import Compiled, Done, Started, Step, decode_event, encode_event
+from distrun.ui import render_progress, render_summary
+
+
+def _text(renderable) -> str:
+    console = Console(width=200, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def _step(rank: int, gpu_util: float | None) -> Step:
+    return Step(rank=rank, time=1001.0, step=5, epoch=0, loss=0.5, samples_per_s=100.0, mem_mb=2048.0,
+                total_steps=10, gpu_util=gpu_util)
+
+
+def test_gpu_utilisation_gets_a_column_only_when_a_rank_reports_it():
+    tracker = JobTracker("r.py", "mirrored", replicas=2, started_at=1000.0)
+    for rank in range(2):
+        tracker.update(Started(rank=rank, time=1000.0, pid=10 + rank, device=f"cuda:{rank}", world_size=2,
+                               recipe_kind="fit"))
+    tracker.update(_step(0, None))
+    tracker.update(_step(1, None))
+    assert "GPU %" not in _text(render_progress(tracker.snapshot()))  # torch's memory figure only
+    tracker.update(decode_event(encode_event(_step(0, 87.0))))  # NVML figures survive the wire
+    text = _text(render_progress(tracker.snapshot()))
+    assert "GPU %" in text
+    rows = {line.split("│")[1].strip(): line for line in text.splitlines() if "cuda:" in line}
+    assert " 87 " in rows["0"] and " - " in rows["1"]
+
+
+def test_the_summary_carries_precision_and_the_chiefs_compile_figures():
+    tracker = JobTracker("r.py", "mirrored", replicas=2, started_at=1000.0, precision="bf16", compile_mode="default")
+    assert tracker.summary("succeeded").compile == {"mode": "default", "compile_s": None, "graphs": 0,
+                                                    "graph_breaks": 0, "recompiles": 0}
+    tracker.update(Compiled(rank=1, time=1002.0, graphs=9, graph_breaks=9, recompiles=9, compile_s=9.0))
+    tracker.update(Compiled(rank=0, time=1002.0, graphs=2, graph_breaks=1, recompiles=1, compile_s=4.5,
+                            reasons=("Failed to trace builtin operator print",)))
+    tracker.update(Done(rank=0, time=1003.0, steps=10, final_loss=0.1, samples_per_s=50.0, first_step_time=1002.5))
+    summary = tracker.summary("succeeded")
+    assert summary.precision == "bf16"
+    assert summary.compile == {"mode": "default", "compile_s": 4.5, "graphs": 2, "graph_breaks": 1, "recompiles": 1}
+    assert summary.to_dict()["compile"]["graphs"] == 2
+    assert "first break: Failed to trace builtin operator print" in tracker.snapshot().compile_line
+    text = _text(render_summary(summary))
+    assert "bf16" in text and "2 graph(s), 1 break(s), 1 recompilation(s)" in text
+
+
+def test_without_compile_the_summary_says_null_and_fp32():
+    summary = JobTracker("r.py", "one-device", replicas=1, started_at=0.0).summary("succeeded")
+    assert summary.compile is None and summary.precision == "fp32"
