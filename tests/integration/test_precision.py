@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.conftest import run_cli
 from tests.integration._recipes import EQUIV, FP16_OVERFLOW
+from tests.integration.test_equivalence import train
 
 pytestmark = pytest.mark.integration
 
@@ -15,14 +15,6 @@ FULL_BATCHES = ("--", "--samples", "96")
 STEPS, LR = 12, 0.01  # two epochs of EQUIV's Adam
 #: Unit roundoff of each precision's significand (8 and 11 bits).
 EPS = {"bf16": 2.0**-8, "fp16": 2.0**-11}
-
-
-def train(recipe, ckpt, strategy, *extra):
-    replicas = [] if strategy == "one-device" else ["--replicas", "2"]
-    result = run_cli("train", str(recipe), "--strategy", strategy, *replicas, "--json",
-                     "--checkpoint-dir", str(ckpt), *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 def checkpoint(ckpt):
