@@ -119,10 +119,6 @@ class CompileWatch:
         self._last = stats
         return stats
 
-    @property
-    def last(self) -> CompileStats | None:
-        return self._last
-
 
 def _first_line(reason: Any) -> str:
     lines = [line.strip() for line in str(reason).splitlines() if line.strip()]

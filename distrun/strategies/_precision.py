@@ -112,14 +112,6 @@ class ScaledOptimizer:
         self._params = params
         self.scaler = scaler
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._inner.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self._inner.state
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
 
@@ -132,13 +124,7 @@ class ScaledOptimizer:
             self._inner.step()
         self.scaler.update(overflow)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._inner.load_state_dict(state)
-
-    def __getattr__(self, name: str) -> Any:  # an lr scheduler reads defaults, etc.
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, state_dict, ...: the inner optimizer's
         return getattr(self._inner, name)
 
 
