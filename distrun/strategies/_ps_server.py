@@ -11,7 +11,10 @@ TensorFlow's ParameterServerStrategy. Two options change when a reply goes out:
   round, so the others never wait for it.
 * ``max_staleness`` K (``--max-staleness``): a pull waits while the asking worker
   has pushed more than K times beyond the slowest connected worker (stale
-  synchronous parallel). A worker that joins late starts level with the slowest.
+  synchronous parallel). The bound holds from the first step: pulls wait until every
+  expected worker has connected once (or the join grace is over), else a worker that
+  starts late would begin far behind a fast one that ran alone. A worker that joins
+  after that (a restart) starts level with the slowest.
 
 ``limit`` (sent with each push) is the step budget: updates beyond it are
 refused, so ``--steps N`` means exactly N applied updates.
@@ -99,6 +102,7 @@ class ParameterServer:
         """Answer one worker until it says BYE or its connection breaks; returns how it ended."""
         with self._cond:
             self._joined.add(worker)
+            self._cond.notify_all()  # pulls held for the first worker set may go
             self._workers[connection] = worker
             self._channels.append(channel)
             self._clocks[connection] = min(self._clocks.values(), default=0)
@@ -145,9 +149,13 @@ class ParameterServer:
     def _current_parameters(self, connection: int) -> list[torch.Tensor]:
         """The dense shards, once this worker is within the staleness bound (lock held)."""
         if self._max_staleness is not None:
-            while not self.done and self._ahead(connection) > self._max_staleness:
+            while not self.done and (not self._all_joined() or self._ahead(connection) > self._max_staleness):
                 self._cond.wait(0.5)
         return pack([self._tensors[i] for i in self._dense])
+
+    def _all_joined(self) -> bool:
+        """Every expected worker has connected once, or waiting for them is over (lock held)."""
+        return len(self._joined) >= self._expected_workers or time.monotonic() >= self._join_deadline
 
     def _ahead(self, connection: int) -> int:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
@@ -199,7 +207,7 @@ class ParameterServer:
         """
         if not self._sync or not self._round or not set(self._round) >= set(self._clocks):
             return
-        if len(self._joined) < self._expected_workers and time.monotonic() < self._join_deadline:
+        if not self._all_joined():
             return
         if not self.done:
             contributions = [grads for _worker, grads in sorted(self._round.values(), key=lambda pair: pair[0])]
