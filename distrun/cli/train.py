@@ -15,7 +15,9 @@ from rich.console import Console
 from rich.live import Live
 
 from distrun.cli._app import app, stderr
+from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
+from distrun.client.warm import WarmStart, find_warm_start
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
     DEFAULT_KEEP_CHECKPOINTS,
@@ -60,6 +62,7 @@ def train(
     compile_model: bool = typer.Option(False, "--compile", help="torch.compile the prepared model (after DDP's wrap); kernels cached per host."),
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
+    cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
@@ -88,9 +91,14 @@ def train(
             raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
         if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
             ps_tasks = 1
-        run_job(LocalJob(build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags), hang_timeout_s=hang_timeout_s),
-                json_output=json_output)
+        spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
+        start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
+        if not start.warm and start.reason.startswith("the local server"):
+            stderr.print(f"note: starting cold: {start.reason}", markup=False)
+        run_job(LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter), json_output=json_output)
         return
+    if cold:
+        raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")
     if replicas is not None:
         raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
     if ps_tasks is not None:

@@ -316,7 +316,8 @@ class ClusterJob:
         return self._events.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts)
+        warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
+        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         """Stop the job on every host, for good; an attached client (``attach``) only stops following."""

@@ -7,6 +7,7 @@ cluster path (issue 4) will offer the same ``events()``/``result`` shape.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -17,7 +18,7 @@ from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
-from distrun.launch import LocalLauncher, ProcessState, RunResult, WorkerSpec
+from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
@@ -34,7 +35,9 @@ class LocalJob:
     """One local training job. Use as a context manager; iterate ``events()``."""
 
     def __init__(self, spec: JobSpec, *, python: str | None = None, stop_grace_s: float = 5.0,
-                 hang_timeout_s: float | None = None) -> None:
+                 hang_timeout_s: float | None = None, starter: Starter | None = None) -> None:
+        """``starter``: how ranks start; None: fresh interpreters (cold). A warm local start
+        passes the embedded server's zygote (``client.warm``); nothing else differs."""
         self.spec = spec
         self._t0 = time.time()
         worker = WorkerSpec(
@@ -48,7 +51,7 @@ class LocalJob:
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s)
-        self._launcher = LocalLauncher(worker, self._feed.put)
+        self._launcher = LocalLauncher(worker, self._feed.put, starter=starter)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
@@ -78,7 +81,7 @@ class LocalJob:
         return self._feed.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return self._feed.summary(status, error)
+        return dataclasses.replace(self._feed.summary(status, error), warm=self._launcher.warm)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         self._interrupted = self._interrupted or interrupted
@@ -95,7 +98,7 @@ class LocalJob:
         if result is None:
             raise DistrunError("launcher ended without a result")
         if result.state is ProcessState.SUCCEEDED:
-            return JobOutcome(self._feed.summary("succeeded"), None)
+            return JobOutcome(self.summary("succeeded"), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
             raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
         failure = result.failure

@@ -59,11 +59,14 @@ class ZygoteUnavailable(RuntimeError):
 class _ZygoteHandle:
     """A process the zygote forked: its exit status arrives as one line on our connection."""
 
-    def __init__(self, conn: socket.socket, pid: int, pending: bytes) -> None:
+    def __init__(self, conn: socket.socket, pid: int, pending: bytes, zygote_pid: int) -> None:
         self._conn = conn
         self.pid = pid
         self.returncode: int | None = None
         self._pending = pending
+        self._zygote_pid = zygote_pid
+        #: Why it ended, when the cause was the zygote's end rather than its own (else None).
+        self.lost_reason: str | None = None
 
     def _read(self, timeout: float | None) -> int | None:
         if self.returncode is not None:
@@ -86,6 +89,9 @@ class _ZygoteHandle:
             self.returncode = int(json.loads(line.decode())["exit"]) if line else -9
         except (ValueError, KeyError):
             self.returncode = -9
+        if not line:
+            self.lost_reason = (f"killed with the warm interpreter it was forked from (pid {self._zygote_pid}): "
+                                "its worker server stopped (`distrun down`?)")
         self._conn.close()
         return self.returncode
 
@@ -113,7 +119,9 @@ class ZygoteStarter:
               pass_fds: Sequence[int]) -> Handle:
         fds = [stdout, stderr, *pass_fds]
         targets = [1, 2, *pass_fds]  # passed fds keep their numbers, as with Popen(pass_fds=...)
-        request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd, "targets": targets}).encode()
+        # No cwd means ours, as with Popen: the zygote's own folder is not the caller's.
+        request = json.dumps({"argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(),
+                              "targets": targets}).encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(10.0)
@@ -131,4 +139,4 @@ class ZygoteStarter:
         except (OSError, ValueError, KeyError) as exc:
             conn.close()
             raise ZygoteUnavailable(f"the warm interpreter did not start the process: {exc}") from None
-        return _ZygoteHandle(conn, pid, rest)
+        return _ZygoteHandle(conn, pid, rest, self.zygote_pid)

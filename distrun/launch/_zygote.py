@@ -16,6 +16,13 @@ the server.
 
 Each request's connection stays open: the zygote writes ``{"pid": N}`` when the
 child starts and ``{"exit": code}`` (negative: killed by that signal) when it ends.
+A connection that closes before its child has ended means the launcher that
+asked for it is gone (a SIGKILLed ``distrun train`` on a warm local run): the
+zygote kills the child's process group, so a dead launcher leaves no orphans,
+as PR_SET_PDEATHSIG guarantees for a cold start.
+
+Only processes of the zygote's own user may connect (SO_PEERCRED), on top of
+the socket's 0600 mode in a 0700 folder.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import sys
 from typing import Any
 
@@ -77,16 +85,11 @@ def _serve(listener: socket.socket) -> int:
     children: dict[int, socket.socket] = {}
     while True:
         for key, _ in selector.select(0.05):
-            conn, _ = listener.accept()
-            try:
-                pid = _fork_child(conn, listener)
-            except Exception as exc:  # a bad request must not take the zygote down
-                _send(conn, {"error": str(exc)})
-                conn.close()
-                continue
-            children[pid] = conn
-            _send(conn, {"pid": pid})
-        while children:
+            if key.fileobj is listener:
+                _accept(listener, selector, children)
+            else:
+                _launcher_spoke(key.fileobj, key.data, selector, children)  # type: ignore[arg-type]
+        while True:  # every child, also one killed after its launcher left (no longer in `children`)
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
@@ -95,9 +98,60 @@ def _serve(listener: socket.socket) -> int:
                 break
             conn = children.pop(pid, None)
             if conn is not None:
+                selector.unregister(conn)
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 _send(conn, {"exit": code})
                 conn.close()
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, children: dict[int, socket.socket]) -> None:
+    conn, _ = listener.accept()
+    try:
+        _check_peer(conn)
+        pid = _fork_child(conn, listener)
+    except Exception as exc:  # a bad request must not take the zygote down
+        _send(conn, {"error": str(exc)})
+        conn.close()
+        return
+    children[pid] = conn
+    _send(conn, {"pid": pid})
+    conn.setblocking(False)
+    selector.register(conn, selectors.EVENT_READ, pid)
+
+
+def _check_peer(conn: socket.socket) -> None:
+    """Refuse a process of another user (the socket's mode already should)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    if uid != os.getuid():
+        raise PermissionError(f"uid {uid} may not use this zygote")
+
+
+def _launcher_spoke(conn: socket.socket, pid: int, selector: selectors.BaseSelector,
+                    children: dict[int, socket.socket]) -> None:
+    """The launcher never writes after its request, so readable means it closed: it is gone."""
+    try:
+        data = conn.recv(4096)
+    except BlockingIOError:
+        return
+    except OSError:
+        data = b""
+    if data:
+        return
+    selector.unregister(conn)
+    conn.close()
+    if children.pop(pid, None) is not None:
+        _kill_group(pid)  # reaped by the loop in _serve; nobody is left to tell
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child leads its own session (setsid)
+    except OSError:
+        try:
+            os.kill(pid, signal.SIGKILL)  # not yet past setsid
+        except OSError:
+            pass
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -149,8 +203,11 @@ def _fork_child(conn: socket.socket, listener: socket.socket) -> int:
 
 
 def _become_training_process(request: dict[str, Any], fds: list[int], targets: list[int]) -> None:
+    # The dispositions a fresh interpreter starts with: Python ignores SIGPIPE (a write to a
+    # closed pipe raises BrokenPipeError) and turns SIGINT into KeyboardInterrupt.
+    fresh = {signal.SIGPIPE: signal.SIG_IGN, signal.SIGINT: signal.default_int_handler}
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+        signal.signal(signum, fresh.get(signum, signal.SIG_DFL))
     os.setsid()
     # Move received fds out of the way first, so no target overwrites a source.
     high = [os.dup(fd) for fd in fds]
@@ -162,19 +219,27 @@ def _become_training_process(request: dict[str, Any], fds: list[int], targets: l
     for source, target in zip(high, targets):
         os.dup2(source, target)  # inheritable, as Popen's pass_fds would leave them
     keep = set(targets) | {0, 1, 2}
-    for fd in range(3, max([*high, *targets, 3]) + 64):
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    # Every other fd goes: the listener, the selector, other children's connections.
+    for fd in sorted({int(name) for name in os.listdir("/proc/self/fd")} - keep):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     if request.get("cwd"):
         os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    _match_fresh_sys_path()
     _die_with_parent()  # the runtime sets it again; this covers the gap until then
     sys.argv = [request["argv"][0], *request["argv"][3:]]
     runpy.run_module(_ALLOWED_MODULE, run_name="__main__", alter_sys=True)
+
+
+def _match_fresh_sys_path() -> None:
+    """Make sys.path what ``python -m`` would build here and now: the working folder
+    first, then the request's PYTHONPATH (the zygote read its own at start-up)."""
+    fresh = [os.getcwd(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    sys.path[:] = [*fresh, *(p for p in sys.path[1:] if p not in fresh)]
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class LocalLauncher:
         self._respawned: dict[int, int] = {}  # rank -> times started again
         self._port = 0
         self._started = False
+        self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
 
     # -- public ---------------------------------------------------------------
 
@@ -108,6 +109,11 @@ class LocalLauncher:
         if not self._stop_requested.is_set():
             self._stop_reason = reason
             self._stop_requested.set()
+
+    @property
+    def warm(self) -> bool:
+        """Every process so far was forked from a warm interpreter (none started cold)."""
+        return bool(self._procs) and self._cold_starts == 0
 
     @property
     def pids(self) -> list[int]:
@@ -167,6 +173,8 @@ class LocalLauncher:
                 self._starter = PopenStarter()  # the warm interpreter is gone: start cold from now on
                 env[PARENT_PID_VAR] = str(os.getpid())
                 handle = self._starter.start(spec.argv, env, spec.cwd, stdout=out_w, stderr=err_w, pass_fds=pass_fds)
+            if isinstance(self._starter, PopenStarter):
+                self._cold_starts += 1
         except BaseException:
             for fd in (event_r, out_r, err_r):
                 os.close(fd)
@@ -251,7 +259,8 @@ class LocalLauncher:
                 self._respawn(proc)
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(
-                    Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
+                    Failed(rank=proc.rank, time=now, kind="exited",
+                           message=getattr(proc.popen, "lost_reason", None) or _describe_exit(rc))
                 )
 
     def _respawn(self, proc: _Proc) -> None:

@@ -106,6 +106,8 @@ class JobSummary:
     precision: str = "fp32"
     #: --compile: {"mode", "compile_s", "graphs", "graph_breaks", "recompiles"} from the chief; None without it.
     compile: dict[str, Any] | None = None
+    #: Every rank was forked from a warm interpreter (a server's zygote) rather than started cold.
+    warm: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

@@ -21,7 +21,7 @@ from distrun.protocol import Done, Eval, Started
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
-from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent
+from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
 from distrun.runtime._recipe import load_module, prepare_sys_path
 from distrun.runtime._reporter import EventReporter, to_float
 
@@ -30,6 +30,7 @@ _STORE_TIMEOUT = timedelta(seconds=300)
 
 def main() -> None:
     die_with_parent()
+    match_thread_env()
     writer = EventWriter.from_environ()
     launch = LaunchEnv.from_environ()
     spec = JobSpec.from_json(os.environ[JOB_SPEC_VAR])

@@ -54,6 +54,22 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+def match_thread_env() -> None:
+    """Size torch's CPU thread pool from OMP_NUM_THREADS, as a fresh interpreter would.
+
+    A rank forked from the warm interpreter inherits the pool size the zygote's
+    torch import read from the zygote's environment, not this rank's: without this,
+    every local replica would use all the host's cores. A cold rank has not imported
+    torch yet here, and reads the variable itself.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is None or not value.isdigit() or int(value) < 1:
+        return
+    if torch.get_num_threads() != int(value):
+        torch.set_num_threads(int(value))
+
+
 class EventWriter:
     """Writes events to the launcher's pipe; a no-op outside a launcher (plain python)."""
 

@@ -310,7 +310,8 @@ class JobManager:
             result: RunResult = job.launcher.run()
             failure = event_to_dict(result.failure) if result.failure is not None else None
             job.finish(result.state.value, {"state": result.state.value, "failure": failure,
-                                            "returncodes": {str(k): v for k, v in result.returncodes.items()}})
+                                            "returncodes": {str(k): v for k, v in result.returncodes.items()},
+                                            "warm": job.launcher.warm})
         except Exception as exc:  # the launcher itself broke: the job fails, the server lives
             log.exception("job %s", job.id)
             job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})

@@ -59,6 +59,7 @@ class WorkerServer:
         self.jobs = JobManager(state_dir.path, self.warm.starter)
         self._handlers: dict[str, Handler] = {
             "status": self._status,
+            "warm": lambda _args: self.warm.describe(),
             "shutdown": self._shutdown,
             "has_bundle": self.jobs.has_bundle,
             "rendezvous": self.jobs.rendezvous,

@@ -66,6 +66,16 @@ class WarmInterpreter:
         with self._lock:
             return self._starter is not None and self._proc is not None and self._proc.poll() is None
 
+    def describe(self) -> dict[str, object]:
+        """How a client on this host forks from the zygote itself (a warm local `distrun train`):
+        its socket (0600, in the server's 0700 folder), its pid (what the ranks' parent will be)
+        and the interpreter it runs, which the client must share."""
+        with self._lock:
+            starter = self._starter if self._proc is not None and self._proc.poll() is None else None
+        if starter is None:
+            return {"ready": False}
+        return {"ready": True, "socket": starter.socket_path, "pid": starter.zygote_pid, "python": sys.executable}
+
     def stop(self) -> None:
         with self._lock:
             proc = self._proc

@@ -111,7 +111,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("steps", str(summary.steps))
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s", fmt_rate(summary.samples_per_s))
-    table.add_row("time to first step", fmt_seconds(summary.time_to_first_step_s))
+    start = "warm (forked from a warm interpreter)" if summary.warm else "cold (fresh interpreters)"
+    table.add_row("time to first step", f"{fmt_seconds(summary.time_to_first_step_s)}, {start}")
     if summary.precision != "fp32":
         table.add_row("precision", summary.precision)
     if summary.compile is not None:

@@ -1,0 +1,184 @@
+"""Warm local start: with `distrun up` (no file) running, `distrun train` forks its ranks from
+the embedded server's warm interpreter; everything else is the cold local job's.
+
+One real local server (its own DISTRUN_HOME) is shared by the module; the last test
+stops it with `distrun down` under a running job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests.conftest import REPO, run_cli
+from tests.integration._recipes import EQUIV, SLOW
+
+pytestmark = pytest.mark.integration
+
+_WARM_WAIT_S = 60.0
+
+# What a rank sees of its interpreter: the parts a fork of a warm one could get wrong.
+PROBE = """
+import json, os, signal, sys
+import torch
+print("PROBE " + json.dumps({
+    "threads": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS"),
+    "cwd": os.getcwd(), "path0": sys.path[0], "extra": os.environ.get("PROBE_EXTRA"),
+    "on_path": any(p.endswith("probe_lib") for p in sys.path), "argv": sys.argv[1:],
+    "rank": os.environ["RANK"], "sigpipe": str(signal.getsignal(signal.SIGPIPE)),
+}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A running embedded server whose warm interpreter is ready; its env for run_cli."""
+    env = {"DISTRUN_HOME": str(tmp_path_factory.mktemp("distrun-home"))}
+    up = run_cli("up", "--json", env=env)
+    assert up.returncode == 0, up.stderr[-2000:]
+    try:
+        deadline = time.monotonic() + _WARM_WAIT_S
+        while True:
+            status = run_cli("status", "--json", env=env)
+            server = json.loads(status.stdout)["hosts"][0]["server"] if status.returncode == 0 else None
+            if server and server["warm"]:
+                break
+            assert time.monotonic() < deadline, f"no warm interpreter after {_WARM_WAIT_S:.0f} s: {status.stderr}"
+            time.sleep(0.3)
+        yield env
+    finally:
+        run_cli("down", env=env)
+
+
+def _summary(stdout: str) -> dict:
+    last = json.loads(stdout.strip().splitlines()[-1])
+    assert last["type"] == "summary", stdout[-2000:]
+    return last
+
+
+def test_a_warm_run_matches_a_cold_run_exactly(home: dict[str, str], tmp_path: Path) -> None:
+    recipe = tmp_path / "equiv.py"
+    recipe.write_text(EQUIV)
+    runs = {}
+    for mode in ("warm", "cold"):
+        flags = ["--cold"] if mode == "cold" else []
+        result = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "2", "--steps", "12", "--json",
+                         "--checkpoint-dir", str(tmp_path / mode), *flags, env=home)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[mode] = _summary(result.stdout)
+    assert runs["warm"]["warm"] is True and runs["cold"]["warm"] is False
+    assert runs["warm"]["final_loss"] == runs["cold"]["final_loss"]
+    warm = torch.load(latest_checkpoint(tmp_path / "warm"), weights_only=True)
+    cold = torch.load(latest_checkpoint(tmp_path / "cold"), weights_only=True)
+    assert warm["step"] == cold["step"] == 12
+    for key, tensor in cold["model"].items():
+        assert torch.equal(warm["model"][key], tensor), key
+
+
+def test_a_warm_rank_sees_the_interpreter_a_cold_one_would(home: dict[str, str], tmp_path: Path) -> None:
+    """Thread pool, folder, sys.path, environment and signal dispositions are a fresh
+    interpreter's, from this client, not the server's."""
+    (tmp_path / "probe_lib").mkdir()
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**home, "PROBE_EXTRA": "from the client", "PYTHONPATH": str(tmp_path / "probe_lib")}
+    seen = {}
+    for mode in ("warm", "cold"):
+        flags = ["--cold"] if mode == "cold" else []
+        proc = subprocess.run([sys.executable, "-m", "distrun", "train", str(script), "-s", "mirrored",
+                               "--replicas", "2", "--json", *flags, "--", "--flag", "x"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, **env}, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert _summary(proc.stdout)["warm"] is (mode == "warm")
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        probes = [json.loads(e["line"].split(" ", 1)[1]) for e in lines
+                  if e.get("type") == "output" and e["line"].startswith("PROBE ")]
+        seen[mode] = sorted(probes, key=lambda probe: probe["rank"])
+    assert len(seen["warm"]) == 2
+    assert seen["warm"] == seen["cold"]
+    first = seen["warm"][0]
+    assert first["threads"] == int(first["omp"]) and first["cwd"] == str(tmp_path) == first["path0"]
+    assert first["extra"] == "from the client" and first["on_path"] and first["argv"] == ["--flag", "x"]
+
+
+def _start_slow(home: dict[str, str], tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """A warm mirrored job in the training loop; its ranks' pids (from their Started events)."""
+    recipe = tmp_path / "slow.py"
+    recipe.write_text(SLOW)
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "-s", "mirrored",
+                             "--replicas", "2", "--epochs", "50", "--json", "--log-interval-s", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, **home})
+    assert proc.stdout is not None
+    pids: dict[int, int] = {}
+    stepped: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(stepped) < 2:
+        assert time.monotonic() < deadline, "the warm job did not reach its training loop"
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:] if proc.stderr else "no output"
+        event = json.loads(line)
+        if event["type"] == "started":
+            pids[event["rank"]] = event["pid"]
+        elif event["type"] == "step":
+            stepped.add(event["rank"])
+    return proc, list(pids.values())
+
+
+def _assert_gone(pids: list[int], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"ranks left behind: {alive}"
+        time.sleep(0.1)
+
+
+def test_ctrl_c_stops_a_warm_job_and_exits_130(home: dict[str, str], tmp_path: Path) -> None:
+    proc, pids = _start_slow(home, tmp_path)
+    server = psutil.Process(json.loads(run_cli("status", "--json", env=home).stdout)["hosts"][0]["server"]["pid"])
+    zygote = next(child for child in server.children() if "_zygote" in " ".join(child.cmdline()))
+    assert all(psutil.Process(pid).ppid() == zygote.pid for pid in pids), "the ranks were not forked warm"
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted")
+    _assert_gone(pids)
+    assert zygote.is_running(), "the warm interpreter stays for the next job"
+
+
+def test_a_sigkilled_client_leaves_no_warm_rank(home: dict[str, str], tmp_path: Path) -> None:
+    """The ranks are the zygote's children, not the client's: the zygote sees the client's
+    connection close and kills them."""
+    proc, pids = _start_slow(home, tmp_path)
+    proc.kill()
+    proc.communicate(timeout=30)
+    _assert_gone(pids)
+
+
+def test_distrun_down_stops_a_warm_job_and_leaves_nothing(home: dict[str, str], tmp_path: Path) -> None:
+    proc, pids = _start_slow(home, tmp_path)
+    down = run_cli("down", "--json", env=home)
+    assert down.returncode == 0, down.stderr
+    row = json.loads(down.stdout)["hosts"][0]
+    assert row["status"] == "stopped" and row["processes_left"] == 0
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 4, err[-2000:]
+    assert "its worker server stopped" in err.strip().splitlines()[-1], err[-2000:]
+    _assert_gone(pids)
+    # With the server gone, the next local job starts cold, silently.
+    result = run_cli("train", str(REPO / "recipes" / "linear.py"), "--steps", "2", "--json", env=home)
+    assert result.returncode == 0 and _summary(result.stdout)["warm"] is False, result.stderr[-2000:]
+    assert "note:" not in result.stderr
