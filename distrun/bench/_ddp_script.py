@@ -8,6 +8,7 @@ time from the end of the first step to the end of the last).
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -23,12 +24,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DistributedDataParallel(_workload.build_model())
+    model = DistributedDataParallel(_workload.build_model().to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=_workload.LR)
     dataset = _workload.build_dataset()
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=0)
@@ -39,6 +47,7 @@ def main() -> None:
     while step < args.steps:
         sampler.set_epoch(epoch)
         for inputs, targets in loader:
+            inputs, targets = inputs.to(device), targets.to(device)
             loss = nn.functional.cross_entropy(model(inputs), targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

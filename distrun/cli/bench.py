@@ -1,7 +1,7 @@
 """`distrun bench WORKLOAD`: benchmarks that print ratios against the alternative.
 
 Workloads: ``overhead`` (distrun against torchrun + DDP), ``ttfs`` (time to
-first step on a warm cluster), and the scaling report ``resnet50`` /
+first step, cold and warm, here or on a cluster), and the scaling report ``resnet50`` /
 ``resnet18`` / ``mlp`` (images/s and scaling efficiency, docs/benchmarks.md).
 """
 
@@ -18,7 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from distrun.bench.overhead import run_overhead
 from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.straggler import run_straggler
-from distrun.bench.ttfs import run_ttfs
+from distrun.bench.ttfs import run_local_ttfs, run_ttfs
 from distrun.cli._app import app, stderr
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
@@ -30,10 +30,10 @@ _SCALING = ("resnet50", "resnet18", "mlp")
 @app.command()
 def bench(
     workload: str = typer.Argument(..., help="overhead | ttfs | straggler | resnet50 | resnet18 | mlp"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling: the (running) cluster to measure."),
-    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2); straggler: workers (3)."),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling: the (running) cluster to measure (none: this machine)."),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
-    device: str = typer.Option("auto", "--device", help="scaling: auto | cpu | cuda"),
+    device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); scaling: timed steps (20)."),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first."),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
@@ -58,9 +58,13 @@ def bench(
             report = _overhead(replicas or 2, steps or 200, global_batch_size, repeats, say)
             _show(report, json_output, render_overhead)
         elif workload == "ttfs":
-            if cluster_file is None:
-                raise UsageError("bench ttfs: --cluster FILE is required (a cluster after `distrun up`)")
-            _show(run_ttfs(cluster=cluster_file, repeats=repeats, progress=say).to_dict(), json_output, render_ttfs)
+            _positive(repeats=repeats)
+            if cluster_file is not None:
+                report = run_ttfs(cluster=cluster_file, repeats=repeats, progress=say)
+            else:
+                ttfs_device, ttfs_replicas = _local_ttfs_layout(device, replicas)
+                report = run_local_ttfs(replicas=ttfs_replicas, device=ttfs_device, repeats=repeats, progress=say)
+            _show(report.to_dict(), json_output, render_ttfs)
         elif workload == "straggler":
             workers = replicas or 3
             _positive(replicas=workers, steps=steps or 600)
@@ -94,6 +98,22 @@ def _positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise UsageError(f"--{name.replace('_', '-')}: expected a positive whole number. Received: {value}")
+
+
+def _local_ttfs_layout(device: str, replicas: int | None) -> tuple[str, int]:
+    """(device, ranks) for the local ttfs: this machine's default device, one rank per GPU or 2 on CPU."""
+    gpus = visible_gpu_count()
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
+    if device == "cuda" and not gpus:
+        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
+    ranks = replicas if replicas is not None else (gpus if device == "cuda" else 2)
+    _positive(replicas=ranks)
+    if device == "cuda" and ranks > gpus:
+        raise UsageError(f"--replicas {ranks}: only {gpus} GPU(s) found on this machine")
+    return device, ranks
 
 
 def _overhead(replicas: int, steps: int, global_batch_size: int, repeats: int, say: Any) -> dict[str, Any]:

@@ -24,7 +24,8 @@ def render_overhead(report: Mapping[str, Any]) -> Table:
 
 
 def render_ttfs(report: Mapping[str, Any]) -> Table:
-    table = Table(title=(f"time to first step: {report['world_size']} ranks, median of {report['repeats']}"),
+    where = report.get("where", "cluster")
+    table = Table(title=(f"time to first step ({where}): {report['world_size']} ranks, median of {report['repeats']}"),
                   title_justify="left")
     for column in ("contender", "time to first step", "speed-up vs cold torchrun"):
         table.add_column(column, justify="left" if column == "contender" else "right")

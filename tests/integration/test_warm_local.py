@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,6 +167,18 @@ def test_a_sigkilled_client_leaves_no_warm_rank(home: dict[str, str], tmp_path: 
     proc.kill()
     proc.communicate(timeout=30)
     _assert_gone(pids)
+
+
+def test_bench_ttfs_here_reports_cold_and_warm_against_torchrun() -> None:
+    """The benchmark's shape, and that each contender started as it says (speed is not asserted)."""
+    result = run_cli("bench", "ttfs", "--repeats", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["where"] == "local cpu" and report["world_size"] == 2
+    assert [row["name"] for row in report["rows"]] == [
+        "torchrun (cold)", "distrun fit (cold)", "distrun fit (warm)", "distrun script (warm)"]
+    assert all(0 < row["time_to_first_step_s"] < 120 for row in report["rows"])
+    assert not list(Path(tempfile.gettempdir()).glob("distrun-ttfs-*")), "its DISTRUN_HOME is left behind"
 
 
 def test_distrun_down_stops_a_warm_job_and_leaves_nothing(home: dict[str, str], tmp_path: Path) -> None:

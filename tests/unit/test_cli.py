@@ -80,6 +80,23 @@ def test_step_flags_are_refused_for_a_plain_script(flag):
     assert len(lines) == 1 and f"{flag[0]} applies to recipes distrun steps" in lines[0]
 
 
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["train", "recipes/linear.py", "--cold", "--cluster", "c.yaml"], "--cold is for local jobs"),
+        (["bench", "ttfs", "--device", "cuda"], "--device cuda: no GPU found"),
+        (["bench", "ttfs", "--device", "tpu"], "--device: expected auto, cpu or cuda. Received: 'tpu'"),
+        (["bench", "ttfs", "--repeats", "0"], "--repeats: expected a positive whole number"),
+        (["bench", "ttfs", "--replicas", "0"], "--replicas: expected a positive whole number"),
+    ],
+)
+def test_warm_start_and_ttfs_flags_are_one_line_errors(args, fragment):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
+
+
 def test_missing_recipe_is_named():
     result = run_cli("train", "no/such/recipe.py")
     assert result.returncode == 2 and result.stderr.strip() == "error: no/such/recipe.py: recipe not found"
