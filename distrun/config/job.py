@@ -207,6 +207,6 @@ def _validate_step(spec: JobSpec) -> None:
             raise ConfigError("--compile: parameter-server workers pull parameters in forward hooks and swap "
                               "embedding forwards per batch, which torch.compile cannot trace; "
                               "use it with one-device, mirrored, multi-worker or central-storage")
-        if spec.precision == "fp16":
-            raise ConfigError("--precision fp16: parameter-server workers have no loss scaler yet "
-                              "(asynchronous pushes cannot skip a step together); use --precision bf16")
+        if spec.precision == "fp16" and spec.ps_sync:
+            raise ConfigError("--precision fp16 with --ps-sync: a worker that skips an overflowing step would "
+                              "hold up the round; use --precision bf16, or fp16 without --ps-sync")

@@ -131,13 +131,17 @@ class Strategy(ABC):
         """
         return torch.device("cpu")
 
+    #: fp16: the optimizer's ``step`` unscales ``param.grad`` and skips on overflow (see ReplicaStep.finish).
+    _unscale_in_step = True
+
     @abstractmethod
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         """Return the (model, optimizer) pair the training step must use."""
 
     def prepare(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
         """The strategy's wrapping, then the step's: compile (after DDP, in its order) and fp16 scaling."""
-        model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer))
+        model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer),
+                                             unscale_in_step=self._unscale_in_step)
         self._model, self._optimizer = model, optimizer
         return model, optimizer
 

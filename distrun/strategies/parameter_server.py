@@ -83,6 +83,7 @@ class _PushOptimizer:
 
 class ParameterServerStrategy(Strategy):
     name = "parameter-server"
+    _unscale_in_step = False  # fp16: embedding rows' gradients are not in param.grad; _push unscales
 
     def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
                  partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), **kwargs: Any) -> None:
@@ -175,6 +176,9 @@ class ParameterServerStrategy(Strategy):
     def _push(self) -> None:
         touched = self._touched
         self._touched = []
+        if self._overflowed(touched):
+            self._stale = True  # no push, so no reply with parameters: the next step pulls them
+            return
         with _ps_link():
             self._send_gradients(touched)
             for task, channel in enumerate(self._channels):
@@ -185,6 +189,21 @@ class ParameterServerStrategy(Strategy):
                 self._done = self._done or bool(done)
         self._pushes += 1
         self._stale = False
+
+    def _overflowed(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> bool:
+        """fp16: unscale this worker's gradients, dense and embedding rows; True means skip the push.
+
+        The verdict is this worker's alone: asynchronous workers share no step, so one
+        worker's skipped batch is a lost gradient (as a dropped push is), not a stall.
+        """
+        scaler = self._step.scaler
+        if scaler is None:
+            return False
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grads += [rows.grad for _name, _ids, rows in touched if rows.grad is not None]
+        overflow = scaler.unscale_and_check(grads)
+        scaler.update(overflow)
+        return overflow
 
     def _send_gradients(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """One PUSH to every ps task: its dense shards' gradients, then its embedding rows'."""

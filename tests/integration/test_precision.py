@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
+from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV, FP16_OVERFLOW
 from tests.integration.test_equivalence import train
 
@@ -121,3 +122,32 @@ def test_graph_breaks_are_reported_with_their_reason(write_recipe, tmp_path):
     assert summary["graph_breaks"] >= 1
     events = [line for line in result.json_lines() if line["type"] == "compile"]
     assert events and any("item" in reason.lower() or "scalar" in reason.lower() for reason in events[-1]["reasons"])
+
+
+def test_fp16_parameter_server_unscales_embedding_rows_and_dense_gradients(tmp_path):
+    """One asynchronous worker applies its batches in order, as one-device does, so both must
+    agree under fp16 too; an embedding row's gradient left scaled (it is not in param.grad)
+    would move that row 65536 times too far."""
+    embedding = str(REPO / "recipes" / "embedding.py")
+    for strategy in ("one-device", "ps"):
+        extra = ("--replicas", "1", "--ps-partition-mb", "0.1", "--ps-tasks", "2") if strategy == "ps" else ()
+        result = train(embedding, tmp_path / strategy, strategy, "--precision", "fp16", "--steps", "20", *extra)
+        assert result.summary["precision"] == "fp16"
+    ps, one = checkpoint(tmp_path / "ps"), checkpoint(tmp_path / "one-device")
+    assert ps["step"] == one["step"] == 20
+    assert max_diff(ps, one) <= 20 * LR * EPS["fp16"]
+    assert ps["scaler"]["scale"] == one["scaler"]["scale"] == 2.0**16
+
+
+def test_an_fp16_overflow_skips_one_parameter_server_workers_push(write_recipe, tmp_path):
+    recipe = write_recipe(FP16_OVERFLOW)
+    result = train(recipe, tmp_path / "ckpt", "ps", "--precision", "fp16", "--replicas", "1", "--steps", "6",
+                   "--", "--samples", "96", "--overflow-at", "3", "--overflow-rank", "0")
+    assert skipped_steps(result) == {0: [3]}  # logged at the update it did not make
+    saved = checkpoint(tmp_path / "ckpt")
+    assert saved["step"] == 6 and saved["scaler"]["scale"] == 2.0**15
+
+
+def test_fp16_with_ps_sync_is_refused(write_recipe):
+    result = run_cli("train", str(write_recipe(EQUIV)), "-s", "ps", "--ps-sync", "--precision", "fp16")
+    assert result.returncode == 2 and "--precision fp16 with --ps-sync" in result.stderr, result.stderr
