@@ -20,6 +20,7 @@ from distrun.client import ClusterJob, LocalJob, pack
 from distrun.client.warm import WarmStart, find_warm_start
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
+    DEFAULT_POWERSGD_WARMUP,
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_PS_PARTITION_MB,
     ClusterSpec,
@@ -61,6 +62,8 @@ def train(
     precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16: autocast around forward and loss; fp16 adds a loss scaler (docs/precision.md)."),
     compile_model: bool = typer.Option(False, "--compile", help="torch.compile the prepared model (after DDP's wrap); kernels cached per host."),
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
+    compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
+    powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
@@ -80,7 +83,7 @@ def train(
         checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
-        compile=compile_model, compile_mode=compile_mode,
+        compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
@@ -170,10 +173,12 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
                          f"{info.kind.value}")
     if info.kind is RecipeKind.SCRIPT:
         step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
-                                              ("--precision", rest.get("precision", "fp32") != "fp32")) if used]
+                                              ("--precision", rest.get("precision", "fp32") != "fp32"),
+                                              ("--compression", rest.get("compression", "none") != "none")) if used]
         if step_flags:
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
-                             "a plain script owns its model and loop: call torch.compile / torch.autocast in it")
+                             "a plain script owns its model and loop: call torch.compile / torch.autocast / "
+                             "DDP's register_comm_hook in it")
     gpus = visible_gpu_count() if gpus is None else gpus
     if device == "auto":
         device = "cuda" if gpus else "cpu"

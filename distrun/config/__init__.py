@@ -10,6 +10,7 @@ from distrun.config.cluster import (
     local_cluster,
     parse_cluster,
 )
+from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.config.job import (
     DEFAULT_CPU_REPLICAS,
     DEFAULT_KEEP_CHECKPOINTS,
@@ -20,6 +21,8 @@ from distrun.config.job import (
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
+    "Compression",
+    "DEFAULT_POWERSGD_WARMUP",
     "ClusterSpec",
     "HostSpec",
     "NetworkSpec",

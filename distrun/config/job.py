@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
@@ -98,11 +99,19 @@ class JobSpec:
     precision: str = "fp32"
     compile: bool = False
     compile_mode: str = "default"
+    #: gradient communication (mirrored, multi-worker): ``none|fp16|bf16|powersgd[:RANK]``,
+    #: and PowerSGD's plain all-reduce steps before it starts.
+    compression: str = "none"
+    powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP
 
     @property
     def world_size(self) -> int:
         """Processes in the job: the replicas (workers), then the ps tasks."""
         return self.replicas + self.ps_tasks
+
+    @property
+    def compression_spec(self) -> Compression:
+        return Compression.parse(self.compression)
 
     @property
     def ps_partition_bytes(self) -> int:
@@ -171,6 +180,7 @@ def _validate(spec: JobSpec) -> None:
         raise ConfigError(f"{flag} needs --checkpoint-dir")
     _validate_ps(spec)
     _validate_step(spec)
+    _validate_compression(spec)
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
 
@@ -210,3 +220,20 @@ def _validate_step(spec: JobSpec) -> None:
         if spec.precision == "fp16" and spec.ps_sync:
             raise ConfigError("--precision fp16 with --ps-sync: a worker that skips an overflowing step would "
                               "hold up the round; use --precision bf16, or fp16 without --ps-sync")
+
+
+#: Strategies whose replicas all-reduce gradients through DDP, where a communication hook applies.
+_COMPRESSIBLE = (StrategyName.MIRRORED, StrategyName.MULTI_WORKER)
+
+
+def _validate_compression(spec: JobSpec) -> None:
+    compression = spec.compression_spec
+    if isinstance(spec.powersgd_warmup, bool) or not isinstance(spec.powersgd_warmup, int) \
+            or spec.powersgd_warmup < 2:
+        raise ConfigError(f"--powersgd-warmup: expected 2 or more steps (DDP rebuilds its buckets after the "
+                          f"first). Received: {spec.powersgd_warmup!r}")
+    if spec.powersgd_warmup != DEFAULT_POWERSGD_WARMUP and compression.kind != "powersgd":
+        raise ConfigError("--powersgd-warmup is for --compression powersgd")
+    if compression.active and spec.strategy not in _COMPRESSIBLE:
+        raise ConfigError(f"--compression {compression}: applies where replicas all-reduce gradients (mirrored, "
+                          f"multi-worker); --strategy {spec.strategy.value} has no such all-reduce")

@@ -106,6 +106,8 @@ class JobSummary:
     precision: str = "fp32"
     #: --compile: {"mode", "compile_s", "graphs", "graph_breaks", "recompiles"} from the chief; None without it.
     compile: dict[str, Any] | None = None
+    #: --compression: what gradients were all-reduced as (none, fp16, bf16, powersgd:RANK).
+    compression: str = "none"
     #: Every rank was forked from a warm interpreter (a server's zygote) rather than started cold.
     warm: bool = False
 

@@ -203,7 +203,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
     if spec.strategy.value in ("mirrored", "multi-worker"):
-        options = {"sync_batch_norm": spec.sync_batch_norm}
+        options = {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
+                   "powersgd_warmup": spec.powersgd_warmup}
     world_size = launch.world_size
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas

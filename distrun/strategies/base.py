@@ -298,9 +298,18 @@ class Strategy(ABC):
         if self._optimizer is not None and state:
             self._optimizer.load_state_dict(state)
 
+    def _comm_state(self) -> dict[str, Any] | None:
+        """Gradient communication's state for a checkpoint (``comm``); every replica calls it
+        (it may gather), the chief's answer is written. None: nothing to keep."""
+        return None
+
+    def _load_comm_state(self, saved: dict[str, Any] | None) -> None:
+        """Take back ``_comm_state``'s checkpoint entry (None when the checkpoint has none)."""
+
     def save(self, directory: str | Path, *, keep: int = 3) -> Path | None:
         """The chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
         path = None
+        comm = self._comm_state()
         if self.is_chief:
             position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
             model_state, optimizer_state = self._checkpoint_state()
@@ -319,6 +328,8 @@ class Strategy(ABC):
             scaler = self._step.scaler_state()
             if scaler is not None:
                 state["scaler"] = scaler
+            if comm is not None:
+                state["comm"] = comm
             path = ckpt.save_checkpoint(directory, self.step, state, keep=keep)
             self._reporter.checkpoint(self.step, str(path))
         self.barrier()
@@ -347,6 +358,7 @@ class Strategy(ABC):
             self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
         _set_rng_state(data.get("rng") or {}, self.device)
         self._step.load_scaler_state(data.get("scaler"))
+        self._load_comm_state(data.get("comm"))
         self._after_restore()
         return data
 

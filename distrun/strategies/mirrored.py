@@ -13,22 +13,38 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
+from distrun.strategies._compression import CommCompression
 from distrun.strategies.base import Strategy
 
 
 class MirroredStrategy(Strategy):
     name = "mirrored"
 
-    def __init__(self, *args: Any, sync_batch_norm: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, sync_batch_norm: bool = False, compression: Compression = Compression(),
+                 powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP, **kwargs: Any) -> None:
+        """``compression``: what DDP's all-reduce sends (``--compression``, docs/communication.md)."""
         super().__init__(*args, **kwargs)
         self._sync_batch_norm = sync_batch_norm
+        self._comm = (CommCompression(compression, warmup_steps=powersgd_warmup, seed=self._replica.seed)
+                      if compression.active else None)
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
         if self._sync_batch_norm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids), optimizer
+        ddp = DistributedDataParallel(model, device_ids=device_ids)
+        if self._comm is not None:
+            self._comm.attach(ddp)
+        return ddp, optimizer
+
+    def _comm_state(self) -> dict[str, Any] | None:
+        return self._comm.state_for_checkpoint(self.replica_id, self.num_replicas) if self._comm else None
+
+    def _load_comm_state(self, saved: dict[str, Any] | None) -> None:
+        if self._comm is not None:
+            self._comm.load_checkpoint_state(saved, self.replica_id)
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):

@@ -115,6 +115,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("time to first step", f"{fmt_seconds(summary.time_to_first_step_s)}, {start}")
     if summary.precision != "fp32":
         table.add_row("precision", summary.precision)
+    if summary.compression != "none":
+        table.add_row("compression", summary.compression)
     if summary.compile is not None:
         figures = summary.compile
         table.add_row("compile", f"{figures['mode']}: {fmt_seconds(figures['compile_s'])} compiling, "

@@ -51,7 +51,14 @@ def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
         (["--compile-mode", "max-autotune"], "--compile-mode max-autotune needs --compile"),
         (["--compile", "--compile-mode", "fastest"], "--compile-mode: expected default, reduce-overhead, max-autotune"),
         (["-s", "ps", "--compile"], "--compile: parameter-server workers pull parameters in forward hooks"),
-        (["-s", "ps", "--precision", "fp16"], "--precision fp16: parameter-server workers have no loss scaler"),
+        (["-s", "ps", "--ps-sync", "--precision", "fp16"], "--precision fp16 with --ps-sync"),
+        (["-s", "mirrored", "--compression", "zip"], "--compression: expected none, fp16, bf16 or powersgd[:RANK]. Received: 'zip'"),
+        (["-s", "mirrored", "--compression", "powersgd:0"], "the PowerSGD rank must be a whole number of 1 or more"),
+        (["-s", "mirrored", "--compression", "fp16:2"], "only powersgd takes a rank"),
+        (["--compression", "fp16"], "--strategy one-device has no such all-reduce"),
+        (["-s", "central-storage", "--compression", "bf16"], "--strategy central-storage has no such all-reduce"),
+        (["-s", "mirrored", "--compression", "powersgd", "--powersgd-warmup", "1"], "--powersgd-warmup: expected 2 or more"),
+        (["-s", "mirrored", "--powersgd-warmup", "5"], "--powersgd-warmup is for --compression powersgd"),
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
@@ -72,7 +79,7 @@ def test_typer_usage_errors_exit_2_without_a_traceback(args, fragment):
     assert "internal error" not in result.stderr
 
 
-@pytest.mark.parametrize("flag", [["--compile"], ["--precision", "bf16"]])
+@pytest.mark.parametrize("flag", [["--compile"], ["--precision", "bf16"], ["--compression", "fp16"]])
 def test_step_flags_are_refused_for_a_plain_script(flag):
     result = run_cli("train", str(RECIPES / "torchrun_script.py"), *flag)
     assert result.returncode == 2
