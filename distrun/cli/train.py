@@ -64,6 +64,7 @@ def train(
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
+    allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
@@ -84,6 +85,7 @@ def train(
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
+        allreduce=allreduce,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
@@ -95,6 +97,9 @@ def train(
         if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
             ps_tasks = 1
         spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
+        if spec.allreduce != "flat":
+            raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
+                             "--cluster with two or more worker hosts (this machine is one)")
         start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
         if not start.warm and start.reason.startswith("the local server"):
             stderr.print(f"note: starting cold: {start.reason}", markup=False)
@@ -124,6 +129,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             device = "cuda" if job.gpus_everywhere else "cpu"
         spec = build_spec(replicas=job.replicas, ps_tasks=job.ps_tasks, device=device,
                           gpus=job.replicas if job.gpus_everywhere else 0, **flags)
+        if spec.allreduce != "flat" and len(job.placements) < 2:
+            raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
+                             "all-reduce across two or more worker hosts")
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s)
     except BaseException:

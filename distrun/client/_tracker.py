@@ -32,7 +32,7 @@ from distrun.protocol import (
 def tracker_settings(spec: JobSpec) -> dict[str, Any]:
     """The step settings a summary reports, from the job's spec (JobTracker's keywords)."""
     return {"precision": spec.precision, "compile_mode": spec.compile_mode if spec.compile else None,
-            "compression": str(spec.compression_spec)}
+            "compression": str(spec.compression_spec), "allreduce": spec.allreduce}
 
 
 class JobTracker:
@@ -40,12 +40,13 @@ class JobTracker:
 
     def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
                  host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0, precision: str = "fp32",
-                 compile_mode: str | None = None, compression: str = "none") -> None:
+                 compile_mode: str | None = None, compression: str = "none", allreduce: str = "flat") -> None:
         """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks; ``compile_mode``
         is None unless the job runs with ``--compile``."""
         self._recipe = recipe
         self._strategy = strategy
         self._compression = compression
+        self._allreduce = allreduce
         self._t0 = started_at if started_at is not None else time.time()
         self._replicas = replicas
         self._rows = {r: ReplicaRow(rank=r, host=host_of_rank(r) if host_of_rank else None,
@@ -194,6 +195,7 @@ class JobTracker:
             precision=self._precision,
             compile=self._compile_summary(),
             compression=self._compression,
+            allreduce=self._allreduce,
         )
 
     def _compile_summary(self) -> dict[str, object] | None:

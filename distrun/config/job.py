@@ -20,7 +20,7 @@ from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
 __all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB",
-           "PRECISIONS", "COMPILE_MODES"]
+           "PRECISIONS", "COMPILE_MODES", "ALLREDUCE_ALGORITHMS"]
 
 #: Replicas started on a machine without GPUs when --replicas is not given: two is
 #: the smallest count that exercises the distributed path (documented in docs/cli.md).
@@ -30,6 +30,8 @@ DEFAULT_KEEP_CHECKPOINTS = 3
 DEFAULT_PS_PARTITION_MB = 64.0
 #: ``--precision``: fp32, or autocast to bf16 / fp16 around forward and loss (docs/precision.md).
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: ``--allreduce``: DDP's flat ring, or inside each host then across hosts (docs/communication.md).
+ALLREDUCE_ALGORITHMS = ("flat", "hierarchical")
 #: ``--compile-mode``: torch.compile's own modes.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -103,6 +105,8 @@ class JobSpec:
     #: and PowerSGD's plain all-reduce steps before it starts.
     compression: str = "none"
     powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP
+    #: how gradients meet across hosts (multi-worker): DDP's flat ring, or hierarchical.
+    allreduce: str = "flat"
 
     @property
     def world_size(self) -> int:
@@ -181,6 +185,7 @@ def _validate(spec: JobSpec) -> None:
     _validate_ps(spec)
     _validate_step(spec)
     _validate_compression(spec)
+    _validate_allreduce(spec)
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
 
@@ -237,3 +242,17 @@ def _validate_compression(spec: JobSpec) -> None:
     if compression.active and spec.strategy not in _COMPRESSIBLE:
         raise ConfigError(f"--compression {compression}: applies where replicas all-reduce gradients (mirrored, "
                           f"multi-worker); --strategy {spec.strategy.value} has no such all-reduce")
+
+
+def _validate_allreduce(spec: JobSpec) -> None:
+    if spec.allreduce not in ALLREDUCE_ALGORITHMS:
+        raise ConfigError(f"--allreduce: expected {', '.join(ALLREDUCE_ALGORITHMS)}. Received: {spec.allreduce!r}"
+                          f"{did_you_mean(str(spec.allreduce), ALLREDUCE_ALGORITHMS)}")
+    if spec.allreduce == "flat":
+        return
+    if spec.strategy is not StrategyName.MULTI_WORKER:
+        raise ConfigError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts, for --strategy "
+                          f"multi-worker on a cluster; --strategy {spec.strategy.value} runs on one host")
+    if spec.compression_spec.kind == "powersgd":
+        raise ConfigError("--allreduce hierarchical with --compression powersgd: PowerSGD runs its own "
+                          "all-reduces; use --allreduce flat, or --compression fp16|bf16")

@@ -108,6 +108,8 @@ class JobSummary:
     compile: dict[str, Any] | None = None
     #: --compression: what gradients were all-reduced as (none, fp16, bf16, powersgd:RANK).
     compression: str = "none"
+    #: --allreduce: how gradients met across hosts (flat: DDP's ring; hierarchical).
+    allreduce: str = "flat"
     #: Every rank was forked from a warm interpreter (a server's zygote) rather than started cold.
     warm: bool = False
 

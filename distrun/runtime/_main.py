@@ -204,14 +204,14 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                                 device_id=device if device.type == "cuda" else None)
     if spec.strategy.value in ("mirrored", "multi-worker"):
         options = {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
-                   "powersgd_warmup": spec.powersgd_warmup}
+                   "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
     world_size = launch.world_size
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
                    "partition_bytes": spec.ps_partition_bytes}
     replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
-                          device=device, seed=spec.seed)
+                          device=device, seed=spec.seed, node_rank=launch.node_rank)
     step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode)
     return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
 

@@ -27,6 +27,7 @@ class LaunchEnv:
     master_addr: str
     master_port: int
     store_fd: int | None
+    node_rank: int = 0  # GROUP_RANK: which host of the job this process runs on
 
     @classmethod
     def from_environ(cls) -> LaunchEnv:
@@ -37,6 +38,7 @@ class LaunchEnv:
             local_rank=int(env.get("LOCAL_RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            node_rank=int(env.get("GROUP_RANK", "0")),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", "0")),
             store_fd=int(store_fd) if store_fd else None,

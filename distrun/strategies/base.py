@@ -59,6 +59,7 @@ class ReplicaInfo:
     local_rank: int
     device: torch.device
     seed: int = 0
+    node_rank: int = 0  # the host this replica runs on (hierarchical all-reduce groups by it)
 
 
 class Strategy(ABC):

@@ -10,11 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.strategies._compression import CommCompression
+from distrun.strategies._hierarchical import HierarchicalAllReduce
 from distrun.strategies.base import Strategy
 
 
@@ -22,12 +24,16 @@ class MirroredStrategy(Strategy):
     name = "mirrored"
 
     def __init__(self, *args: Any, sync_batch_norm: bool = False, compression: Compression = Compression(),
-                 powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP, **kwargs: Any) -> None:
-        """``compression``: what DDP's all-reduce sends (``--compression``, docs/communication.md)."""
+                 powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP, allreduce: str = "flat", **kwargs: Any) -> None:
+        """``compression``: what DDP's all-reduce sends; ``allreduce``: flat (DDP's own ring) or
+        hierarchical (inside hosts, then across them): docs/communication.md."""
         super().__init__(*args, **kwargs)
         self._sync_batch_norm = sync_batch_norm
+        self._allreduce = allreduce
+        self._compression = compression
         self._comm = (CommCompression(compression, warmup_steps=powersgd_warmup, seed=self._replica.seed)
-                      if compression.active else None)
+                      if compression.active and allreduce == "flat" else None)
+        self._hierarchical: HierarchicalAllReduce | None = None
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
@@ -35,9 +41,25 @@ class MirroredStrategy(Strategy):
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
-        if self._comm is not None:
+        if self._allreduce == "hierarchical":
+            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self._compression.kind)
+            self._hierarchical = HierarchicalAllReduce(self._nodes(), wire_dtype=wire)
+            ddp.register_comm_hook(None, self._hierarchical.hook)
+        elif self._comm is not None:
             self._comm.attach(ddp)
         return ddp, optimizer
+
+    def _nodes(self) -> list[int]:
+        """Every rank's host (its node rank), gathered: the groups of a hierarchical all-reduce."""
+        mine = torch.tensor([self._replica.node_rank], device=self._collective_device)
+        every = [torch.zeros_like(mine) for _ in range(self.num_replicas)]
+        dist.all_gather(every, mine)
+        return [int(t.item()) for t in every]
+
+    def close(self) -> None:
+        if self._hierarchical is not None:
+            self._hierarchical.close()
+        super().close()
 
     def _comm_state(self) -> dict[str, Any] | None:
         return self._comm.state_for_checkpoint(self.replica_id, self.num_replicas) if self._comm else None

@@ -117,6 +117,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
         table.add_row("precision", summary.precision)
     if summary.compression != "none":
         table.add_row("compression", summary.compression)
+    if summary.allreduce != "flat":
+        table.add_row("all-reduce", summary.allreduce)
     if summary.compile is not None:
         figures = summary.compile
         table.add_row("compile", f"{figures['mode']}: {fmt_seconds(figures['compile_s'])} compiling, "

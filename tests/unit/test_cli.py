@@ -59,6 +59,11 @@ def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
         (["-s", "central-storage", "--compression", "bf16"], "--strategy central-storage has no such all-reduce"),
         (["-s", "mirrored", "--compression", "powersgd", "--powersgd-warmup", "1"], "--powersgd-warmup: expected 2 or more"),
         (["-s", "mirrored", "--powersgd-warmup", "5"], "--powersgd-warmup is for --compression powersgd"),
+        (["-s", "multi-worker", "--allreduce", "ring"], "--allreduce: expected flat, hierarchical. Received: 'ring'"),
+        (["-s", "mirrored", "--allreduce", "hierarchical"], "--strategy mirrored runs on one host"),
+        (["-s", "multi-worker", "--allreduce", "hierarchical"], "needs --cluster with two or more worker hosts"),
+        (["-s", "multi-worker", "--allreduce", "hierarchical", "--compression", "powersgd"],
+         "--allreduce hierarchical with --compression powersgd"),
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):

@@ -1,0 +1,99 @@
+"""Hierarchical all-reduce as a DDP communication hook (Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE).
+
+A flat ring all-reduce sends each byte across host links 2(n-1)/n times for n
+ranks, whichever ranks share a host. Hierarchically, each bucket is
+
+1. reduced inside each host onto its leader (the host's lowest rank),
+2. all-reduced across the leaders only (one rank per host on the slow links),
+3. broadcast from the leader to the host's other ranks,
+
+so the host links carry the ring of h hosts, not of n ranks: with s slots per
+host that is 2(h-1)/h of a bucket per host link instead of the flat ring's
+s x 2(n-1)/n (bandwidth arithmetic, docs/communication.md).
+
+Ordering: collectives on one process group must be issued in the same order on
+every rank. DDP hands buckets over in index order on every rank, and one
+background thread per replica runs each bucket's three steps in that order
+(Horovod's background loop), so the order holds, and backward keeps computing
+while the thread communicates, as with DDP's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["HierarchicalAllReduce", "host_groups"]
+
+
+def host_groups(node_of_rank: list[int]) -> list[list[int]]:
+    """Ranks per host, hosts in order of their lowest rank (each list sorted)."""
+    hosts: dict[int, list[int]] = {}
+    for rank, node in enumerate(node_of_rank):
+        hosts.setdefault(node, []).append(rank)
+    return sorted(hosts.values(), key=lambda ranks: ranks[0])
+
+
+class HierarchicalAllReduce:
+    """The hook and its process groups; every rank of the job must construct one (new_group)."""
+
+    def __init__(self, node_of_rank: list[int], *, wire_dtype: torch.dtype | None = None) -> None:
+        """``node_of_rank[r]``: the host of rank r. ``wire_dtype``: cast each bucket to it
+        for the three steps (``--compression fp16|bf16``); None sends it as it is."""
+        rank = dist.get_rank()
+        groups = host_groups(node_of_rank)
+        self.world_size = len(node_of_rank)
+        self.hosts = len(groups)
+        self._wire_dtype = wire_dtype
+        self._intra: Any = None
+        for ranks in groups:  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self._intra, self.leader, self._local_size = group, ranks[0], len(ranks)
+        leaders = [ranks[0] for ranks in groups]
+        self._inter = dist.new_group(leaders)
+        self.is_leader = rank == self.leader
+        self._work: queue.Queue[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="distrun-hierarchical", daemon=True)
+        self._thread.start()
+
+    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations: none, or real classes
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._work.put((bucket.buffer(), future))
+        return future
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The hook's three steps on one tensor, in the caller's thread (for the probe and tests)."""
+        return self._reduce(tensor)
+
+    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+        wire = buffer.to(self._wire_dtype) if self._wire_dtype is not None else buffer
+        wire.div_(self.world_size)  # before summing: a reduced dtype must not overflow
+        if self._local_size > 1:
+            dist.reduce(wire, dst=self.leader, group=self._intra)
+        if self.is_leader and self.hosts > 1:
+            dist.all_reduce(wire, group=self._inter)
+        if self._local_size > 1:
+            dist.broadcast(wire, src=self.leader, group=self._intra)
+        if wire is not buffer:
+            buffer.copy_(wire)
+        return buffer
+
+    def _serve(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            buffer, future = item
+            try:
+                future.set_result(self._reduce(buffer))
+            except Exception as exc:  # noqa: BLE001 - DDP raises it where it waits for the bucket
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=10.0)
