@@ -6,6 +6,17 @@ plain values and forget their marks, so this walks the composed node tree
 itself and records the line of every key path it builds. Only safe scalar
 types are constructed (no python/object tags), and duplicate keys are errors
 rather than a silent "last one wins".
+
+A cluster file may come from someone else, so loading is bounded whatever the
+file's shape (each bound a one-line ConfigError naming file and line):
+
+* ``MAX_FILE_BYTES``: far above any real cluster file (10,000 hosts fit in 2 MiB);
+* ``MAX_DEPTH`` levels of nesting, checked on the token stream before PyYAML's
+  recursive composer runs (5,000 nested brackets used to end in RecursionError);
+* ``MAX_VALUES`` values built in all. Aliases stay allowed (``ssh: &lab {...}``
+  then ``*lab`` is how a file shares settings), but each use of one counts its
+  whole value again, so an alias bomb (nine levels of ``&a [*a, *a, ...]``, 9^8
+  leaves in 700 bytes) stops at the bound instead of filling memory.
 """
 
 from __future__ import annotations
@@ -48,13 +59,29 @@ def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
 
+#: Bounds on any YAML distrun reads (see the module docstring).
+MAX_FILE_BYTES = 4 * 2**20
+MAX_DEPTH = 64
+MAX_VALUES = 200_000
+
+_OPENS = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
+          yaml.FlowSequenceStartToken)
+_CLOSES = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
+
+
 def load_located(text: str, source: str) -> Located:
-    """Parse one YAML document; syntax errors become ConfigError with file:line."""
-    loader = yaml.SafeLoader(text)
+    """Parse one YAML document; syntax errors and exceeded bounds become ConfigError with file:line."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_FILE_BYTES:
+        raise ConfigError(f"{source}: {size:,} bytes; a cluster file is at most {MAX_FILE_BYTES // 2**20} MiB")
+    loader: yaml.SafeLoader | None = None
     try:
+        loader = yaml.SafeLoader(text)  # its reader refuses unprintable characters here
+        _check_depth(text, source)
         node = loader.get_single_node()
         lines: dict[str, int] = {}
-        value = _build(loader, node, "", lines, source) if node is not None else None
+        budget = _Budget(source)
+        value = _build(loader, node, "", lines, source, budget) if node is not None else None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = f":{mark.line + 1}" if mark is not None else ""
@@ -62,7 +89,8 @@ def load_located(text: str, source: str) -> Located:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return Located(value, lines, source)
 
 
@@ -76,22 +104,55 @@ def load_file(path: Path) -> Located:
     return load_located(text, str(path))
 
 
-def _build(loader: yaml.SafeLoader, node: yaml.Node, path: str, lines: dict[str, int], source: str) -> Any:
+def _check_depth(text: str, source: str) -> None:
+    """Refuse nesting beyond MAX_DEPTH from the token stream (PyYAML's scanner is not recursive)."""
+    depth = 0
+    for token in yaml.scan(text, Loader=yaml.SafeLoader):
+        if isinstance(token, _OPENS):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(f"{source}:{token.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels")
+        elif isinstance(token, _CLOSES):
+            depth -= 1
+
+
+class _Budget:
+    """Counts the values built; an alias counts its whole value at every use."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.left = MAX_VALUES
+
+    def spend(self, node: yaml.Node) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise ConfigError(f"{self.source}:{node.start_mark.line + 1}: expands to more than {MAX_VALUES:,} values "
+                              "(aliases repeat their whole value at each use); a cluster file is far smaller")
+
+
+def _build(loader: yaml.SafeLoader, node: yaml.Node, path: str, lines: dict[str, int], source: str,
+           budget: _Budget) -> Any:
+    budget.spend(node)
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
-        loader.flatten_mapping(node)  # merge keys (<<) the way PyYAML does
+        explicit = sum(1 for key_node, _ in node.value if key_node.tag != "tag:yaml.org,2002:merge")
+        loader.flatten_mapping(node)  # merge keys (<<) the way PyYAML does: merged entries first
+        merged = len(node.value) - explicit
         result: dict[str, Any] = {}
-        for key_node, value_node in node.value:
+        written: set[str] = set()  # keys the mapping itself spells (a merged key may be overridden)
+        for position, (key_node, value_node) in enumerate(node.value):
             key = loader.construct_object(key_node, deep=True)
             if not isinstance(key, str):
                 raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: {path or 'top level'}: "
                                   f"keys must be strings. Received: {key!r}")
             child = f"{path}.{key}" if path else key
-            if key in result:
-                raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: {child}: duplicate key")
+            if position >= merged:
+                if key in written:
+                    raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: {child}: duplicate key")
+                written.add(key)
             lines[child] = key_node.start_mark.line + 1
-            result[key] = _build(loader, value_node, child, lines, source)
+            result[key] = _build(loader, value_node, child, lines, source, budget)
         return result
     if isinstance(node, yaml.SequenceNode):
-        return [_build(loader, item, f"{path}[{i}]", lines, source) for i, item in enumerate(node.value)]
+        return [_build(loader, item, f"{path}[{i}]", lines, source, budget) for i, item in enumerate(node.value)]
     return loader.construct_object(node, deep=True)

@@ -61,6 +61,8 @@ def inspect_recipe(path: str) -> RecipeInfo:
         tree = ast.parse(source, filename=path)
     except SyntaxError as exc:
         raise RecipeError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # null bytes; nesting past the parser's limits
+        raise RecipeError(f"{path}: cannot parse the recipe: {str(exc) or type(exc).__name__}") from None
 
     functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
     defaults_node: ast.expr | None = None

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from distrun.errors import DistrunError
+
 __all__ = [
     "Event",
     "Started",
@@ -54,8 +56,8 @@ EVALUATOR_RANK = -2
 MAX_EVENT_BYTES = 1 << 20
 
 
-class EventDecodeError(ValueError):
-    """A line on an event channel is not a valid event."""
+class EventDecodeError(DistrunError, ValueError):
+    """A line on an event channel is not a valid event (a ValueError too, for older callers)."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +256,8 @@ def decode_event(line: bytes | str) -> Event:
         data = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EventDecodeError(f"not JSON: {exc}") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise EventDecodeError("JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise EventDecodeError("an event must be a JSON object")
     kind = data.pop("type", None)

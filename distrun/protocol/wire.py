@@ -83,6 +83,8 @@ def recv_frame(stream: Stream, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, An
         message = json.loads(payload.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise WireError("frame is not UTF-8 JSON") from None
+    except RecursionError:  # json's scanner recurses once per nesting level
+        raise WireError("frame is JSON nested too deeply") from None
     if not isinstance(message, dict):
         raise WireError("frame is not a JSON object")
     return message
