@@ -34,7 +34,7 @@ log = logging.getLogger("distrun.server")
 
 #: A peer has this long to complete the handshake.
 HANDSHAKE_TIMEOUT_S = 10.0
-#: Connections still in the handshake at once; more are closed on accept.
+#: Connections still in the handshake at once; a new one beyond this evicts the oldest.
 MAX_PENDING_HANDSHAKES = 32
 #: An authenticated connection idle this long is closed (clients reconnect).
 IDLE_TIMEOUT_S = 3600.0
@@ -42,6 +42,36 @@ _ACCEPT_POLL_S = 0.5
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 Stream = Callable[[dict[str, Any]], Iterator[dict[str, Any]]]
+
+
+class _PendingHandshakes:
+    """Connections not yet authenticated, oldest first; admitting one past the bound evicts the oldest.
+
+    Refusing new connections when full would let a flood of silent ones (each allowed
+    HANDSHAKE_TIMEOUT_S) lock the real client out. Evicting the oldest instead keeps
+    every slot turning over: a real client needs its slot for the milliseconds of its
+    handshake, a flooder's connections are the oldest by then.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._conns: dict[int, socket.socket] = {}  # insertion order: oldest first
+
+    def admit(self, conn: socket.socket) -> None:
+        with self._lock:
+            while len(self._conns) >= self._limit:
+                _key, oldest = next(iter(self._conns.items()))
+                del self._conns[_key]
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread's read ends now; that thread closes it
+                except OSError:
+                    pass
+            self._conns[id(conn)] = conn
+
+    def release(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.pop(id(conn), None)
 
 
 class WorkerServer:
@@ -52,7 +82,7 @@ class WorkerServer:
         self.started_at = time.time()
         self._started_monotonic = time.monotonic()
         self._stop = threading.Event()
-        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._pending = _PendingHandshakes(MAX_PENDING_HANDSHAKES)
         self._gpu_names = gpu_names()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.warm = WarmInterpreter(state_dir.path)
@@ -102,9 +132,7 @@ class WorkerServer:
                     if self._stop.is_set():
                         break
                     raise
-                if not self._pending.acquire(blocking=False):
-                    conn.close()  # too many half-open connections: refuse, keep serving
-                    continue
+                self._pending.admit(conn)
                 threading.Thread(target=self._serve_connection, args=(conn,), daemon=True).start()
         finally:
             self._listener.close()
@@ -125,7 +153,7 @@ class WorkerServer:
             try:
                 server_handshake(conn, self.token, {"version": __version__, "pid": os.getpid()})
             finally:
-                self._pending.release()
+                self._pending.release(conn)
             authenticated = True
             conn.settimeout(IDLE_TIMEOUT_S)
             while not self._stop.is_set():

@@ -97,3 +97,23 @@ def test_an_authenticated_client_gets_clear_errors_and_the_server_survives(serve
             client.call("rm -rf")
         info, rtt_ms = client.status()  # same connection still works
         assert info.version == "0.1.0" and rtt_ms > 0
+
+
+def test_a_flood_of_unauthenticated_connections_does_not_lock_out_the_client(server: dict) -> None:
+    """300 connections at once, half silent and half sending a few bytes of junk, all held open:
+    the authenticated client still gets its answers (the pending-handshake bound evicts the
+    oldest connection rather than refusing the newest)."""
+    flood = []
+    try:
+        for index in range(300):
+            sock = _connect(server)
+            if index % 2:
+                sock.sendall(b"\x00\x00")  # half a length prefix, then nothing
+            flood.append(sock)
+        for _ in range(5):
+            _still_serving(server)  # each within the client's own 10 s connect/handshake timeouts
+            flood.append(_connect(server))  # the flood goes on between the client's calls
+    finally:
+        for sock in flood:
+            sock.close()
+    _still_serving(server)
