@@ -15,6 +15,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 MAX_UNPACKED_BYTES = 1024 * 1024 * 1024
@@ -33,7 +34,7 @@ def check_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
     for member in members:
         name = member.name
         path = PurePosixPath(name)
-        if not name or path.is_absolute() or name.startswith(("/", "\\")) or "\\" in name:
+        if not name or path.is_absolute() or name.startswith(("/", "\\")) or "\\" in name or "\x00" in name:
             raise BundleError(f"absolute or odd path {name!r}")
         if ".." in path.parts:
             raise BundleError(f"path {name!r} leaves the bundle")
@@ -71,7 +72,9 @@ def unpack(archive: Path, sha256: str, dest: Path) -> Path:
                     with source, open(target, "wb") as out:
                         shutil.copyfileobj(source, out)
                     os.chmod(target, 0o755 if member.mode & 0o111 else 0o644)
-        except (tarfile.TarError, OSError, EOFError) as exc:
+        except BundleError:
+            raise
+        except (tarfile.TarError, OSError, EOFError, ValueError, zlib.error) as exc:  # ValueError: a NUL in a path
             raise BundleError(f"not a readable .tar.gz: {exc}") from None
         try:
             os.rename(staging, dest)

@@ -8,11 +8,13 @@ deep search (CI runs the default).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import string
 import struct
+import tarfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from distrun.config.recipe import inspect_recipe
 from distrun.errors import ConfigError, DistrunError, RecipeError
 from distrun.protocol import EventDecodeError, decode_event
 from distrun.protocol.wire import MAX_AUTH_FRAME_BYTES, WireError, recv_frame
+from distrun.server._bundle import BundleError, unpack
 
 EXAMPLES = int(os.environ.get("DISTRUN_FUZZ_EXAMPLES", "200"))
 #: Each example gets this long (a hang or a blow-up fails it); a real cluster file parses in milliseconds.
@@ -190,3 +193,45 @@ def test_a_deeply_nested_event_line_is_a_decode_error() -> None:
 def test_every_parser_error_is_a_distrun_error() -> None:
     for error in (ConfigError, RecipeError, WireError, EventDecodeError):
         assert issubclass(error, DistrunError)
+
+
+# -- bundle unpacking (a server unpacks what a client ships)
+
+_NAMES = st.lists(st.sampled_from(["a", "b", "..", ".", "", "/", "\\", "x.py", "\x00", "é"]), min_size=1,
+                  max_size=4).map("/".join)
+_MEMBERS = st.lists(st.tuples(_NAMES, st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE,
+                                                       tarfile.LNKTYPE, tarfile.FIFOTYPE, tarfile.CHRTYPE]),
+                              st.binary(max_size=20)), max_size=6)
+
+
+def _tar_gz(members: list[tuple[str, bytes, bytes]]) -> bytes:
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.linkname = "../../etc/passwd" if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE) else ""
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            try:
+                tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+            except (ValueError, UnicodeError):
+                continue  # a name tarfile itself cannot write
+    return raw.getvalue()
+
+
+@FUZZ
+@given(st.binary(max_size=400) | _MEMBERS.map(_tar_gz)
+       | _MEMBERS.map(_tar_gz).map(lambda data: data[: max(1, len(data) // 2)]))  # cut short
+def test_fuzz_bundle_unpacking(tmp_path_factory: pytest.TempPathFactory, archive: bytes) -> None:
+    root = tmp_path_factory.mktemp("bundle")
+    path = root / "bundle.tar.gz"
+    path.write_bytes(archive)
+    dest = root / "bundles" / "b"
+    try:
+        unpack(path, hashlib.sha256(archive).hexdigest(), dest)
+    except BundleError:
+        assert not dest.exists()
+        return
+    for found in dest.rglob("*"):  # whatever was unpacked stays inside, with no link or device
+        assert found.resolve().is_relative_to(dest.resolve()) and (found.is_file() or found.is_dir())
+        assert not found.is_symlink()
