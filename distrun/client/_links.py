@@ -25,7 +25,7 @@ def read_server_state(remote: Remote, state_dir: str) -> ServerState | None:
         return None
     try:
         return ServerState.from_json(text)
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past the parser
         return None
 
 

@@ -225,7 +225,7 @@ class _HostOps:
         try:
             swept = json.loads(result.stdout)
             return {"found": list(swept["found"]), "left": list(swept["left"])}
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise CommandFailed(self.label, result, "checking for distrun processes") from None
 
     def _row(self, status: HostStatus, info: ServerInfo, rtt_ms: float) -> HostRow:

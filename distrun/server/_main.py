@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         env = config.get("env", {}) if isinstance(config, dict) else None
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
             raise ValueError('expected {"env": {name: value}}')
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         print(f"bad server configuration on stdin: {exc}", file=sys.stderr)
         return 2
     return _start(args.state_dir, config)

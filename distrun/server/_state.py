@@ -64,7 +64,7 @@ class StateDir:
     def read(self) -> ServerState | None:
         try:
             return ServerState.from_json(self.state_file.read_text())
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None
 
     def remove_if_ours(self, pid: int) -> None:

@@ -235,3 +235,31 @@ def test_fuzz_bundle_unpacking(tmp_path_factory: pytest.TempPathFactory, archive
     for found in dest.rglob("*"):  # whatever was unpacked stays inside, with no link or device
         assert found.resolve().is_relative_to(dest.resolve()) and (found.is_file() or found.is_dir())
         assert not found.is_symlink()
+
+
+# -- the handshake's fields, and the state files a client reads from a host
+
+@FUZZ
+@given(_JSONISH)
+def test_fuzz_handshake_hello(hello: object) -> None:
+    """Whatever a peer says first, the server's handshake ends in AuthError/WireError, never another
+    exception (the token is random, so no example can pass it)."""
+    from distrun.protocol.wire import AuthError, server_handshake
+
+    stream = _Bytes(_frame(json.dumps(hello).encode()))
+    with pytest.raises((AuthError, WireError)):
+        server_handshake(stream, os.urandom(32))
+
+
+@FUZZ
+@given(st.text(max_size=300) | _JSONISH.map(json.dumps) | st.just("[" * 100_000))
+def test_fuzz_a_hosts_state_file(text: str) -> None:
+    """A state file read back from a host (SFTP) is a state, or None: `up` replaces it."""
+    from distrun.client._links import read_server_state
+
+    class _Remote:
+        def read_file(self, path: str) -> str:
+            return text
+
+    state = read_server_state(_Remote(), "state")  # type: ignore[arg-type]
+    assert state is None or text.lstrip().startswith("{")  # only a JSON object can describe a server
