@@ -66,10 +66,6 @@ class HierarchicalAllReduce:
         self._work.put((bucket.buffer(), future))
         return future
 
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The hook's three steps on one tensor, in the caller's thread (for the probe and tests)."""
-        return self._reduce(tensor)
-
     def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
         wire = buffer.to(self._wire_dtype) if self._wire_dtype is not None else buffer
         wire.div_(self.world_size)  # before summing: a reduced dtype must not overflow
