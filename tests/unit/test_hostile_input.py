@@ -263,3 +263,34 @@ def test_fuzz_a_hosts_state_file(text: str) -> None:
 
     state = read_server_state(_Remote(), "state")  # type: ignore[arg-type]
     assert state is None or text.lstrip().startswith("{")  # only a JSON object can describe a server
+
+
+# -- authenticated requests: the server's dispatcher answers every one, and keeps serving
+
+_OPS = st.sampled_from(["status", "warm", "has_bundle", "rendezvous", "submit", "cancel", "jobs", "artifacts",
+                        "follow", "nope"]) | st.text(max_size=8) | _JSONISH
+_ARGS = st.dictionaries(st.sampled_from(["job", "bundle", "recipe", "spec", "sha256", "port_range", "world_size",
+                                         "rank_offset", "local_world_size", "offset", "reason", "x"]),
+                        _JSONISH, max_size=5) | _JSONISH
+
+
+@pytest.fixture(scope="module")
+def worker_server(tmp_path_factory: pytest.TempPathFactory):
+    from distrun.server._server import WorkerServer
+    from distrun.server._state import StateDir
+
+    state_dir = StateDir(tmp_path_factory.mktemp("server"))
+    state_dir.create()
+    server = WorkerServer(state_dir, config_sha256="0" * 64)
+    server.bind()
+    yield server
+    server.jobs.stop_all("test over")
+
+
+@FUZZ
+@given(_OPS, _ARGS)
+def test_fuzz_authenticated_requests(worker_server, op: object, args: object) -> None:
+    reply = worker_server._dispatch({"id": 1, "op": op, "args": args})
+    assert reply["id"] == 1 and isinstance(reply["ok"], bool)
+    if not reply["ok"]:
+        assert isinstance(reply["error"]["message"], str)
