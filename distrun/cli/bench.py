@@ -20,6 +20,8 @@ from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.straggler import run_straggler
 from distrun.bench.ttfs import run_local_ttfs, run_ttfs
 from distrun.cli._app import app, stderr
+from distrun.cli.train import local_layout
+from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
 from distrun.ui.bench import render_overhead, render_scaling, render_straggler, render_ttfs
@@ -101,18 +103,9 @@ def _positive(**values: int) -> None:
 
 
 def _local_ttfs_layout(device: str, replicas: int | None) -> tuple[str, int]:
-    """(device, ranks) for the local ttfs: this machine's default device, one rank per GPU or 2 on CPU."""
-    gpus = visible_gpu_count()
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
-    if device == "cuda" and not gpus:
-        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
-    ranks = replicas if replicas is not None else (gpus if device == "cuda" else 2)
+    """(device, ranks) for the local ttfs: `distrun train`'s own defaults (one rank per GPU, else 2)."""
+    device, ranks = local_layout(device, replicas, visible_gpu_count())
     _positive(replicas=ranks)
-    if device == "cuda" and ranks > gpus:
-        raise UsageError(f"--replicas {ranks}: only {gpus} GPU(s) found on this machine")
     return device, ranks
 
 
@@ -130,8 +123,8 @@ def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int |
              warmup: int, image_size: int, batch: int, strategy: str, compare: str | None,
              json_output: bool, precision: str | None = None, compile_model: bool = False) -> dict[str, Any]:
     _positive(steps=steps, image_size=image_size, batch=batch)
-    if precision not in (None, "fp32", "bf16", "fp16"):
-        raise UsageError(f"--precision: expected fp32, bf16, fp16. Received: {precision!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise UsageError(f"--precision: expected {', '.join(PRECISIONS)}. Received: {precision!r}")
     if compare not in (None, "ddp"):
         raise UsageError(f"--compare: only `ddp` is built. Received: {compare!r}")
     if cluster is not None and compare:

@@ -101,7 +101,7 @@ def train(
             raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
                              "--cluster with two or more worker hosts (this machine is one)")
         start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
-        if not start.warm and start.reason.startswith("the local server"):
+        if start.noteworthy:
             stderr.print(f"note: starting cold: {start.reason}", markup=False)
         run_job(LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter), json_output=json_output)
         return
@@ -187,17 +187,9 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
                              "a plain script owns its model and loop: call torch.compile / torch.autocast / "
                              "DDP's register_comm_hook in it")
-    gpus = visible_gpu_count() if gpus is None else gpus
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    elif device == "cuda" and not gpus:
-        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
-    elif device not in ("cpu", "cuda"):
-        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
-    if replicas is None:
-        replicas = 1 if not name.distributed else (gpus if device == "cuda" else DEFAULT_CPU_REPLICAS)
-    elif device == "cuda" and replicas > gpus:
-        raise UsageError(f"--replicas {replicas}: only {gpus} GPU(s) found on this machine")
+    if replicas is None and not name.distributed:
+        replicas = 1
+    device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus)
     defaults = dict(info.defaults)
     if steps is None and epochs is None:
         steps, epochs = defaults.get("steps"), defaults.get("epochs")
@@ -218,6 +210,22 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         checkpoint_every=rest.pop("checkpoint_every") or defaults.get("checkpoint_every"),
         **rest,
     )
+
+
+def local_layout(device: str, replicas: int | None, gpus: int) -> tuple[str, int]:
+    """(device, processes) from ``--device`` and ``--replicas`` on a machine with ``gpus`` GPUs:
+    auto means a GPU if any; processes default to one per GPU, else DEFAULT_CPU_REPLICAS."""
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    elif device == "cuda" and not gpus:
+        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
+    elif device not in ("cpu", "cuda"):
+        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
+    if replicas is None:
+        replicas = gpus if device == "cuda" else DEFAULT_CPU_REPLICAS
+    elif device == "cuda" and replicas > gpus:
+        raise UsageError(f"--replicas {replicas}: only {gpus} GPU(s) found on this machine")
+    return device, replicas
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -310,4 +318,4 @@ def _print_summary(summary: Any, json_output: bool) -> None:
         Console(stderr=not sys.stdout.isatty(), highlight=False).print(render_summary(summary))
 
 
-__all__ = ["train", "build_spec", "run_job"]
+__all__ = ["train", "build_spec", "run_job", "local_layout"]

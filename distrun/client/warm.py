@@ -37,6 +37,8 @@ class WarmStart:
 
     starter: Starter | None
     reason: str = ""
+    #: A local server exists but cannot start this job warm: worth telling the user why.
+    noteworthy: bool = False
 
     @property
     def warm(self) -> bool:
@@ -55,20 +57,19 @@ def find_warm_start(cluster: ClusterSpec) -> WarmStart:
     state = read_server_state(remote, cluster.host_state_dir(host))
     if state is None:
         return WarmStart(None, "no local server (`distrun up` starts one)")
+    if state.version != __version__:
+        return WarmStart(None, f"the local server runs distrun {state.version}, this is {__version__}; "
+                               "`distrun up` replaces it", noteworthy=True)
     try:
         with connect(remote, state, host.label) as client:
-            info, _rtt_ms = client.status()
             zygote = client.call("warm")
     except HostError as exc:
-        return WarmStart(None, f"the local server does not answer ({exc.reason})")
-    if info.version != __version__:
-        return WarmStart(None, f"the local server runs distrun {info.version}, this is {__version__}; "
-                               "`distrun up` replaces it")
+        return WarmStart(None, f"the local server does not answer ({exc.reason})", noteworthy=True)
     if not zygote.get("ready"):
-        return WarmStart(None, "the local server's warm interpreter is not ready yet")
+        return WarmStart(None, "the local server's warm interpreter is not ready yet", noteworthy=True)
     python = str(zygote.get("python", ""))
     if not _same_file(python, sys.executable):
-        return WarmStart(None, f"the local server runs {python}, this is {sys.executable}")
+        return WarmStart(None, f"the local server runs {python}, this is {sys.executable}", noteworthy=True)
     return WarmStart(ZygoteStarter(str(zygote["socket"]), int(zygote["pid"])))
 
 

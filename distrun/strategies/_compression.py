@@ -33,6 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.config._compression import Compression
+from distrun.strategies._precision import PRECISION_DTYPES
 
 __all__ = ["CommCompression", "cast_compress_hook"]
 
@@ -77,10 +78,8 @@ class CommCompression:
 
     def attach(self, ddp: DistributedDataParallel) -> None:
         kind = self.compression.kind
-        if kind == "fp16":
-            ddp.register_comm_hook(None, cast_compress_hook(torch.float16))
-        elif kind == "bf16":
-            ddp.register_comm_hook(None, cast_compress_hook(torch.bfloat16))
+        if kind in ("fp16", "bf16"):
+            ddp.register_comm_hook(None, cast_compress_hook(PRECISION_DTYPES[kind]))
         elif kind == "powersgd":
             params = list(ddp.module.parameters())
             self._position = {id(p): i for i, p in enumerate(params)}
@@ -124,19 +123,23 @@ class CommCompression:
             low_rank += [(pos, n * rank, m * rank) for pos in positions]
         return flat, low_rank
 
-    def _split(self, index: int, signature: tuple[int, ...], error: torch.Tensor | None,
-               q: torch.Tensor | None) -> None:
+    def _per_parameter(self, signature: tuple[int, ...], error: torch.Tensor | None, q: torch.Tensor | None
+                       ) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """A bucket's residual and Q, cut into each parameter's slice (by position)."""
         flat, low_rank = self._layout(signature)
-        if error is not None:
-            self._errors.update(zip([pos for pos, _ in flat], error.split([n for _, n in flat])))
-        if q is not None:
-            self._qs.update(zip([pos for pos, _, _ in low_rank], q.split([qn for _, _, qn in low_rank])))
+        errors = dict(zip([pos for pos, _ in flat], error.split([n for _, n in flat]))) if error is not None else {}
+        qs = (dict(zip([pos for pos, _, _ in low_rank], q.split([qn for _, _, qn in low_rank])))
+              if q is not None else {})
+        return errors, qs
 
     def _split_all(self) -> None:
         state = self._state
         assert state is not None
         for index, signature in self._signatures.items():
-            self._split(index, signature, state.error_dict.pop(index, None), state.q_memory_dict.pop(index, None))
+            errors, qs = self._per_parameter(signature, state.error_dict.pop(index, None),
+                                             state.q_memory_dict.pop(index, None))
+            self._errors.update(errors)
+            self._qs.update(qs)
             state.p_memory_dict.pop(index, None)
         self._signatures.clear()
 
@@ -163,36 +166,30 @@ class CommCompression:
         state = self._state
         if state is None:
             return None
-        errors: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
-        qs: dict[int, torch.Tensor] = {}
-        for index in sorted(self._signatures):
-            signature = self._signatures[index]
-            flat, low_rank = self._layout(signature)
-            error = state.error_dict.get(index)
-            if error is not None:
-                local = error.detach().to(_hook_device())
-                gathered = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
-                dist.gather(local, gathered, dst=0)
-                for replica, tensor in enumerate(gathered or []):
-                    errors[replica].update(zip([pos for pos, _ in flat], tensor.cpu().split([n for _, n in flat])))
-            q = state.q_memory_dict.get(index)
-            if q is not None:
-                qs.update(zip([pos for pos, _, _ in low_rank], q.detach().cpu().split([qn for _, _, qn in low_rank])))
-        for position in sorted(self._errors):  # restored, but its bucket not yet seen (no step since)
-            local = self._errors[position].to(_hook_device())
+        # Per parameter: the buckets' state, and what a resume restored but no step has used yet.
+        errors, qs = dict(self._errors), dict(self._qs)
+        for index, signature in self._signatures.items():
+            bucket_errors, bucket_qs = self._per_parameter(signature, state.error_dict.get(index),
+                                                           state.q_memory_dict.get(index))
+            errors.update(bucket_errors)
+            qs.update(bucket_qs)
+        # Every replica holds residuals for the same parameters: one gather of them all, in position order.
+        positions = sorted(errors)
+        replicas: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
+        if positions:
+            local = torch.cat([errors[pos].detach().reshape(-1) for pos in positions]).to(_hook_device())
             gathered = [torch.empty_like(local) for _ in range(world_size)] if rank == 0 else None
             dist.gather(local, gathered, dst=0)
-            for replica, tensor in enumerate(gathered or []):
-                errors[replica][position] = tensor.cpu()
-        qs.update(self._qs)
+            sizes = [errors[pos].numel() for pos in positions]
+            replicas = [dict(zip(positions, tensor.cpu().split(sizes))) for tensor in gathered or []]
         if rank != 0:
             return None
         _name, keys, pos, has_gauss, cached = state.rng.get_state()
         return {"kind": "powersgd", "rank": self.compression.rank, "iter": state.iter,
                 "rng": {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                         "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-                "errors": [{str(k): v.clone() for k, v in e.items()} for e in errors],
-                "q": {str(k): v.clone() for k, v in qs.items()}}
+                "errors": [{str(k): v.clone() for k, v in e.items()} for e in replicas],
+                "q": {str(k): v.detach().cpu().clone() for k, v in qs.items()}}
 
     def load_checkpoint_state(self, saved: dict[str, Any] | None, rank: int) -> None:
         """Take back what ``state_for_checkpoint`` wrote; buckets get it as DDP first shows them.

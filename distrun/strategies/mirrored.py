@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.strategies._compression import CommCompression
 from distrun.strategies._hierarchical import HierarchicalAllReduce
+from distrun.strategies._precision import PRECISION_DTYPES
 from distrun.strategies.base import Strategy
 
 
@@ -42,7 +43,7 @@ class MirroredStrategy(Strategy):
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         if self._allreduce == "hierarchical":
-            wire = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self._compression.kind)
+            wire = PRECISION_DTYPES.get(self._compression.kind)  # fp16/bf16 on the wire; None: as it is
             self._hierarchical = HierarchicalAllReduce(self._nodes(), wire_dtype=wire)
             ddp.register_comm_hook(None, self._hierarchical.hook)
         elif self._comm is not None:
