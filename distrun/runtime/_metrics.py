@@ -31,7 +31,7 @@ def evaluate(
     metrics: dict[str, Metric],
     per_replica_batch_size: int,
 ) -> dict[str, float]:
-    model = strategy.unwrap()
+    model = strategy.compute_model()
     device = strategy.device
     mean_loss = MeanMetric().to(device)
     named = {name: m.to(device) for name, m in metrics.items()}

@@ -153,6 +153,14 @@ class Strategy(ABC):
             raise ConfigError("strategy.unwrap: call prepare(model, optimizer) first")
         return plain_module(target)
 
+    def compute_model(self) -> nn.Module:
+        """The plain module this replica computes with, on ``self.device``: what evaluation runs.
+
+        The same module as :meth:`unwrap` except under central-storage, whose unwrapped
+        model is the central copy in host memory (what checkpoints store).
+        """
+        return self.unwrap()
+
     def _skipped(self, scale: float) -> None:
         """fp16: this step's update was skipped (inf/NaN gradients on some replica); said as a log."""
         self._reporter.log(self.step + 1, {"fp16_skipped_step": 1.0, "loss_scale": scale})

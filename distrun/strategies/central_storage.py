@@ -109,5 +109,9 @@ class CentralStorageStrategy(Strategy):
             return plain_module(self._central_model)
         return super().unwrap(model)
 
+    def compute_model(self) -> nn.Module:
+        """This replica's device copy: the central one lives on the CPU, where a GPU batch cannot meet it."""
+        return super().unwrap()
+
     def _after_restore(self) -> None:
         self._optimizer._broadcast_central()
