@@ -64,7 +64,7 @@ def train(
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
-    allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts)."),
+    allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
@@ -97,7 +97,7 @@ def train(
         if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
             ps_tasks = 1
         spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
-        if spec.allreduce != "flat":
+        if spec.allreduce == "hierarchical":
             raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
                              "--cluster with two or more worker hosts (this machine is one)")
         start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
@@ -129,7 +129,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             device = "cuda" if job.gpus_everywhere else "cpu"
         spec = build_spec(replicas=job.replicas, ps_tasks=job.ps_tasks, device=device,
                           gpus=job.replicas if job.gpus_everywhere else 0, **flags)
-        if spec.allreduce != "flat" and len(job.placements) < 2:
+        if spec.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
                              "all-reduce across two or more worker hosts")
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,

@@ -10,6 +10,7 @@ from typing import Any
 from distrun.config import JobSpec
 from distrun.protocol import (
     EVALUATOR_RANK,
+    AllReduceChosen,
     Checkpointed,
     Compiled,
     Done,
@@ -46,7 +47,8 @@ class JobTracker:
         self._recipe = recipe
         self._strategy = strategy
         self._compression = compression
-        self._allreduce = allreduce
+        self._allreduce = allreduce  # "auto" until the chief says what it kept
+        self._allreduce_reason: str | None = None
         self._t0 = started_at if started_at is not None else time.time()
         self._replicas = replicas
         self._rows = {r: ReplicaRow(rank=r, host=host_of_rank(r) if host_of_rank else None,
@@ -110,6 +112,8 @@ class JobTracker:
         elif isinstance(event, Compiled):
             if event.rank == 0:
                 self._compiled = event
+        elif isinstance(event, AllReduceChosen):
+            self._allreduce, self._allreduce_reason = event.algorithm, event.reason
         elif isinstance(event, Done):
             self._done[event.rank] = event
             row = dataclasses.replace(row, status=ReplicaStatus.DONE)
@@ -196,6 +200,7 @@ class JobTracker:
             compile=self._compile_summary(),
             compression=self._compression,
             allreduce=self._allreduce,
+            allreduce_reason=self._allreduce_reason,
         )
 
     def _compile_summary(self) -> dict[str, object] | None:

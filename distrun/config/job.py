@@ -30,8 +30,9 @@ DEFAULT_KEEP_CHECKPOINTS = 3
 DEFAULT_PS_PARTITION_MB = 64.0
 #: ``--precision``: fp32, or autocast to bf16 / fp16 around forward and loss (docs/precision.md).
 PRECISIONS = ("fp32", "bf16", "fp16")
-#: ``--allreduce``: DDP's flat ring, or inside each host then across hosts (docs/communication.md).
-ALLREDUCE_ALGORITHMS = ("flat", "hierarchical")
+#: ``--allreduce``: DDP's flat ring, inside each host then across hosts, or whichever of the two
+#: measures faster on the job's own buckets (docs/communication.md).
+ALLREDUCE_ALGORITHMS = ("flat", "hierarchical", "auto")
 #: ``--compile-mode``: torch.compile's own modes.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
@@ -249,6 +250,11 @@ def _validate_allreduce(spec: JobSpec) -> None:
         raise ConfigError(f"--allreduce: expected {', '.join(ALLREDUCE_ALGORITHMS)}. Received: {spec.allreduce!r}"
                           f"{did_you_mean(str(spec.allreduce), ALLREDUCE_ALGORITHMS)}")
     if spec.allreduce == "flat":
+        return
+    if spec.allreduce == "auto":  # mirrored and one-host runs are told "flat: one host" by the probe's rules
+        if spec.strategy not in _COMPRESSIBLE:
+            raise ConfigError(f"--allreduce auto: chooses how replicas all-reduce gradients (mirrored, "
+                              f"multi-worker); --strategy {spec.strategy.value} has no such all-reduce")
         return
     if spec.strategy is not StrategyName.MULTI_WORKER:
         raise ConfigError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts, for --strategy "

@@ -34,6 +34,7 @@ __all__ = [
     "Hung",
     "PsStats",
     "Compiled",
+    "AllReduceChosen",
     "PEER_LOST",
     "SERVER_RANK",
     "EVALUATOR_RANK",
@@ -197,6 +198,21 @@ class Compiled(Event):
         object.__setattr__(self, "reasons", tuple(self.reasons))  # JSON brings a list
 
 
+@dataclass(frozen=True)
+class AllReduceChosen(Event):
+    """``--allreduce auto``: what the chief kept for this job, and why (sent once, before step 1).
+
+    ``flat_ms`` and ``hierarchical_ms`` are the probe's times for one pass over the job's
+    own buckets (the slowest rank's); None where no probe was needed (NCCL, one host, ...).
+    """
+
+    type: ClassVar[str] = "allreduce"
+    algorithm: str
+    reason: str
+    flat_ms: float | None = None
+    hierarchical_ms: float | None = None
+
+
 #: How often each training process sends a Heartbeat (the client's hang detection reads it too).
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -235,7 +251,7 @@ class Hung(Event):
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats,
-                Compiled)
+                Compiled, AllReduceChosen)
 }
 
 

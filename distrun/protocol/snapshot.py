@@ -108,8 +108,10 @@ class JobSummary:
     compile: dict[str, Any] | None = None
     #: --compression: what gradients were all-reduced as (none, fp16, bf16, powersgd:RANK).
     compression: str = "none"
-    #: --allreduce: how gradients met across hosts (flat: DDP's ring; hierarchical).
+    #: --allreduce: how gradients met across hosts (flat: DDP's ring; hierarchical); auto's choice.
     allreduce: str = "flat"
+    #: --allreduce auto: why it kept that one (measured figures, or the rule that decided).
+    allreduce_reason: str | None = None
     #: Every rank was forked from a warm interpreter (a server's zygote) rather than started cold.
     warm: bool = False
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from distrun.protocol import Checkpointed, Compiled, Log, Step
+from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, Step
 from distrun.runtime._process import EventWriter
 
 
@@ -73,6 +73,12 @@ class EventReporter:
         self._writer.emit(Compiled(rank=self._rank, time=time.time(), graphs=stats.graphs,
                                    graph_breaks=stats.graph_breaks, recompiles=stats.recompiles,
                                    compile_s=stats.compile_s, reasons=stats.reasons))
+
+    def allreduce_chosen(self, choice: Any) -> None:
+        """``--allreduce auto``: the chief's choice (an AllReduceChoice), once."""
+        self._writer.emit(AllReduceChosen(rank=self._rank, time=time.time(), algorithm=choice.algorithm,
+                                          reason=choice.reason, flat_ms=choice.flat_ms,
+                                          hierarchical_ms=choice.hierarchical_ms))
 
     # figures ----------------------------------------------------------------
 

@@ -66,7 +66,8 @@ class HierarchicalAllReduce:
         self._work.put((bucket.buffer(), future))
         return future
 
-    def _reduce(self, buffer: torch.Tensor) -> torch.Tensor:
+    def all_reduce_mean(self, buffer: torch.Tensor) -> torch.Tensor:
+        """One bucket's three steps, now, on the calling thread (the hook's thread, or auto's probe)."""
         wire = buffer.to(self._wire_dtype) if self._wire_dtype is not None else buffer
         wire.div_(self.world_size)  # before summing: a reduced dtype must not overflow
         if self._local_size > 1:
@@ -86,7 +87,7 @@ class HierarchicalAllReduce:
                 return
             buffer, future = item
             try:
-                future.set_result(self._reduce(buffer))
+                future.set_result(self.all_reduce_mean(buffer))
             except Exception as exc:  # noqa: BLE001 - DDP raises it where it waits for the bucket
                 future.set_exception(exc)
 

@@ -49,6 +49,8 @@ class Reporter(Protocol):
 
     def compiled(self, stats: CompileStats) -> None: ...
 
+    def allreduce_chosen(self, choice: Any) -> None: ...
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
+from distrun.strategies._allreduce_auto import ddp_bucket_bytes, known_choice, probe, probe_sizes
 from distrun.strategies._compression import CommCompression
 from distrun.strategies._hierarchical import HierarchicalAllReduce
 from distrun.strategies._precision import PRECISION_DTYPES
@@ -32,8 +33,8 @@ class MirroredStrategy(Strategy):
         self._sync_batch_norm = sync_batch_norm
         self._allreduce = allreduce
         self._compression = compression
-        self._comm = (CommCompression(compression, warmup_steps=powersgd_warmup, seed=self._replica.seed)
-                      if compression.active and allreduce == "flat" else None)
+        self._powersgd_warmup = powersgd_warmup
+        self._comm: CommCompression | None = None
         self._hierarchical: HierarchicalAllReduce | None = None
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
@@ -42,13 +43,35 @@ class MirroredStrategy(Strategy):
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
+        wire = PRECISION_DTYPES.get(self._compression.kind)  # fp16/bf16 on the wire; None: as it is
+        if self._allreduce == "auto":
+            self._allreduce = self._choose(ddp, wire)
         if self._allreduce == "hierarchical":
-            wire = PRECISION_DTYPES.get(self._compression.kind)  # fp16/bf16 on the wire; None: as it is
-            self._hierarchical = HierarchicalAllReduce(self._nodes(), wire_dtype=wire)
+            if self._hierarchical is None:
+                self._hierarchical = HierarchicalAllReduce(self._nodes(), wire_dtype=wire)
             ddp.register_comm_hook(None, self._hierarchical.hook)
-        elif self._comm is not None:
+        elif self._compression.active:
+            self._comm = CommCompression(self._compression, warmup_steps=self._powersgd_warmup,
+                                         seed=self._replica.seed)
             self._comm.attach(ddp)
         return ddp, optimizer
+
+    def _choose(self, ddp: DistributedDataParallel, wire: torch.dtype | None) -> str:
+        """``--allreduce auto``: flat or hierarchical for this job, the same on every rank, said in an event."""
+        nodes = self._nodes()
+        choice = known_choice(nodes, backend=str(dist.get_backend()), powersgd=self._compression.kind == "powersgd")
+        if choice is None:
+            self._hierarchical = HierarchicalAllReduce(nodes, wire_dtype=wire)
+            per_host = max(nodes.count(node) for node in set(nodes))
+            choice = probe(probe_sizes(ddp_bucket_bytes(ddp)), flat=dist.all_reduce,
+                           hierarchical=self._hierarchical.all_reduce_mean, dtype=wire or torch.float32,
+                           device=self._collective_device, hosts=len(set(nodes)), slots=per_host)
+            if choice.algorithm != "hierarchical":
+                self._hierarchical.close()
+                self._hierarchical = None
+        if self.is_chief:
+            self._reporter.allreduce_chosen(choice)
+        return choice.algorithm
 
     def _nodes(self) -> list[int]:
         """Every rank's host (its node rank), gathered: the groups of a hierarchical all-reduce."""

@@ -117,8 +117,9 @@ def render_summary(summary: JobSummary) -> RenderableType:
         table.add_row("precision", summary.precision)
     if summary.compression != "none":
         table.add_row("compression", summary.compression)
-    if summary.allreduce != "flat":
-        table.add_row("all-reduce", summary.allreduce)
+    if summary.allreduce != "flat" or summary.allreduce_reason:
+        why = f" (auto: {summary.allreduce_reason})" if summary.allreduce_reason else ""
+        table.add_row("all-reduce", summary.allreduce + why)
     if summary.compile is not None:
         figures = summary.compile
         table.add_row("compile", f"{figures['mode']}: {fmt_seconds(figures['compile_s'])} compiling, "

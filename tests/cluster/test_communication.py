@@ -34,7 +34,8 @@ def test_hierarchical_equals_flat_equals_one_device_on_two_hosts_of_two_slots(la
     with brought_up(lab, roles, "hier") as cluster:
         runs = {}
         for name, flags in (("flat", ()), ("hierarchical", ("--allreduce", "hierarchical")),
-                            ("hierarchical-bf16", ("--allreduce", "hierarchical", "--compression", "bf16"))):
+                            ("hierarchical-bf16", ("--allreduce", "hierarchical", "--compression", "bf16")),
+                            ("auto", ("--allreduce", "auto"))):
             result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
                              "--json", "--no-fetch", "--checkpoint-dir", str(tmp_path / name), "--steps", "12",
                              *flags, *FULL_BATCHES, timeout=240)
@@ -42,6 +43,8 @@ def test_hierarchical_equals_flat_equals_one_device_on_two_hosts_of_two_slots(la
             lines = json_lines(result)
             assert lines[0]["world_size"] == 4
             runs[name] = (lines[-1], _params(tmp_path / name))
+            if name == "auto":
+                chosen = [line for line in lines if line["type"] == "allreduce"]
     summary, hierarchical = runs["hierarchical"]
     assert summary["allreduce"] == "hierarchical" and runs["flat"][0]["allreduce"] == "flat"
     # The same sums in another order: float rounding only (Adam steps of lr 0.01, 12 of them).
@@ -51,3 +54,11 @@ def test_hierarchical_equals_flat_equals_one_device_on_two_hosts_of_two_slots(la
     summary, compressed = runs["hierarchical-bf16"]
     assert summary["compression"] == "bf16"
     assert 0 < _max_diff(compressed, one) <= 12 * 0.01 * 2.0**-8
+    # auto measured both on this job's buckets (2 hosts x 2 ranks), kept one, and said why.
+    assert len(chosen) == 1 and chosen[0]["rank"] == 0
+    assert chosen[0]["flat_ms"] > 0 and chosen[0]["hierarchical_ms"] > 0
+    summary, auto = runs["auto"]
+    assert summary["allreduce"] == chosen[0]["algorithm"] in ("flat", "hierarchical")
+    assert summary["allreduce_reason"].startswith("measured: ") and "2 hosts x 2 ranks" in summary["allreduce_reason"]
+    for key, tensor in one.items():
+        torch.testing.assert_close(auto[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
