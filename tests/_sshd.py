@@ -184,8 +184,12 @@ class NetnsLab:
         ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         ip("-n", self.bridge_ns, "link", "set", "br0", "up")
 
-    def add_node(self, name: str, octet: int) -> tuple[str, str]:
-        """A namespace joined to the bridge; returns (namespace, address)."""
+    def add_node(self, name: str, octet: int, rate_mbit: float | None = None) -> tuple[str, str]:
+        """A namespace joined to the bridge; returns (namespace, address).
+
+        ``rate_mbit``: shape the node's link to that rate in both directions (``tc`` tbf
+        on each end of its veth), as a host with that NIC would be.
+        """
         ns = f"{self.tag}{name}"
         ip("netns", "add", ns)
         self.namespaces.append(ns)
@@ -196,6 +200,13 @@ class NetnsLab:
         ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
         ip("-n", ns, "link", "set", "eth0", "up")
         ip("-n", ns, "link", "set", "lo", "up")
+        if rate_mbit is not None:
+            for where, dev in ((ns, "eth0"), (self.bridge_ns, port)):
+                # burst: a few ms at the rate; latency bounds the queue (rate x 100 ms).
+                burst_kb = max(32, int(rate_mbit * 1000 / 8 * 0.004))
+                subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                                f"{rate_mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "100ms"],
+                               capture_output=True, text=True, check=True)
         return ns, address
 
     def pids(self, ns: str) -> list[int]:

@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.overhead import run_overhead
 from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.straggler import run_straggler
@@ -24,15 +25,15 @@ from distrun.cli.train import local_layout
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_overhead, render_scaling, render_straggler, render_ttfs
+from distrun.ui.bench import render_allreduce, render_overhead, render_scaling, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | resnet50 | resnet18 | mlp"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling: the (running) cluster to measure (none: this machine)."),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | resnet50 | resnet18 | mlp"),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce: the (running) cluster to measure (none: this machine)."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda"),
@@ -44,9 +45,10 @@ def bench(
     precision: str | None = typer.Option(None, "--precision", help="scaling: fp32 | bf16 | fp16 (default bf16 on GPU, fp32 on CPU)."),
     compile_model: bool = typer.Option(False, "--compile", help="scaling: torch.compile distrun's model and the --compare baseline."),
     compare: str | None = typer.Option(None, "--compare", help="scaling: `ddp` also runs torchrun + DDP of the same model."),
-    plot: Path | None = typer.Option(None, "--plot", help="scaling: draw images/s and efficiency to FILE.png (matplotlib)."),
+    plot: Path | None = typer.Option(None, "--plot", help="scaling, allreduce: draw the figures to FILE.png (matplotlib)."),
+    sizes_mb: str = typer.Option(",".join(f"{s:g}" for s in DEFAULT_SIZES_MB), "--sizes-mb", help="allreduce: message sizes in MB (2^20 bytes), comma-separated."),
     global_batch_size: int = typer.Option(256, "--global-batch-size", "-b", help="overhead: samples per step."),
-    repeats: int = typer.Option(3, "--repeats", help="overhead, ttfs: runs per contender; the median is reported."),
+    repeats: int = typer.Option(3, "--repeats", help="overhead, ttfs: runs per contender, the median reported; allreduce: timed operations per size."),
     slow_factor: float = typer.Option(3.0, "--slow-factor", help="straggler: how many times slower the slow worker is."),
     step_s: float = typer.Option(0.03, "--step-s", help="straggler: the other workers' step time (an injected sleep)."),
     target_loss: float = typer.Option(0.15, "--target-loss", help="straggler: report batches and seconds to this loss."),
@@ -76,6 +78,11 @@ def bench(
             report = run_straggler(workers=workers, slow_factor=slow_factor, step_s=step_s, steps=steps or 600,
                                    target_loss=target_loss, progress=say)
             _show(report.to_dict(), json_output, render_straggler)
+        elif workload == "allreduce":
+            report = _allreduce(cluster_file, sizes_mb, repeats, say)
+            _show(report, json_output, render_allreduce)
+            if plot is not None:
+                _plot_allreduce(report, plot)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
                               strategy, compare, json_output, precision, compile_model)
@@ -83,7 +90,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None
@@ -117,6 +124,19 @@ def _overhead(replicas: int, steps: int, global_batch_size: int, repeats: int, s
         raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by {replicas} replicas")
     return run_overhead(replicas=replicas, steps=steps, global_batch_size=global_batch_size, repeats=repeats,
                         progress=say).to_dict()
+
+
+def _allreduce(cluster: Path | None, sizes_mb: str, repeats: int, say: Any) -> dict[str, Any]:
+    if cluster is None:
+        raise UsageError("bench allreduce: needs --cluster FILE (a running cluster of two or more worker hosts)")
+    _positive(repeats=repeats)
+    try:
+        sizes = tuple(float(part) for part in sizes_mb.split(","))
+    except ValueError:
+        raise UsageError(f"--sizes-mb: expected sizes in MB separated by commas, e.g. 1,4,16. Received: {sizes_mb!r}") from None
+    if not sizes or any(not 0 < size <= 4096 for size in sizes):
+        raise UsageError(f"--sizes-mb: each size must be above 0 and at most 4096 MB. Received: {sizes_mb!r}")
+    return run_allreduce(cluster=cluster, sizes_mb=sizes, repeats=repeats, progress=say)
 
 
 def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int | None, device: str, steps: int,
@@ -165,7 +185,7 @@ def _scaling(model: str, cluster: Path | None, replicas: int | None, gpus: int |
     return report.to_dict()
 
 
-def _plot(report: dict[str, Any], path: Path) -> None:
+def _pyplot() -> Any:
     try:
         import matplotlib
 
@@ -173,6 +193,11 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'distrun[plot]'") from None
+    return plt
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
     replicas = [row["replicas"] for row in report["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(replicas, [row["images_per_s"] for row in report["rows"]], marker="o", label="distrun")
@@ -185,5 +210,20 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     right.axhspan(100 * low, 100 * high, alpha=0.2, label="seeds: 90-95%")
     right.set(xlabel="replicas", ylabel="scaling efficiency (%)", ylim=(0, 110), title="scaling efficiency")
     right.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _plot_allreduce(report: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    fig, axis = plt.subplots(figsize=(6, 4))
+    for algorithm in ("flat", "hierarchical"):
+        rows = [row for row in report["rows"] if row["algorithm"] == algorithm]
+        axis.plot([row["size_mb"] for row in rows], [row["busbw_MBps"] for row in rows], marker="o", label=algorithm)
+    if report.get("link_MBps_min"):
+        axis.axhline(report["link_MBps_min"], linestyle="--", color="grey", label="slowest link (raw TCP)")
+    axis.set(xscale="log", xlabel="message size (MB)", ylabel="busbw (MB/s)",
+             title=f"all-reduce, {report['world_size']} ranks on {report['hosts']} hosts")
+    axis.legend()
     fig.tight_layout()
     fig.savefig(path)

@@ -65,3 +65,21 @@ def render_straggler(report: Mapping[str, Any]) -> Table:
                       "-" if row["seconds_to_target"] is None else f"{row['seconds_to_target']:.1f}",
                       "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}")
     return table
+
+
+def render_allreduce(report: Mapping[str, Any]) -> Table:
+    slowest = report.get("link_MBps_min")
+    hosts = " + ".join(str(n) for n in report["ranks_per_host"])
+    title = (f"all-reduce: {report['world_size']} ranks on {report['hosts']} hosts ({hosts}), mean of "
+             f"{report['repeats']}; slowest link {'-' if slowest is None else f'{slowest:.1f} MB/s'}")
+    links = ", ".join(f"host {link['from_host']} -> {link['to_host']}: {link['MBps']:.1f} MB/s"
+                      for link in report["links"])
+    table = Table(title=title, title_justify="left", caption=f"links (raw TCP): {links or 'none'}; "
+                  "busbw = algbw x 2(n-1)/n (nccl-tests); MB/s of 10^6 bytes", caption_justify="left")
+    for column in ("size (MB)", "algorithm", "time (ms)", "algbw (MB/s)", "busbw (MB/s)", "busbw / slowest link"):
+        table.add_column(column, justify="right")
+    for row in report["rows"]:
+        share = "-" if row.get("of_link") is None else f"{row['of_link']:.2f}"
+        table.add_row(f"{row['size_mb']:g}", row["algorithm"], f"{row['time_ms']:.1f}", f"{row['algbw_MBps']:.1f}",
+                      f"{row['busbw_MBps']:.1f}", share)
+    return table

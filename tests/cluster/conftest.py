@@ -108,8 +108,9 @@ class Lab:
 
 
 @contextlib.contextmanager
-def _lab(tmp_path: Path, names: tuple[str, ...]) -> Iterator[Lab]:
-    require_root_tools("ip")
+def shaped_lab(tmp_path: Path, names: tuple[str, ...], rate_mbit: float | None = None) -> Iterator[Lab]:
+    """Hosts ``names`` with sshd each; ``rate_mbit`` shapes every host's link (tc tbf)."""
+    require_root_tools("ip", *(["tc"] if rate_mbit is not None else []))
     tag = f"dr{os.getpid() % 100000}"
     netns = NetnsLab(tag)
     sshds: list[Sshd] = []
@@ -119,7 +120,7 @@ def _lab(tmp_path: Path, names: tuple[str, ...]) -> Iterator[Lab]:
         hosts = {}
         lines = []
         for index, name in enumerate(names):
-            ns, address = netns.add_node(name, 11 + index)
+            ns, address = netns.add_node(name, 11 + index, rate_mbit=rate_mbit)
             sshd = Sshd(tmp_path / f"sshd-{name}", address=address, port=22, netns=ns)
             sshd.start(keys.authorized_keys)
             sshds.append(sshd)
@@ -137,14 +138,14 @@ def _lab(tmp_path: Path, names: tuple[str, ...]) -> Iterator[Lab]:
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[Lab]:
     """Two hosts, h1 and h2."""
-    with _lab(tmp_path, ("h1", "h2")) as made:
+    with shaped_lab(tmp_path, ("h1", "h2")) as made:
         yield made
 
 
 @pytest.fixture
 def lab3(tmp_path: Path) -> Iterator[Lab]:
     """Three hosts, h1, h2 and h3."""
-    with _lab(tmp_path, ("h1", "h2", "h3")) as made:
+    with shaped_lab(tmp_path, ("h1", "h2", "h3")) as made:
         yield made
 
 
