@@ -14,20 +14,23 @@ s x 2(n-1)/n (bandwidth arithmetic, docs/communication.md).
 Ordering: collectives on one process group must be issued in the same order on
 every rank. DDP hands buckets over in index order on every rank, and one
 background thread per replica runs each bucket's three steps in that order
-(Horovod's background loop), so the order holds, and backward keeps computing
-while the thread communicates, as with DDP's own all-reduce.
+(``_bucket_queue.py``), so the order holds, and backward keeps computing while
+the thread communicates, as with DDP's own all-reduce.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HierarchicalAllReduce", "host_groups"]
+from distrun.strategies._bucket_queue import OrderedBucketHook
+
+__all__ = ["CHUNK_BYTES", "HierarchicalAllReduce", "host_groups"]
+
+#: Pipeline unit of a bucket's three steps (a 25 MB DDP bucket crosses as 7 chunks).
+CHUNK_BYTES = 4 * 2**20
 
 
 def host_groups(node_of_rank: list[int]) -> list[list[int]]:
@@ -57,40 +60,43 @@ class HierarchicalAllReduce:
         leaders = [ranks[0] for ranks in groups]
         self._inter = dist.new_group(leaders)
         self.is_leader = rank == self.leader
-        self._work: queue.Queue[tuple[torch.Tensor, torch.futures.Future[torch.Tensor]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._serve, name="distrun-hierarchical", daemon=True)
-        self._thread.start()
-
-    def hook(self, state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations: none, or real classes
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._work.put((bucket.buffer(), future))
-        return future
+        self._ordered = OrderedBucketHook(lambda bucket: self.all_reduce_mean(bucket.buffer()), "distrun-hierarchical")
+        self.hook = self._ordered.hook
 
     def all_reduce_mean(self, buffer: torch.Tensor) -> torch.Tensor:
-        """One bucket's three steps, now, on the calling thread (the hook's thread, or auto's probe)."""
+        """One bucket's three steps, now, on the calling thread (the hook's thread, or auto's probe).
+
+        Pipelined in chunks of :data:`CHUNK_BYTES`: while the leaders all-reduce chunk k
+        across hosts, chunk k+1 is still being reduced inside the host, and chunk k is
+        broadcast while k+1 crosses. Unpipelined, the two steps inside the host added
+        their whole time to the slow links' (1.07-1.10x over flat on 4 hosts x 2 at
+        200 Mbit/s, against 1.17x from bandwidth arithmetic).
+        """
         wire = buffer.to(self._wire_dtype) if self._wire_dtype is not None else buffer
         wire.div_(self.world_size)  # before summing: a reduced dtype must not overflow
-        if self._local_size > 1:
-            dist.reduce(wire, dst=self.leader, group=self._intra)
-        if self.is_leader and self.hosts > 1:
-            dist.all_reduce(wire, group=self._inter)
-        if self._local_size > 1:
-            dist.broadcast(wire, src=self.leader, group=self._intra)
+        chunks = wire.split(max(1, CHUNK_BYTES // wire.element_size()))
+        local, across = self._local_size > 1, self.is_leader and self.hosts > 1
+        reduced = [dist.reduce(c, dst=self.leader, group=self._intra, async_op=True) for c in chunks] if local else []
+        crossed = []
+        for index, chunk in enumerate(chunks):
+            if local:
+                reduced[index].wait()
+            if across:
+                crossed.append(dist.all_reduce(chunk, group=self._inter, async_op=True))
+        if local:
+            sent = []
+            for index, chunk in enumerate(chunks):
+                if across:
+                    crossed[index].wait()
+                sent.append(dist.broadcast(chunk, src=self.leader, group=self._intra, async_op=True))
+            for work in sent:
+                work.wait()
+        else:
+            for work in crossed:
+                work.wait()
         if wire is not buffer:
             buffer.copy_(wire)
         return buffer
 
-    def _serve(self) -> None:
-        while True:
-            item = self._work.get()
-            if item is None:
-                return
-            buffer, future = item
-            try:
-                future.set_result(self.all_reduce_mean(buffer))
-            except Exception as exc:  # noqa: BLE001 - DDP raises it where it waits for the bucket
-                future.set_exception(exc)
-
     def close(self) -> None:
-        self._work.put(None)
-        self._thread.join(timeout=10.0)
+        self._ordered.close()

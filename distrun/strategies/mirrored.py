@@ -83,6 +83,8 @@ class MirroredStrategy(Strategy):
     def close(self) -> None:
         if self._hierarchical is not None:
             self._hierarchical.close()
+        if self._comm is not None:
+            self._comm.close()
         super().close()
 
     def _comm_state(self) -> dict[str, Any] | None:

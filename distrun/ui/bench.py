@@ -83,3 +83,17 @@ def render_allreduce(report: Mapping[str, Any]) -> Table:
         table.add_row(f"{row['size_mb']:g}", row["algorithm"], f"{row['time_ms']:.1f}", f"{row['algbw_MBps']:.1f}",
                       f"{row['busbw_MBps']:.1f}", share)
     return table
+
+
+def render_compression(report: Mapping[str, Any]) -> Table:
+    title = (f"compression: {report['world_size']} ranks, MLP of {report['parameters']:,} parameters, batch "
+             f"{report['batch_per_replica']} per replica, {report['timed_steps']} timed steps")
+    table = Table(title=title, title_justify="left", caption="loss: training loss after the same steps; digits: "
+                  "recipes/digits.py's held-out accuracy under the same compression", caption_justify="left")
+    for column in ("compression", "samples/s", "vs none", "loss", "digits accuracy"):
+        table.add_column(column, justify="left" if column == "compression" else "right")
+    for row in report["rows"]:
+        speedup = "-" if row["speedup_vs_none"] is None else f"{row['speedup_vs_none']:.2f}x"
+        table.add_row(row["compression"], f"{row['samples_per_s']:.0f}", speedup, f"{row['loss']:.4f}",
+                      f"{row['digits_accuracy']:.4f}")
+    return table

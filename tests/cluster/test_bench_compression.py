@@ -1,0 +1,40 @@
+"""`distrun bench compression` on two namespace hosts of one slot each.
+
+The suite runs on unshaped links and holds the report's shape and that every
+compression trains (digits accuracy, a falling loss). Speed is not asserted. The
+documented figure (P5 in docs/performance.md) is the same test on 50 Mbit/s links:
+
+    DISTRUN_BENCH_RATE_MBIT=50 python3 -m pytest tests/cluster/test_bench_compression.py -s
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+
+
+def test_bench_compression_trains_the_workload_and_digits_under_each_compression(tmp_path: Path) -> None:
+    rate = os.environ.get("DISTRUN_BENCH_RATE_MBIT")
+    steps = os.environ.get("DISTRUN_BENCH_STEPS", "5")
+    with shaped_lab(tmp_path, ("h1", "h2"), rate_mbit=float(rate) if rate else None) as lab:
+        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
+        with brought_up(lab, roles, "compression") as cluster:
+            result = lab_cli(lab, "bench", "compression", "--cluster", str(cluster), "--steps", steps, "--json",
+                             timeout=1500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(json.dumps(report, indent=1))
+    assert report["world_size"] == 2 and report["timed_steps"] == int(steps)
+    assert report["parameters"] == 256 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
+    rows = {row["compression"]: row for row in report["rows"]}
+    assert list(rows) == ["none", "fp16", "bf16", "powersgd:2"]
+    assert rows["none"]["speedup_vs_none"] == 1.0
+    for name, row in rows.items():
+        assert row["samples_per_s"] > 0, name
+        # 10 classes: a model that learned nothing sits at ln 10 = 2.30.
+        assert math.isfinite(row["loss"]) and row["loss"] < math.log(10), (name, row)
+        assert row["digits_accuracy"] > 0.9, (name, row)
