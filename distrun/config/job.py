@@ -240,9 +240,14 @@ def _validate_compression(spec: JobSpec) -> None:
                           f"first). Received: {spec.powersgd_warmup!r}")
     if spec.powersgd_warmup != DEFAULT_POWERSGD_WARMUP and compression.kind != "powersgd":
         raise ConfigError("--powersgd-warmup is for --compression powersgd")
+    if compression.active and spec.strategy is StrategyName.PARAMETER_SERVER:
+        if compression.kind == "powersgd":  # a low-rank sum needs every replica's gradient at once
+            raise ConfigError("--compression powersgd: compresses gradients that replicas all-reduce (mirrored, "
+                              "multi-worker); parameter-server pushes take --compression fp16|bf16")
+        return
     if compression.active and spec.strategy not in _COMPRESSIBLE:
-        raise ConfigError(f"--compression {compression}: applies where replicas all-reduce gradients (mirrored, "
-                          f"multi-worker); --strategy {spec.strategy.value} has no such all-reduce")
+        raise ConfigError(f"--compression {compression}: applies where replicas exchange gradients (mirrored, "
+                          f"multi-worker, parameter-server); --strategy {spec.strategy.value} has no such exchange")
 
 
 def _validate_allreduce(spec: JobSpec) -> None:

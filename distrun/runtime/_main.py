@@ -208,8 +208,10 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     world_size = launch.world_size
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
+        from distrun.runtime._ps_task import ps_wire_dtype
+
         options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
-                   "partition_bytes": spec.ps_partition_bytes}
+                   "partition_bytes": spec.ps_partition_bytes, "wire": ps_wire_dtype(spec)}
     replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed, node_rank=launch.node_rank)
     step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode)

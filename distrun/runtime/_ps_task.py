@@ -18,10 +18,16 @@ import torch
 from distrun.config import JobSpec
 from distrun.protocol import Done, Output
 from distrun.runtime._process import EventWriter, LaunchEnv
+from distrun.strategies._precision import PRECISION_DTYPES
 from distrun.strategies._ps_layout import Layout
 from distrun.strategies._ps_server import ParameterServer, serve_forever
 
 _STATS_INTERVAL_S = 1.0
+
+
+def ps_wire_dtype(spec: JobSpec) -> torch.dtype | None:
+    """What a parameter-server job's pushes and pulls cross in (``--compression fp16|bf16``)."""
+    return PRECISION_DTYPES.get(spec.compression_spec.kind)
 
 
 def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: EventWriter, store: Any) -> None:
@@ -32,7 +38,7 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     layout = Layout(model, spec.ps_tasks, spec.ps_partition_bytes)
     server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps_sync,
                              max_staleness=spec.max_staleness, wait_for_load=spec.resume,
-                             expected_workers=spec.replicas)
+                             expected_workers=spec.replicas, wire=ps_wire_dtype(spec))
     del model  # only the shards stay
 
     def report() -> None:

@@ -14,6 +14,11 @@ would stop any other from joining.
 Messages are a fixed header (8 int64) followed by tensors whose shapes both
 sides know from the placement, or by a JSON document sent as a uint8 tensor.
 Tensors are data; nothing on this channel is unpickled.
+
+``--compression fp16|bf16``: both ends agree on a wire dtype, and the values of a
+step (gradients pushed, parameters and rows pulled) cross in it through
+``send_values``/``recv_values``; the ps keeps and updates fp32. Checkpoint state
+(STATE, LOAD) always crosses exact.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = ["Channel", "Op", "HEADER_LEN", "open_worker_channels", "accept_channe
            "describe_state", "receive_state"]
 
 HEADER_LEN = 8
+_FP16_MAX = 65504.0
 #: How long one send or receive may wait: long, because a ps answers a worker only when
 #: its staleness bound or synchronous round allows; a peer that dies closes the socket
 #: and ends the wait at once, so this only bounds a peer that hangs while alive.
@@ -57,12 +63,31 @@ class Op:
 class Channel:
     """Blocking, ordered exchange with one peer; ``bytes_in``/``bytes_out`` count payload."""
 
-    def __init__(self, group: Any, peer: int, label: str) -> None:
+    def __init__(self, group: Any, peer: int, label: str, wire: torch.dtype | None = None) -> None:
+        """``wire``: the dtype floating-point values cross in (None: their own)."""
         self._group = group
         self._peer = peer
         self.label = label
+        self.wire = wire
         self.bytes_in = 0
         self.bytes_out = 0
+
+    def send_values(self, *tensors: torch.Tensor) -> None:
+        """Floating-point tensors in the wire dtype (fp16 saturates at its largest finite value)."""
+        self.send(*(self._to_wire(t) for t in tensors))
+
+    def recv_values(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """What ``send_values`` sent, back in ``dtype``."""
+        if self.wire is None or not dtype.is_floating_point:
+            return self.recv(shape, dtype)
+        return self.recv(shape, self.wire).to(dtype)
+
+    def _to_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.wire is None or not tensor.is_floating_point() or tensor.dtype == self.wire:
+            return tensor
+        if self.wire == torch.float16:  # past 65504 a cast is inf, and one inf gradient ruins a shard
+            tensor = tensor.clamp(-_FP16_MAX, _FP16_MAX)
+        return tensor.to(self.wire)
 
     def send(self, *tensors: torch.Tensor) -> None:
         for tensor in tensors:
@@ -135,17 +160,17 @@ def _pair(store: Any, connection: int, task: int, rank: int) -> Any:
     return dist.ProcessGroupGloo(prefix, rank, 2, _CONNECT_TIMEOUT)
 
 
-def open_worker_channels(store: Any, num_tasks: int, worker: int) -> list[Channel]:
+def open_worker_channels(store: Any, num_tasks: int, worker: int, wire: torch.dtype | None = None) -> list[Channel]:
     """A worker's channels to every ps task (rank 1 of each pair; the ps is rank 0)."""
     connection = int(store.add(_JOINS_KEY, 1)) - 1
     store.set(f"ps/conn{connection}/worker", str(worker))
-    return [Channel(_pair(store, connection, task, 1), 0, f"ps{task}") for task in range(num_tasks)]
+    return [Channel(_pair(store, connection, task, 1), 0, f"ps{task}", wire) for task in range(num_tasks)]
 
 
-def accept_channel(store: Any, connection: int, task: int) -> tuple[Channel, int]:
+def accept_channel(store: Any, connection: int, task: int, wire: torch.dtype | None = None) -> tuple[Channel, int]:
     """The ps end of connection ``connection``: (its channel, the worker's index)."""
     worker = int(store.get(f"ps/conn{connection}/worker").decode())
-    return Channel(_pair(store, connection, task, 0), 1, f"worker{worker}"), worker
+    return Channel(_pair(store, connection, task, 0), 1, f"worker{worker}", wire), worker
 
 
 def watch_joins(store: Any, on_join: Callable[[int], None], stopping: Callable[[], bool]) -> None:

@@ -48,10 +48,12 @@ class ParameterServer:
     def __init__(self, task: int, layout: Layout, model: nn.Module,
                  make_optimizer: Callable[[list[nn.Parameter]], Any], *, sync: bool = False,
                  max_staleness: int | None = None, wait_for_load: bool = False, expected_workers: int = 1,
-                 join_grace_s: float = 60.0) -> None:
+                 join_grace_s: float = 60.0, wire: torch.dtype | None = None) -> None:
         """``expected_workers``, ``join_grace_s``: synchronous rounds start once every worker has
-        connected, or after this grace (a worker that never comes must not stall the job)."""
+        connected, or after this grace (a worker that never comes must not stall the job).
+        ``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``)."""
         self.task = task
+        self.wire = wire
         self._refs = layout.owned(task)
         params = dict(model.named_parameters())
         self._tensors = [nn.Parameter(ref.view(params[ref.name].detach()).clone()) for ref in self._refs]
@@ -144,7 +146,7 @@ class ParameterServer:
             flats = self._current_parameters(connection)
             header = self._reply_header()
         channel.send_header(*header)
-        channel.send(*flats)
+        channel.send_values(*flats)
 
     def _current_parameters(self, connection: int) -> list[torch.Tensor]:
         """The dense shards, once this worker is within the staleness bound (lock held)."""
@@ -161,7 +163,7 @@ class ParameterServer:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
 
     def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int) -> None:
-        flats = [channel.recv((numel,), dtype) for numel, dtype in self._dense_specs]
+        flats = [channel.recv_values((numel,), dtype) for numel, dtype in self._dense_specs]
         grads: list[torch.Tensor | None] = [None] * len(self._tensors)
         dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
         unpack_into(flats, dense)
@@ -171,7 +173,7 @@ class ParameterServer:
             (count, *_rest) = channel.recv_header()
             shard = self._tensors[i]
             ids = channel.recv((count,), torch.int64)
-            rows = channel.recv((count, *shard.shape[1:]), shard.dtype)
+            rows = channel.recv_values((count, *shard.shape[1:]), shard.dtype)
             start = self._refs[i].shard.rows[0]  # type: ignore[index]
             grads[i] = torch.zeros_like(shard).index_add_(0, ids - start, rows)
         self._loaded.wait()
@@ -196,7 +198,7 @@ class ParameterServer:
             flats = self._current_parameters(connection)
             header = self._reply_header(staleness)
         channel.send_header(*header)
-        channel.send(*flats)
+        channel.send_values(*flats)
 
     def _close_round_if_complete(self) -> None:
         """Apply the round's mean once every connected worker is in it (call with the lock held).
@@ -236,7 +238,7 @@ class ParameterServer:
         self._loaded.wait()
         with self._cond:
             rows = self._tensors[i].detach()[ids - start]
-        channel.send(rows)
+        channel.send_values(rows)
 
     # -- checkpoints: shards and optimizer state, described in JSON, sent as tensors
 
@@ -275,7 +277,7 @@ def serve_forever(server: ParameterServer, store: Any, on_event: Callable[[str],
 
     def handle(connection: int) -> None:
         try:
-            channel, worker = accept_channel(store, connection, server.task)
+            channel, worker = accept_channel(store, connection, server.task, server.wire)
         except RuntimeError as exc:
             on_event(f"connection {connection} never opened: {str(exc).splitlines()[0][:120]}")
             return

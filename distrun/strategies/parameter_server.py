@@ -86,8 +86,11 @@ class ParameterServerStrategy(Strategy):
     _unscale_in_step = False  # fp16: embedding rows' gradients are not in param.grad; _push unscales
 
     def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
-                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), **kwargs: Any) -> None:
+                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), wire: torch.dtype | None = None,
+                 **kwargs: Any) -> None:
+        """``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``); the ps keeps fp32."""
         super().__init__(replica, reporter, **kwargs)
+        self._wire = wire
         self._store = store
         self._num_ps = num_ps
         self._sync = sync
@@ -131,7 +134,7 @@ class ParameterServerStrategy(Strategy):
         if self.is_chief:
             for line in self._layout.describe():
                 print(f"[placement] {line}", flush=True)
-        self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id)
+        self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id, self._wire)
         # Evaluation (and any forward outside ``run``) sees the current parameters too.
         model.register_forward_pre_hook(lambda module, args: self._pull() if self._stale else None)
         modules = dict(model.named_modules())
@@ -168,7 +171,7 @@ class ParameterServerStrategy(Strategy):
     def _receive_dense(self, task: int, channel: Channel) -> None:
         """Task ``task``'s dense shards, straight into this worker's parameters."""
         assert self._layout is not None
-        flats = [channel.recv((n,), dtype) for n, dtype in self._dense_specs[task]]
+        flats = [channel.recv_values((n,), dtype) for n, dtype in self._dense_specs[task]]
         targets = [ref.view(self._params[ref.index].data) for ref in self._layout.dense(task)]
         unpack_into([f.to(self.device) for f in flats], targets)
 
@@ -214,7 +217,7 @@ class ParameterServerStrategy(Strategy):
                 param = self._params[ref.index]
                 grads.append(ref.view(param.grad) if param.grad is not None else ref.view(torch.zeros_like(param)))
             channel.send_header(Op.PUSH, self._version, self._limit)  # the reply brings the next parameters
-            channel.send(*[g.cpu() for g in pack(grads)])
+            channel.send_values(*[g.cpu() for g in pack(grads)])
             for ref in self._layout.sparse(task):
                 lo, hi = ref.shard.rows  # type: ignore[misc]
                 ids, rows = [], []
@@ -229,7 +232,8 @@ class ParameterServerStrategy(Strategy):
                 rows_t = (torch.cat(rows).cpu() if rows
                           else torch.zeros((0, *row_shape), dtype=self._layout.dtypes[ref.name]))
                 channel.send_header(ids_t.numel())
-                channel.send(ids_t, rows_t)
+                channel.send(ids_t)
+                channel.send_values(rows_t)
 
     def _sparse_forward(self, embedding: nn.Embedding, name: str) -> Any:
         """An embedding forward that pulls only the looked-up rows, and keeps them for the push."""
@@ -267,7 +271,7 @@ class ParameterServerStrategy(Strategy):
             channel.send(wanted)
             asks.append((channel, mask, wanted.numel()))
         for channel, mask, count in asks:
-            rows[mask] = channel.recv((count, *shape[1:]), rows.dtype)
+            rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
         return rows.to(self.device)
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -142,3 +142,30 @@ def test_sync_rounds_with_two_workers_equal_mirrored_and_repeat_exactly(tmp_path
     for key, tensor in mirrored["model"].items():
         torch.testing.assert_close(first["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
         assert torch.equal(first["model"][key], second["model"][key]), key
+
+
+def test_bf16_on_the_wire_halves_what_workers_push_and_the_ps_keeps_fp32(tmp_path: Path) -> None:
+    """One worker in synchronous rounds: the same batches in the same order, so the runs
+    differ only by what the wire rounds. Rounding the pulled parameters to bf16 changes each
+    gradient a little, and Adam moves a parameter about lr a step whatever its gradient's size,
+    so small steps may flip: the runs may part by a few lr (0.01), never by the 30 lr each moved."""
+    runs = {}
+    for compression in ("none", "bf16"):
+        lines = _train(EMBEDDING, "--strategy", "ps", "--replicas", "1", "--ps-sync", *SPLIT, "--steps", "30",
+                       "--compression", compression, "--checkpoint-dir", str(tmp_path / compression))
+        assert lines[-1]["compression"] == compression
+        pushed = sum(line["bytes_in"] for line in lines if line.get("type") == "ps")
+        runs[compression] = (pushed, lines[-1]["final_loss"], torch.load(latest_checkpoint(tmp_path / compression),
+                                                                           weights_only=True)["model"])
+    (plain_bytes, plain_loss, plain), (wire_bytes, wire_loss, wire) = runs["none"], runs["bf16"]
+    # Rows of 16 values cross in 32 bytes instead of 64, their 8-byte ids and the headers as they were.
+    assert wire_bytes < 0.65 * plain_bytes
+    assert all(tensor.dtype == torch.float32 for tensor in wire.values())  # the ps updated in fp32
+    diff = max((wire[k] - plain[k]).abs().max().item() for k in plain)
+    assert 0 < diff < 5 * 0.01
+    assert wire_loss == pytest.approx(plain_loss, rel=0.01)
+
+
+def test_powersgd_is_refused_for_parameter_server_pushes() -> None:
+    result = run_cli("train", EMBEDDING, "-s", "ps", "--compression", "powersgd")
+    assert result.returncode == 2 and "parameter-server pushes take --compression fp16|bf16" in result.stderr
