@@ -106,8 +106,9 @@ def probe(sizes_bytes: list[int], *, flat: Callable[[torch.Tensor], object],
     agreed = torch.tensor(best, dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     flat_s, hier_s = (float(x) for x in agreed.tolist())
-    total_mb = sum(sizes_bytes) / 2**20
-    where = f"{len(sizes_bytes)} bucket(s), {total_mb:.1f} MB, {hosts} hosts x {slots} ranks"
+    total = sum(sizes_bytes)
+    size = f"{total / 2**20:.1f} MB" if total >= 2**20 else f"{total / 2**10:.1f} KB"
+    where = f"{len(sizes_bytes)} bucket(s), {size}, {hosts} hosts x {slots} ranks"
     figures = f"hierarchical {hier_s * 1e3:.0f} ms, flat {flat_s * 1e3:.0f} ms on this job's {where}"
     algorithm = "hierarchical" if hier_s < flat_s * (1 - MIN_GAIN) else "flat"
     return AllReduceChoice(algorithm, f"measured: {figures}", flat_ms=flat_s * 1e3, hierarchical_ms=hier_s * 1e3)

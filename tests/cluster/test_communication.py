@@ -55,6 +55,7 @@ def test_hierarchical_equals_flat_equals_one_device_on_two_hosts_of_two_slots(la
     assert summary["compression"] == "bf16"
     assert 0 < _max_diff(compressed, one) <= 12 * 0.01 * 2.0**-8
     # auto measured both on this job's buckets (2 hosts x 2 ranks), kept one, and said why.
+    print(chosen)
     assert len(chosen) == 1 and chosen[0]["rank"] == 0
     assert chosen[0]["flat_ms"] > 0 and chosen[0]["hierarchical_ms"] > 0
     summary, auto = runs["auto"]
