@@ -155,6 +155,23 @@ class DistributedDataset:
     def seek(self, epoch: int, next_batch: int) -> None:
         self.epoch, self.next_batch = epoch, next_batch
 
+    def reshard(self, num_replicas: int, replica_id: int, *, redo_last: bool) -> None:
+        """Split the same global batches over a new replica count (elastic membership).
+
+        The global batch size and the sample order stay; each global batch is divided
+        over ``num_replicas`` as the plan divides it, uneven shares weighted as always.
+        ``redo_last``: the last batch handed out was not committed (its step failed), so
+        it is handed out again, split the new way. Iterate again after a reshard: an
+        iterator made before it still splits the old way.
+        """
+        if self.plan is None:
+            raise TypeError("an iterable train_data cannot be resplit: each replica reads its own stream")
+        self._num_replicas, self._replica_id = num_replicas, replica_id
+        self.plan = GlobalBatchPlan(self.plan.num_samples, self.plan.global_batch_size, num_replicas,
+                                    self.plan.seed, self.plan.shuffle)
+        if redo_last and self.next_batch > 0:
+            self.next_batch -= 1
+
     def __iter__(self) -> Iterator[Any]:
         # A consumer may stop on an epoch's last batch (a step limit), leaving the
         # previous generator unfinished: that epoch is complete all the same.

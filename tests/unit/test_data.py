@@ -81,3 +81,45 @@ def test_models_are_built_on_the_cpu_for_any_device_so_the_seed_gives_the_same_i
     assert all(t.device.type == "cpu" for t in for_cuda.values())
     for key, tensor in on_cpu.items():
         assert torch.equal(for_cuda[key], tensor), key
+
+
+def _replicas(num_replicas, dataset, seen):
+    from distrun.strategies._data import DistributedDataset
+
+    return [DistributedDataset(dataset, 16, num_replicas=num_replicas, replica_id=r, seed=3,
+                               on_batch=lambda n, w, r=r: seen.append((r, n, w)), any_exhausted=lambda _: False)
+            for r in range(num_replicas)]
+
+
+def test_a_reshard_splits_the_same_global_batches_over_the_survivors():
+    """Elastic membership: 3 replicas lose one in the step of batch 4. The two left redo that
+    batch and go on; every global batch is the one-device batch, split 3 ways then 2."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(100))
+    one = [b[0].tolist() for b in _replicas(1, dataset, [])[0]]
+    seen: list = []
+    three = _replicas(3, dataset, seen)
+    iters = [iter(d) for d in three]
+    got = [sorted(sum((next(it)[0].tolist() for it in iters), [])) for _ in range(5)]  # batch 4 fails
+    survivors = [three[0], three[2]]
+    for new_rank, replica in enumerate(survivors):
+        replica.reshard(2, new_rank, redo_last=True)
+        assert replica.position == (0, 4)
+    del got[4]
+    iters = [iter(d) for d in survivors]
+    seen.clear()
+    for _ in range(len(one) - 4):
+        got.append(sorted(sum((next(it)[0].tolist() for it in iters), [])))
+    assert got == [sorted(batch) for batch in one]
+    # The last global batch (4 samples) splits 2 + 2: each share weighs its size over the global size, x 2.
+    assert [(n, w) for _, n, w in seen[-2:]] == [(2, 1.0), (2, 1.0)]
+    with pytest.raises(StopIteration):
+        next(iters[0])
+
+
+def test_an_iterable_dataset_cannot_be_resharded():
+    from distrun.strategies._data import DistributedDataset
+
+    stream = DistributedDataset(iter(range(10)), 4, num_replicas=2, replica_id=0, seed=0,
+                                on_batch=lambda n, w: None, any_exhausted=lambda _: False)
+    with pytest.raises(TypeError, match="cannot be resplit"):
+        stream.reshard(1, 0, redo_last=False)
