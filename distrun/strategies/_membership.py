@@ -8,8 +8,9 @@ checkpoint.
 
 How a round runs, on the store (keys under ``elastic/``):
 
-- **Liveness.** Every member's watcher thread renews ``alive/<id>`` (a timestamp) every
-  :data:`BEAT_S`. A member whose beat is older than :data:`LOST_AFTER_S` is gone.
+- **Liveness.** Every member's watcher thread bumps ``alive/<id>`` (a counter) every
+  :data:`BEAT_S`. A member whose counter has not moved for :data:`LOST_AFTER_S`, on the
+  reader's own monotonic clock, is gone. Counters, not timestamps: hosts' clocks differ.
   SIGKILL, a dead host and a killed hung rank all look like this, and a rank busy
   computing does not, since its thread still beats.
 - **Noticing.** A gloo collective cannot be aborted from its own process: ``abort()``
@@ -49,7 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BEAT_S", "LOST_AFTER_S", "Membership", "Round", "heal"]
+__all__ = ["BEAT_S", "LOST_AFTER_S", "BelowMinimum", "LateForRound", "Membership", "Round", "heal"]
 
 #: How often a member's watcher renews its beat and reads the generation.
 BEAT_S = 0.05
@@ -90,6 +91,8 @@ class Membership:
         self._timeout = timeout
         self.generation = 0
         self.group: Any = None  # the current round's ProcessGroupGloo
+        self._beats = 0
+        self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
         self._beat()
@@ -100,7 +103,8 @@ class Membership:
     # -- liveness and the watcher
 
     def _beat(self, store: Any = None) -> None:
-        (store or self._store).set(f"alive/{self.member_id}", repr(time.time()))
+        self._beats += 1
+        (store or self._store).set(f"alive/{self.member_id}", str(self._beats))
 
     def _watch(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -124,6 +128,7 @@ class Membership:
     def close(self) -> None:
         self._stop.set()
         self._watcher.join(timeout=2.0)
+        self.drop_group()
 
     # -- rounds
 
@@ -135,7 +140,7 @@ class Membership:
 
     def join_round(self, generation: int, committed_step: int, *, min_members: int = 1,
                    expect: int = 0) -> Round:
-        """Arrive in round ``generation`` and wait until it closes; the new group and this member's place.
+        """Arrive in round ``generation``, wait until it closes, and open its group (``self.group``).
 
         ``expect``: the round does not close before this many have arrived (the first
         round, while members are still starting); its live members still close it later.
@@ -176,11 +181,14 @@ class Membership:
             time.sleep(BEAT_S / 2)
 
     def _live_members(self) -> set[int]:
-        now = time.time()
+        now = time.monotonic()
         live = set()
         for member in self._known_members():
-            stamp = self._store.get(f"alive/{member}").decode()
-            if now - float(stamp) < LOST_AFTER_S:
+            beat = self._store.get(f"alive/{member}").decode()
+            seen = self._last_seen.get(member)
+            if seen is None or seen[0] != beat:
+                self._last_seen[member] = seen = (beat, now)
+            if now - seen[1] < LOST_AFTER_S:
                 live.add(member)
         return live
 
