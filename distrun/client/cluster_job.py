@@ -96,6 +96,9 @@ class ClusterJob:
         self._followers: list[threading.Thread] = []
         self._supervisor: threading.Thread | None = None
         self._clients: list[ServerClient] = []
+        # Guards _clients with _detaching: a follower still connecting when Ctrl-C detaches
+        # must see it, or its stream (opened after the others were closed) follows forever.
+        self._clients_lock = threading.Lock()
         self.attempt_id = job_id  # the id servers know the current attempt by: JOB, then JOB-r1, JOB-r2, ...
         self.restarts = 0
         self.max_restarts = 0
@@ -283,7 +286,10 @@ class ClusterJob:
     def _follow(self, link: HostLink, attempt_id: str) -> None:
         try:
             with link.client() as client:
-                self._clients.append(client)
+                with self._clients_lock:
+                    self._clients.append(client)
+                    if self._detaching:
+                        return
                 for item in client.stream("follow", job=attempt_id, offset=0):
                     for raw in item.get("events", ()):
                         if raw.get("type") == "checkpoint":
@@ -323,8 +329,10 @@ class ClusterJob:
         """Stop the job on every host, for good; an attached client (``attach``) only stops following."""
         self._interrupted = self._interrupted or interrupted
         if self.attached and interrupted:
-            self._detaching = True
-            for client in list(self._clients):
+            with self._clients_lock:
+                self._detaching = True
+                clients = list(self._clients)
+            for client in clients:
                 client.close()
             return
         self._user_cancelled = True
