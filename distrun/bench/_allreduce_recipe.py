@@ -103,6 +103,7 @@ def measure_links(rank: int, leaders: list[int], addresses: list[str], seconds: 
                 listener = socket.socket(family, socket.SOCK_STREAM)
                 listener.bind(("", 0))
                 listener.listen(1)
+                listener.settimeout(60)  # a sender that cannot connect ends the benchmark, not hangs it
                 port[0] = listener.getsockname()[1]
             dist.broadcast(port, src=receiver)
             rate = torch.zeros(1, dtype=torch.float64, device=device)
