@@ -43,7 +43,7 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str = typer.Option("one-device", "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps)"),
+    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
@@ -78,6 +78,8 @@ def train(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Train RECIPE under --strategy, here or on a cluster; switching strategy never changes the recipe."""
+    if strategy is None:  # a cluster means all of it: every worker host
+        strategy = default_strategy(cluster_file is not None)
     flags = dict(
         recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
@@ -161,6 +163,11 @@ def _job_line(job: ClusterJob) -> dict[str, Any]:
     """The first line of a cluster job's --json stream: where it runs and where the code went."""
     return {"type": "job", "job": job.job_id, "world_size": job.world_size,
             "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)}
+
+
+def default_strategy(on_cluster: bool) -> str:
+    """``--strategy`` left out: multi-worker over every worker host on a cluster, one-device here."""
+    return StrategyName.MULTI_WORKER.value if on_cluster else StrategyName.ONE_DEVICE.value
 
 
 def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,

@@ -80,10 +80,11 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     assert [entry.rsplit(":", 1)[0] for entry in workers] == [lab.hosts["h1"][1], lab.hosts["h2"][1]]
 
     (code / "helper.py").write_text("GREETING = 'second'\n")  # edit a file beside the script
-    second = lab_cli(lab, "train", str(script), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
-                  "--", "--steps", "5")
+    # No --strategy: a cluster means all of it (it once ran one-device on the first host).
+    second = lab_cli(lab, "train", str(script), "--cluster", str(cluster), "--json", "--", "--steps", "5")
     assert second.returncode == 0, second.stderr[-3000:]
     lines = json_lines(second)
+    assert lines[-1]["strategy"] == "multi-worker" and lines[-1]["replicas"] == 2
     assert len(lines[0]["bundle_sent_to"]) == 2  # changed content, new bundle
     assert [line["line"] for line in lines if line.get("type") == "output"].count(f"second {lab.hosts['h1'][1]}") == 2
 
