@@ -8,6 +8,7 @@ cluster path (issue 4) will offer the same ``events()``/``result`` shape.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -47,6 +48,7 @@ class LocalJob:
             stop_grace_s=stop_grace_s,
             num_ps=spec.ps_tasks,
             independent_ranks=independent_ranks(spec),
+            run_id=f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}",
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),

@@ -31,6 +31,15 @@ def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, s
         # All ranks connect to the store as clients; rank 0 hosts it on the socket
         # the launcher bound (see runtime bootstrap), exactly as torchrun's agent store.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        # The rest of torchrun's contract. TORCHELASTIC_RUN_ID is how torch
+        # (is_torchelastic_launched) and Lightning (TorchElasticEnvironment) know a launcher
+        # set all this; the runtime adds TORCHELASTIC_ERROR_FILE, one per rank.
+        "ROLE_NAME": "default",
+        "GROUP_WORLD_SIZE": str(len(set(spec.rank_hosts)) if spec.rank_hosts else 1),
+        "TORCHELASTIC_RUN_ID": spec.run_id,
+        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         "TF_CONFIG": json.dumps(_tf_config(spec, rank, master_port)),
         "PYTHONUNBUFFERED": "1",
     }

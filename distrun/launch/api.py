@@ -54,6 +54,10 @@ class WorkerSpec:
     #: failure is reported but stops no one, and each is started again up to ``respawns`` times.
     independent_ranks: frozenset[int] = frozenset()
     respawns: int = 0
+    #: torchrun's contract: the job's id, and which restart of it this is (TORCHELASTIC_*).
+    run_id: str = "local"
+    restart_count: int = 0
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

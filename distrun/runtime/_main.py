@@ -22,6 +22,7 @@ from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
+from distrun.runtime._error_file import prepare_error_file, recorded_failure, remove_error_file
 from distrun.runtime._recipe import load_module, prepare_sys_path
 from distrun.runtime._reporter import EventReporter, to_float
 
@@ -36,6 +37,7 @@ def main() -> None:
     spec = JobSpec.from_json(os.environ[JOB_SPEC_VAR])
     phase = "setup"
     reporter: EventReporter | None = None
+    error_file = prepare_error_file(launch.rank)
     try:
         info = inspect_recipe(spec.recipe)
         ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas
@@ -106,7 +108,10 @@ def main() -> None:
         if isinstance(exc, KeyboardInterrupt):
             os._exit(130)
         step = reporter.current_step + 1 if reporter is not None else None
-        writer.emit(describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase))
+        # A script that exits with a child's code: the child's @record says why, not "SystemExit: 1".
+        recorded = recorded_failure(error_file, rank=launch.rank, step=step) if isinstance(exc, SystemExit) else None
+        remove_error_file(error_file)
+        writer.emit(recorded or describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase))
         sys.stderr.flush()
         os._exit(1)
 

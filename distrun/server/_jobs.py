@@ -180,6 +180,7 @@ class JobManager:
             num_ps=0 if evaluating else int(args.get("num_ps", 0)),
             independent_ranks=frozenset(int(rank) for rank in args.get("independent_ranks", ())),
             respawns=int(args.get("respawns", 0)),
+            **_torchelastic_ids(job_id, int(args.get("respawns", 0))),
         )
         starter = self._starter()
         job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
@@ -315,6 +316,16 @@ class JobManager:
         except Exception as exc:  # the launcher itself broke: the job fails, the server lives
             log.exception("job %s", job.id)
             job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})
+
+
+_ATTEMPT = re.compile(r"^(?P<run>.+?)(?:-r(?P<restart>\d+))?$")
+
+
+def _torchelastic_ids(attempt_id: str, max_restarts: int) -> dict[str, Any]:
+    """torchrun's run id and restart count from an attempt id (JOB, then JOB-r1, JOB-r2, ...)."""
+    found = _ATTEMPT.match(attempt_id)
+    assert found is not None  # the pattern matches any non-empty id
+    return {"run_id": found["run"], "restart_count": int(found["restart"] or 0), "max_restarts": max_restarts}
 
 
 def _job_id(args: dict[str, Any]) -> str:

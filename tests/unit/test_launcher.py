@@ -130,3 +130,18 @@ def test_without_respawns_an_independent_rank_is_lost_and_the_others_finish(tmp_
     assert result.state is ProcessState.SUCCEEDED
     assert "[distrun] rank 1 lost; the job goes on without it" in lines
     assert sorted(line for line in lines if line.endswith("finished")) == ["rank 0 finished", "rank 2 finished"]
+
+
+def test_torchrun_variables_name_the_run_its_restart_and_the_hosts():
+    from distrun.launch._env import rank_env
+    from distrun.server._jobs import _torchelastic_ids
+
+    ids = _torchelastic_ids("20261123-014911-218bdc-r2", 3)
+    assert ids == {"run_id": "20261123-014911-218bdc", "restart_count": 2, "max_restarts": 3}
+    assert _torchelastic_ids("20261123-014911-218bdc", 0)["restart_count"] == 0
+    spec = WorkerSpec(argv=("python",), local_world_size=2, world_size=6, rank_offset=2, node_rank=1,
+                      rank_hosts=("10.0.0.1",) * 2 + ("10.0.0.2",) * 2 + ("10.0.0.3",) * 2, **ids)
+    env = rank_env(spec, local_rank=1, master_port=29500)
+    assert (env["RANK"], env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == ("3", "1", "3")
+    assert (env["TORCHELASTIC_RUN_ID"], env["TORCHELASTIC_RESTART_COUNT"], env["TORCHELASTIC_MAX_RESTARTS"]) == (
+        "20261123-014911-218bdc", "2", "3")
