@@ -64,6 +64,7 @@ class Sshd:
     port: int = 0
     netns: str | None = None
     extra_config: str = ""
+    sftp: bool = True  # False: no Subsystem line, as some hardened hosts have
     process: subprocess.Popen | None = None
     host_key: Path = field(init=False)
 
@@ -89,8 +90,8 @@ class Sshd:
             f"Port {self.port}\nListenAddress {self.address}\nHostKey {self.host_key}\n"
             f"PidFile {self.root}/sshd.pid\nAuthorizedKeysFile {authorized_keys}\n"
             "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            "UsePAM no\nStrictModes no\nAllowTcpForwarding yes\nSubsystem sftp internal-sftp\n"
-            "LogLevel VERBOSE\n" + self.extra_config
+            "UsePAM no\nStrictModes no\nAllowTcpForwarding yes\n"
+            + ("Subsystem sftp internal-sftp\n" if self.sftp else "") + "LogLevel VERBOSE\n" + self.extra_config
         )
         argv = [SSHD, "-D", "-e", "-f", str(config)]
         if self.netns:

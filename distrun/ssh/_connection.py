@@ -86,6 +86,7 @@ class Connection:
         self.label = host.label
         self._client: paramiko.SSHClient | None = None
         self._sftp: paramiko.SFTPClient | None = None
+        self._no_sftp = False  # the host has no sftp subsystem: files go over exec channels
         self._lock = threading.Lock()
 
     def __hash__(self) -> int:
@@ -188,13 +189,18 @@ class Connection:
     # -- the Remote contract
 
     def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout_s: float = 60.0) -> Result:
+        line, code, out, err = self._exec(argv, stdin.encode() if stdin else None, timeout_s)
+        return Result(line, code, out.decode(errors="replace"), err.decode(errors="replace"))
+
+    def _exec(self, argv: Sequence[str], stdin: bytes | None, timeout_s: float) -> tuple[str, int, bytes, bytes]:
+        """Run ``argv`` (quoted) on the host: (the command line, exit code, stdout, stderr)."""
         line = command_line(argv)
         channel = self._session()
         try:
             channel.settimeout(timeout_s)
             channel.exec_command(line)
             if stdin:
-                channel.sendall(stdin.encode())
+                channel.sendall(stdin)
             channel.shutdown_write()
             errors: list[bytes] = []
             reader = threading.Thread(target=lambda: errors.append(channel.makefile_stderr("rb").read()), daemon=True)
@@ -208,10 +214,17 @@ class Connection:
             raise HostError(self.label, f"`{line[:80]}` did not finish within {timeout_s:g} s") from None
         finally:
             channel.close()
-        return Result(line, code, out.decode(errors="replace"), b"".join(errors).decode(errors="replace"))
+        return line, code, out, b"".join(errors)
 
     def read_file(self, path: str) -> str | None:
         sftp = self._sftp_client()
+        if sftp is None:
+            _line, code, out, err = self._exec(["cat", "--", path], None, 60.0)
+            if code != 0 and b"No such file" in err:
+                return None
+            if code != 0:
+                raise HostError(self.label, f"cannot read {path}: {err.decode(errors='replace').strip()[:200]}")
+            return out.decode()
         try:
             with sftp.open(path, "r") as handle:
                 return handle.read().decode()
@@ -222,6 +235,11 @@ class Connection:
 
     def read_bytes(self, path: str) -> bytes:
         sftp = self._sftp_client()
+        if sftp is None:
+            _line, code, out, err = self._exec(["cat", "--", path], None, 600.0)
+            if code != 0:
+                raise HostError(self.label, f"cannot read {path}: {err.decode(errors='replace').strip()[:200]}")
+            return out
         buffer = io.BytesIO()
         try:
             sftp.getfo(path, buffer)
@@ -232,6 +250,12 @@ class Connection:
     def write_file(self, path: str, data: bytes) -> None:
         sftp = self._sftp_client()
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        if sftp is None:  # the same steps over an exec channel: private, then renamed into place
+            script = 'umask 077 && cat > "$1" && mv -f -- "$1" "$2"'
+            _line, code, _out, err = self._exec(["sh", "-c", script, "sh", tmp, path], data, 600.0)
+            if code != 0:
+                raise HostError(self.label, f"cannot write {path}: {err.decode(errors='replace').strip()[:200]}")
+            return
         try:
             with sftp.open(tmp, "wb") as handle:
                 handle.set_pipelined(True)
@@ -253,20 +277,27 @@ class Connection:
         channel.settimeout(60.0)
         return channel
 
-    def _sftp_client(self) -> paramiko.SFTPClient:
-        if self._sftp is None:
+    def _sftp_client(self) -> paramiko.SFTPClient | None:
+        """SFTP, or None where the host's sshd has no sftp subsystem (files then go over exec channels).
+
+        Such an sshd accepts the channel and closes it at the subsystem request, which
+        paramiko reports as a bare "Channel closed." (it was an internal error once).
+        """
+        if self._sftp is None and not self._no_sftp:
             transport = self._transport()
 
-            def open_once() -> paramiko.SFTPClient:
+            def open_once() -> paramiko.SFTPClient | None:
                 try:
-                    client = paramiko.SFTPClient.from_transport(transport)
+                    return paramiko.SFTPClient.from_transport(transport)
                 except paramiko.ChannelException as exc:
                     raise _Throttled(str(exc)) from None
-                if client is None:
-                    raise HostError(self.label, "the host refused SFTP (is its sftp subsystem enabled?)")
-                return client
+                except (paramiko.SSHException, EOFError):
+                    if not transport.is_active():
+                        raise HostError(self.label, "the SSH connection closed while opening SFTP") from None
+                    return None
 
             self._sftp = _retry(open_once, self.label, "open SFTP")
+            self._no_sftp = self._sftp is None
         return self._sftp
 
     def close(self) -> None:

@@ -18,9 +18,9 @@ import pytest
 
 from distrun.config import parse_cluster
 from distrun.ssh import Connection
-from tests._sshd import fingerprint, keygen
+from tests._sshd import Sshd, fingerprint, keygen
 from tests.cluster.conftest import Loopback, distrun_processes, kill_all
-from tests.conftest import run_cli
+from tests.conftest import REPO, run_cli
 
 
 def _alive(pid: int) -> bool:
@@ -301,3 +301,28 @@ def test_a_home_relative_workdir_resolves_on_the_host(loopback: Loopback) -> Non
     finally:
         kill_all(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def test_a_host_without_sftp_works_over_exec_channels(loopback: Loopback, tmp_path: Path) -> None:
+    """Some hardened sshds have no `Subsystem sftp` line: `distrun up` once failed there with
+    `internal error: SSHException: Channel closed.` Files now go over exec channels."""
+    sshd = Sshd(tmp_path / "nosftp", sftp=False)
+    sshd.start(loopback.keys.authorized_keys)
+    try:
+        loopback.keys.known_hosts.write_text(loopback.sshd.known_hosts_line() + sshd.known_hosts_line())
+        cluster = loopback.write_cluster(hosts=[{"address": "127.0.0.1", "roles": "[chief, worker]",
+                                                 "ssh": f"{{port: {sshd.port}}}"}], name="nosftp.yaml")
+        up = run_cli("up", str(cluster), "--json", timeout=60)
+        assert up.returncode == 0, up.stderr
+        recipe = tmp_path / "code" / "linear.py"
+        recipe.parent.mkdir()
+        recipe.write_text((REPO / "recipes" / "linear.py").read_text())
+        trained = run_cli("train", str(recipe), "--cluster", str(cluster), "--json", "--steps", "5",
+                          "--checkpoint-dir", "ckpt", "--results-dir", str(tmp_path / "results"), timeout=180)
+        assert trained.returncode == 0, trained.stderr[-2000:]
+        assert trained.summary["steps"] == 5
+        assert list((tmp_path / "results").rglob("*.pt"))  # results came home, read over exec
+        down = run_cli("down", str(cluster), "--json", timeout=60)
+        assert down.returncode == 0, down.stderr
+    finally:
+        sshd.stop()
