@@ -49,9 +49,11 @@ def _table(report: ClusterReport) -> Table:
     columns = ("host", "roles") if down else (
         "host", "roles", "slots", "devices", "memory free", "version", "pid", "uptime",
         *(("rtt", "load", "jobs") if live else ()))
-    for name in columns:
+    host_width = max((len(row.host) for row in report.rows), default=0)
+    for name in columns:  # host names are never cut: the other columns give way
         right = name in ("slots", "pid", "uptime", "rtt", "load", "jobs", "memory free")
-        table.add_column(name, justify="right" if right else "left", no_wrap=name != "host")
+        table.add_column(name, justify="right" if right else "left", no_wrap=True,
+                         min_width=host_width if name == "host" else None)
     if down:
         table.add_column("left", justify="right")
     table.add_column("status")

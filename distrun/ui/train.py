@@ -45,18 +45,27 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
     return Group(*parts)
 
 
-def _columns(table: Table, names: tuple[str, ...], hosts: bool) -> None:
+def _columns(table: Table, names: tuple[str, ...], hosts: bool, host_width: int = 0) -> None:
+    """Host names are never cut: their column keeps its width, and the others give way."""
     for column in names:
         if column == "host" and not hosts:
             continue
-        table.add_column(column, justify="left" if column in ("host", "device", "status") else "right")
+        if column == "host":
+            table.add_column(column, no_wrap=True, min_width=host_width)
+            continue
+        table.add_column(column, justify="left" if column in ("device", "status") else "right", overflow="ellipsis")
+
+
+def _host_width(snapshot: JobSnapshot) -> int:
+    return max((len(row.host or "") for row in snapshot.rows), default=0)
 
 
 def _worker_table(snapshot: JobSnapshot) -> Table:
     """parameter-server workers: each trains at its own pace; staleness is how far behind its gradients land."""
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy} · workers", title_justify="left")
     hosts = any(row.host for row in snapshot.rows)
-    _columns(table, ("host", "rank", "step", "steps/s", "staleness", "loss", "samples/s", "seen", "status"), hosts)
+    _columns(table, ("host", "rank", "step", "steps/s", "staleness", "loss", "samples/s", "seen", "status"), hosts,
+             _host_width(snapshot))
     for row in snapshot.workers:
         _add_row(table, row, hosts,
                  str(row.step),
@@ -70,7 +79,8 @@ def _worker_table(snapshot: JobSnapshot) -> Table:
 def _ps_table(snapshot: JobSnapshot) -> Table:
     table = Table(title="ps tasks", title_justify="left")
     hosts = any(row.host for row in snapshot.rows)
-    _columns(table, ("host", "rank", "updates", "updates/s", "MB in", "MB out", "params", "seen", "status"), hosts)
+    _columns(table, ("host", "rank", "updates", "updates/s", "MB in", "MB out", "params", "seen", "status"), hosts,
+             _host_width(snapshot))
     for row in snapshot.ps_tasks:
         _add_row(table, row, hosts,
                  str(row.updates),
@@ -93,7 +103,7 @@ def _replica_table(snapshot: JobSnapshot) -> Table:
     gpu = any(row.gpu_util is not None for row in snapshot.rows)  # NVML figures: a GPU % column
     names = ("host", "rank", "device", "step", "loss", "samples/s", *(("GPU %",) if gpu else ()), "mem MB", "seen",
              "status")
-    _columns(table, names, hosts)
+    _columns(table, names, hosts, _host_width(snapshot))
     for row in snapshot.rows:
         util = (("-" if row.gpu_util is None else f"{row.gpu_util:.0f}"),) if gpu else ()
         _add_row(table, row, hosts, row.device, str(row.step), fmt_loss(row.loss), fmt_rate(row.samples_per_s),

@@ -53,3 +53,29 @@ def test_the_summary_carries_precision_and_the_chiefs_compile_figures():
 def test_without_compile_the_summary_says_null_and_fp32():
     summary = JobTracker("r.py", "one-device", replicas=1, started_at=0.0).summary("succeeded")
     assert summary.compile is None and summary.precision == "fp32"
+
+
+def _narrow(renderable, width: int) -> str:
+    console = Console(width=width, record=True, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_host_names_are_never_cut_in_narrow_terminals():
+    """Both tables once cut addresses to `198.18.0…`; the other columns give way instead."""
+    from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus
+    from distrun.ui import render_cluster
+
+    hosts = ["198.18.0.101:2222", "198.18.0.102:2222"]
+    report = ClusterReport("lab", "status", tuple(HostRow(host, ("worker",), HostStatus.NOT_RUNNING) for host in hosts))
+    tracker = JobTracker("recipe.py", "multi-worker", replicas=2, started_at=1000.0,
+                         host_of_rank=lambda rank: hosts[rank].split(":")[0])
+    for rank in range(2):
+        tracker.update(Started(rank=rank, time=1000.0, pid=10 + rank, device="cpu", world_size=2, recipe_kind="fit"))
+        tracker.update(_step(rank, None))
+    for width in (60, 40):
+        cluster_text = _narrow(render_cluster(report), width)
+        progress_text = _narrow(render_progress(tracker.snapshot()), width)
+        for host in hosts:
+            assert host in cluster_text, cluster_text
+            assert host.split(":")[0] in progress_text, progress_text
