@@ -56,7 +56,8 @@ def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_c
     started = {line["rank"]: line for line in lines if line.get("type") == "started"}
     assert sorted(started) == [0, 1, 2]
     assert _said(lines, "[placement] ps0:"), "the chief shows the placement"
-    assert [line["returncode"] for line in lines if line.get("type") == "exited" and line["rank"] == 1] == [-9]
+    rank1 = [line for line in lines if line.get("rank") == 1 and line.get("type") in ("error", "exited", "output")]
+    assert [line["returncode"] for line in rank1 if line["type"] == "exited"] == [-9], rank1[-20:]  # seen once: [1]
     assert _said(lines, "rank 1 lost; the job goes on without it")
     summary = lines[-1]
     assert summary["type"] == "summary" and summary["status"] == "succeeded" and summary["steps"] == 200
