@@ -42,20 +42,23 @@ def run_compression(*, cluster: Path, compressions: tuple[str, ...] = COMPRESSIO
                     progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """The report: one row per compression (samples_per_s, speedup_vs_none, loss, digits_accuracy)."""
     env = dict(os.environ)
-    common = [sys.executable, "-m", "distrun", "train", "--cluster", str(cluster), "--strategy", "multi-worker",
-              "--json", "--no-fetch"]
+
+    def train(recipe: Path, compression: str, *recipe_args: str) -> list[dict[str, Any]]:
+        argv = [sys.executable, "-m", "distrun", "train", str(recipe), "--cluster", str(cluster), "--strategy",
+                "multi-worker", "--json", "--no-fetch", "--compression", compression]
+        return run_command([*argv, *(("--", *recipe_args) if recipe_args else ())], env)[1]
+
     digits = digits or digits_recipe()
     rows: list[dict[str, Any]] = []
     parameters = world = 0
     for compression in compressions:
         progress(f"{compression}: the communication-bound workload")
-        _, out = run_command([*common[:4], str(_RECIPE), *common[4:], "--compression", compression, "--",
-                              "--width", str(width), "--batch", str(batch), "--steps", str(steps)], env)
+        out = train(_RECIPE, compression, "--width", str(width), "--batch", str(batch), "--steps", str(steps))
         found = measurement(out, "compression")
         summary = next(line for line in reversed(out) if line.get("type") == "summary")
         parameters, world = int(found["parameters"]), int(summary["replicas"])  # type: ignore[arg-type]
         progress(f"{compression}: digits")
-        _, out = run_command([*common[:4], str(digits), *common[4:], "--compression", compression], env)
+        out = train(digits, compression)
         accuracy = next(line for line in reversed(out) if line.get("type") == "summary")["eval_metrics"]["accuracy"]
         rows.append({"compression": compression, "samples_per_s": float(found["samples_per_s"]),  # type: ignore[arg-type]
                      "loss": float(found["loss"]), "digits_accuracy": float(accuracy)})  # type: ignore[arg-type]
