@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -29,6 +30,7 @@ from distrun.config import (
     StrategyName,
     inspect_recipe,
     load_cluster,
+    parse_elastic,
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
@@ -70,6 +72,7 @@ def train(
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
+    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored (replicas) or multi-worker (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
@@ -99,6 +102,9 @@ def train(
         if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
             ps_tasks = 1
         spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
+        if elastic is not None:
+            low, high = parse_elastic(elastic, spec.replicas)
+            spec = dataclasses.replace(spec, elastic_min=low, elastic_max=high)
         if spec.allreduce == "hierarchical":
             raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
                              "--cluster with two or more worker hosts (this machine is one)")
@@ -117,12 +123,12 @@ def train(
         raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
     run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
                     results_dir=results_dir if fetch else None, max_restarts=max_restarts,
-                    hang_timeout_s=hang_timeout_s)
+                    hang_timeout_s=hang_timeout_s, elastic=elastic)
 
 
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
                     detach: bool, results_dir: Path | None, max_restarts: int = 0,
-                    hang_timeout_s: float | None = None) -> None:
+                    hang_timeout_s: float | None = None, elastic: str | None = None) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -134,6 +140,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         if spec.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
                              "all-reduce across two or more worker hosts")
+        if elastic is not None:
+            spec = dataclasses.replace(spec, **job.elastic_range(elastic))
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s)
     except BaseException:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import queue
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from distrun.client._tracker import JobTracker
-from distrun.protocol import HEARTBEAT_INTERVAL_S, Event, JobSnapshot, JobSummary, Output
+from distrun.protocol import HEARTBEAT_INTERVAL_S, Event, Hung, JobSnapshot, JobSummary, Output
 
 #: How many of a rank's last stderr lines a failure shows.
 STDERR_TAIL_LINES = 5
@@ -22,10 +22,13 @@ _END = object()
 
 
 class EventFeed:
-    def __init__(self, tracker: JobTracker, *, hang_timeout_s: float | None = None) -> None:
-        """``hang_timeout_s``: yield a Hung event when no rank has stepped for this long."""
+    def __init__(self, tracker: JobTracker, *, hang_timeout_s: float | None = None,
+                 on_hang: Callable[[Hung], None] | None = None) -> None:
+        """``hang_timeout_s``: yield a Hung event when no rank has stepped for this long;
+        ``on_hang`` is told of it too (``--elastic`` kills the stuck rank as lost)."""
         self.tracker = tracker
         self.hang_timeout_s = hang_timeout_s
+        self._on_hang = on_hang
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stderr: dict[int, deque[str]] = {}
 
@@ -43,6 +46,8 @@ class EventFeed:
                 hang = self.tracker.check_hang(self.hang_timeout_s, HEARTBEAT_INTERVAL_S)
                 if hang is not None:
                     self.tracker.update(hang)
+                    if self._on_hang is not None:
+                        self._on_hang(hang)
                     yield hang
             try:
                 item = self._queue.get(timeout=poll_s)

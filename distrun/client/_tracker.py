@@ -11,6 +11,7 @@ from distrun.config import JobSpec
 from distrun.protocol import (
     EVALUATOR_RANK,
     AllReduceChosen,
+    MembershipChanged,
     Checkpointed,
     Compiled,
     Done,
@@ -69,6 +70,8 @@ class JobTracker:
         self._precision = precision
         self._compile_mode = compile_mode
         self._compiled: Compiled | None = None  # the chief's newest compiler figures
+        self._changes: list[MembershipChanged] = []  # --elastic: each new group
+        self._steps_lost = 0
 
     def update(self, event: Event) -> None:
         if isinstance(event, Hung):  # made by the client; may name no rank (-1)
@@ -114,6 +117,9 @@ class JobTracker:
                 self._compiled = event
         elif isinstance(event, AllReduceChosen):
             self._allreduce, self._allreduce_reason = event.algorithm, event.reason
+        elif isinstance(event, MembershipChanged):
+            self._steps_lost += event.steps_lost
+            self._changes.append(event)
         elif isinstance(event, Done):
             self._done[event.rank] = event
             row = dataclasses.replace(row, status=ReplicaStatus.DONE)
@@ -175,6 +181,7 @@ class JobTracker:
             evaluator_step=self._evaluator[0] if self._evaluator else None,
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
             compile_line=describe_compile(self._compiled) if self._compiled else None,
+            membership_line=describe_membership(self._changes[-1], len(self._changes)) if self._changes else None,
         )
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
@@ -201,6 +208,10 @@ class JobTracker:
             compression=self._compression,
             allreduce=self._allreduce,
             allreduce_reason=self._allreduce_reason,
+            membership_changes=len(self._changes),
+            steps_lost=self._steps_lost,
+            recovery_s=max((c.recovery_s for c in self._changes), default=None),
+            world_size=self._changes[-1].world_size if self._changes else None,
         )
 
     def _compile_summary(self) -> dict[str, object] | None:
@@ -221,6 +232,14 @@ def describe_compile(event: Compiled) -> str:
     if event.reasons:
         line += f"; first break: {event.reasons[0]}"
     return line
+
+
+def describe_membership(change: MembershipChanged, count: int) -> str:
+    """One line for the live view: the newest change of an elastic job's group."""
+    what = "; ".join(part for part in (("left: " + ", ".join(change.left)) if change.left else "",
+                                       ("joined: " + ", ".join(change.joined)) if change.joined else "") if part)
+    return (f"membership: {change.world_size} replica(s) from step {change.step + 1} ({what or 'regrouped'}; "
+            f"recovered in {change.recovery_s:.2f} s; change {count})")
 
 
 def describe_hang(hang: Hung, rows: dict[int, ReplicaRow]) -> str:

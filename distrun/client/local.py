@@ -20,10 +20,14 @@ from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Event, Failed, JobSnapshot, JobSummary
+from distrun.protocol import Event, Failed, Hung, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
-__all__ = ["LocalJob", "JobOutcome", "independent_ranks"]
+__all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
+
+#: ``--elastic``: how many times each lost rank is started again to rejoin (torchrun's
+#: ``--max-restarts`` bounds the same thing for its whole group).
+ELASTIC_RESPAWNS = 3
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,23 @@ class LocalJob:
             stop_grace_s=stop_grace_s,
             num_ps=spec.ps_tasks,
             independent_ranks=independent_ranks(spec),
+            elastic=spec.elastic,
+            respawns=ELASTIC_RESPAWNS if spec.elastic else 0,
             run_id=f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}",
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s)
+                               hang_timeout_s=hang_timeout_s, on_hang=self._lose_hung if spec.elastic else None)
         self._launcher = LocalLauncher(worker, self._feed.put, starter=starter)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
         self._interrupted = False
+
+    def _lose_hung(self, hang: Hung) -> None:
+        """``--elastic``: a stuck rank is treated as lost (killed, the others go on, it rejoins)."""
+        if hang.rank >= 0:
+            self._launcher.lose_rank(hang.rank, f"hung for {hang.stalled_s:.0f} s {hang.where}")
 
     def __enter__(self) -> LocalJob:
         self._thread.start()

@@ -17,6 +17,7 @@ from distrun.config.job import (
     DEFAULT_PS_PARTITION_MB,
     JobSpec,
     StrategyName,
+    parse_elastic,
 )
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
@@ -33,6 +34,7 @@ __all__ = [
     "parse_cluster",
     "JobSpec",
     "StrategyName",
+    "parse_elastic",
     "DEFAULT_CPU_REPLICAS",
     "DEFAULT_KEEP_CHECKPOINTS",
     "DEFAULT_PS_PARTITION_MB",

@@ -108,6 +108,14 @@ class JobSpec:
     powersgd_warmup: int = DEFAULT_POWERSGD_WARMUP
     #: how gradients meet across hosts (multi-worker): DDP's flat ring, or hierarchical.
     allreduce: str = "flat"
+    #: ``--elastic MIN:MAX`` (0: not elastic): replicas may leave and join while at least
+    #: MIN remain, up to MAX (counted in replicas; the CLI turns hosts into replicas).
+    elastic_min: int = 0
+    elastic_max: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.elastic_min > 0
 
     @property
     def world_size(self) -> int:
@@ -187,6 +195,7 @@ def _validate(spec: JobSpec) -> None:
     _validate_step(spec)
     _validate_compression(spec)
     _validate_allreduce(spec)
+    _validate_elastic(spec)
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
 
@@ -267,3 +276,40 @@ def _validate_allreduce(spec: JobSpec) -> None:
     if spec.compression_spec.kind == "powersgd":
         raise ConfigError("--allreduce hierarchical with --compression powersgd: PowerSGD runs its own "
                           "all-reduces; use --allreduce flat, or --compression fp16|bf16")
+
+
+def _validate_elastic(spec: JobSpec) -> None:
+    """``--elastic``: what membership changes can carry over today (docs/elastic.md says why)."""
+    if not spec.elastic:
+        if spec.elastic_max:
+            raise ConfigError(f"--elastic: MAX {spec.elastic_max} without MIN")
+        return
+    if spec.strategy not in (StrategyName.MIRRORED, StrategyName.MULTI_WORKER):
+        raise ConfigError(f"--elastic: for --strategy mirrored or multi-worker (synchronous replicas that each hold "
+                          f"the whole state). Received: --strategy {spec.strategy.value}")
+    if not 1 <= spec.elastic_min <= spec.replicas <= spec.elastic_max:
+        raise ConfigError(f"--elastic {spec.elastic_min}:{spec.elastic_max}: needs 1 <= MIN <= the {spec.replicas} "
+                          f"replica(s) the job starts with <= MAX")
+    blocked = [flag for flag, used in (("--compile", spec.compile),
+                                       ("--compression powersgd", spec.compression_spec.kind == "powersgd"),
+                                       (f"--allreduce {spec.allreduce}", spec.allreduce != "flat")) if used]
+    if blocked:
+        raise ConfigError(f"--elastic with {blocked[0]}: not supported yet (a new group would need it rebuilt "
+                          "as well); see docs/elastic.md")
+
+
+def parse_elastic(text: str, start: int, *, unit: str = "replica", scale: int = 1) -> tuple[int, int]:
+    """``--elastic MIN[:MAX]`` as (min, max) replicas; MAX defaults to the ``start`` count.
+
+    ``unit``/``scale``: on a cluster the flag counts worker hosts (torchrun's ``--nnodes
+    MIN:MAX``), each of ``scale`` replicas; ``start`` is in the same unit as the flag.
+    """
+    head, sep, tail = text.partition(":")
+    try:
+        low = int(head)
+        high = int(tail) if sep else start
+    except ValueError:
+        raise ConfigError(f"--elastic: expected MIN or MIN:MAX ({unit}s, whole numbers). Received: {text!r}") from None
+    if not 1 <= low <= start <= high:
+        raise ConfigError(f"--elastic {text}: needs 1 <= MIN <= the {start} {unit}(s) the job starts with <= MAX")
+    return low * scale, high * scale

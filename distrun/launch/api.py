@@ -54,6 +54,11 @@ class WorkerSpec:
     #: failure is reported but stops no one, and each is started again up to ``respawns`` times.
     independent_ranks: frozenset[int] = frozenset()
     respawns: int = 0
+    #: ``--elastic``: a rank that dies without a Failed event of its own (a signal, a lost
+    #: host) is a change of membership, not the job's failure: the others go on, and it is
+    #: started again as a joiner while ``respawns`` last. The rendezvous store lives in a
+    #: process of its own here (the store process), so it outlives every rank.
+    elastic: bool = False
     #: torchrun's contract: the job's id, and which restart of it this is (TORCHELASTIC_*).
     run_id: str = "local"
     restart_count: int = 0

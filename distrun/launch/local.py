@@ -18,7 +18,10 @@ Guarantees (each held by a test):
   (PR_SET_PDEATHSIG, set by the runtime bootstrap), so even a SIGKILLed
   launcher leaves no orphans;
 * the first failure is the root cause: a primary failure beats a ``peer-lost``
-  one, and among equals the earliest wins.
+  one, and among equals the earliest wins;
+* ``--elastic``: the rendezvous store runs in a store process of its own, which outlives
+  every rank, and a rank that dies without saying why (a signal) stops no one: the others
+  form a new group, and it is started again as a joiner while ``respawns`` last.
 """
 
 from __future__ import annotations
@@ -38,7 +41,13 @@ from distrun.launch._lines import LineBuffer
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import Event, EventDecodeError, Exited, Failed, Output, decode_event
-from distrun.protocol.environment import EVENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR
+from distrun.protocol.environment import (
+    ELASTIC_JOINER_VAR,
+    EVENT_FD_VAR,
+    PARENT_PID_VAR,
+    STORE_FD_VAR,
+    STORE_ROLE_VAR,
+)
 
 __all__ = ["LocalLauncher", "EventSink"]
 
@@ -56,6 +65,7 @@ class _Proc:
     fds: dict[int, tuple[str, LineBuffer]] = field(default_factory=dict)
     returncode: int | None = None
     signalled: bool = False  # we sent it SIGTERM/SIGKILL: its death is ours, not its own failure
+    lost_reason: str | None = None  # --elastic: why we killed it as lost (a hang), said when it is started again
 
 
 class LocalLauncher:
@@ -85,6 +95,8 @@ class LocalLauncher:
         self._port = 0
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
+        self._store_proc: Handle | None = None  # --elastic: the process that hosts the rendezvous store
+        self._lose: list[tuple[int, str]] = []  # --elastic: (rank, why) to kill as lost, from any thread
 
     # -- public ---------------------------------------------------------------
 
@@ -95,6 +107,7 @@ class LocalLauncher:
         finally:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
+            self._stop_store()
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
         return RunResult(
@@ -109,6 +122,13 @@ class LocalLauncher:
         if not self._stop_requested.is_set():
             self._stop_reason = reason
             self._stop_requested.set()
+
+    def lose_rank(self, rank: int, why: str) -> None:
+        """``--elastic``: kill ``rank`` as lost (a hung rank): the others go on, and it is started again.
+
+        Thread-safe; the supervising loop does the killing.
+        """
+        self._lose.append((rank, why))
 
     @property
     def warm(self) -> bool:
@@ -138,18 +158,51 @@ class LocalLauncher:
         else:
             port = spec.master_port
         self._port = port
+        for_rank0 = listener  # who hosts the store on it: rank 0, or (elastic) the store process
         try:
+            if spec.elastic and listener is not None:
+                self._store_proc = self._spawn_store(port, listener)
+                for_rank0 = None
             for local_rank in range(spec.local_world_size):
-                self._procs.append(self._spawn(local_rank, port, listener))
+                self._procs.append(self._spawn(local_rank, port, for_rank0))
         except BaseException:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
+            self._stop_store()
             raise
         finally:
             if listener is not None:
-                listener.close()  # rank 0 holds its own copy of the socket now
+                listener.close()  # rank 0 (or the store process) holds its own copy of the socket now
 
-    def _spawn(self, local_rank: int, port: int, listener: socket.socket | None) -> _Proc:
+    def _spawn_store(self, port: int, listener: socket.socket) -> Handle:
+        """``--elastic``: start the store process on the rendezvous socket (see module docs)."""
+        env = dict(os.environ)
+        env.update(self._spec.env)
+        env.update(rank_env(self._spec, 0, port))
+        env[STORE_ROLE_VAR] = "1"
+        env[STORE_FD_VAR] = str(listener.fileno())
+        env[PARENT_PID_VAR] = str(self._starter.parent_pid())
+        try:
+            handle = self._starter.start(self._spec.argv, env, self._spec.cwd, stdout=2, stderr=2,
+                                         pass_fds=[listener.fileno()])
+        except ZygoteUnavailable:
+            self._starter = PopenStarter()
+            env[PARENT_PID_VAR] = str(os.getpid())
+            handle = self._starter.start(self._spec.argv, env, self._spec.cwd, stdout=2, stderr=2,
+                                         pass_fds=[listener.fileno()])
+        return handle
+
+    def _stop_store(self) -> None:
+        store, self._store_proc = self._store_proc, None
+        if store is None:
+            return
+        try:
+            os.killpg(store.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        store.wait()
+
+    def _spawn(self, local_rank: int, port: int, listener: socket.socket | None, *, joiner: bool = False) -> _Proc:
         spec = self._spec
         rank = spec.rank_offset + local_rank
         event_r, event_w = os.pipe()
@@ -159,6 +212,9 @@ class LocalLauncher:
         env.update(spec.env)
         env.update(rank_env(spec, local_rank, port))
         env[EVENT_FD_VAR] = str(event_w)
+        env.pop(STORE_ROLE_VAR, None)
+        if joiner:
+            env[ELASTIC_JOINER_VAR] = "1"
         pass_fds = [event_w]
         if listener is not None and rank == 0:
             env[STORE_FD_VAR] = str(listener.fileno())
@@ -196,6 +252,7 @@ class LocalLauncher:
         state: ProcessState | None = None
         while True:
             self._pump(_TICK_S)
+            self._kill_lost()
             self._poll_exits()
             running = [p for p in self._procs if p.returncode is None]
             if stopping_since is None:
@@ -257,21 +314,40 @@ class LocalLauncher:
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
             if rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 self._respawn(proc)
+            elif (rc != 0 and not proc.signalled and self._spec.elastic
+                  and not any(f.rank == proc.rank for f in self._failures)):
+                self._respawn(proc, why=proc.lost_reason or _describe_exit(rc))
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(
                     Failed(rank=proc.rank, time=now, kind="exited",
                            message=getattr(proc.popen, "lost_reason", None) or _describe_exit(rc))
                 )
 
-    def _respawn(self, proc: _Proc) -> None:
-        """Start a failed independent rank again (it rejoins the job), while respawns last."""
+    def _kill_lost(self) -> None:
+        while self._lose and self._spec.elastic:
+            rank, why = self._lose.pop(0)
+            for proc in self._procs:
+                if proc.rank == rank and proc.returncode is None:
+                    proc.lost_reason = why
+                    try:
+                        os.killpg(proc.popen.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+
+    def _respawn(self, proc: _Proc, why: str = "") -> None:
+        """Start a lost rank again (it rejoins the job), while respawns last.
+
+        Independent ranks (parameter-server workers) and elastic ranks; an elastic rank
+        comes back as a joiner, healed by a peer.
+        """
         done = self._respawned.get(proc.rank, 0)
+        lost = f"rank {proc.rank} lost ({why})" if why else f"rank {proc.rank} lost"
         if self._stop_requested.is_set() or self._failures or done >= self._spec.respawns:
-            self._note(proc.rank, f"rank {proc.rank} lost; the job goes on without it")
+            self._note(proc.rank, f"{lost}; the job goes on without it")
             return
         self._respawned[proc.rank] = done + 1
-        self._note(proc.rank, f"rank {proc.rank} lost; starting it again ({done + 1}/{self._spec.respawns})")
-        self._procs.append(self._spawn(proc.local_rank, self._port, None))
+        self._note(proc.rank, f"{lost}; starting it again ({done + 1}/{self._spec.respawns})")
+        self._procs.append(self._spawn(proc.local_rank, self._port, None, joiner=self._spec.elastic))
 
     def _note(self, rank: int, text: str) -> None:
         self._sink(Output(rank=rank, time=time.time(), stream="stderr", line=f"[distrun] {text}"))

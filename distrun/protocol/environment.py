@@ -9,4 +9,6 @@ STORE_FD_VAR = "DISTRUN_STORE_FD"  # rank 0 only: listening socket for the TCPSt
 PARENT_PID_VAR = "DISTRUN_PARENT_PID"  # the launcher; training processes die with it
 JOB_SPEC_VAR = "DISTRUN_JOB_SPEC"  # JobSpec as JSON
 EVAL_CHECKPOINT_VAR = "DISTRUN_EVAL_CHECKPOINT"  # evaluator role: evaluate this checkpoint, then exit
+STORE_ROLE_VAR = "DISTRUN_STORE_PROCESS"  # --elastic: this process only hosts the job's TCPStore (on STORE_FD)
+ELASTIC_JOINER_VAR = "DISTRUN_ELASTIC_JOINER"  # --elastic: this rank was started again, and joins a running job
 CACHE_DIR_VAR = "DISTRUN_CACHE_DIR"  # a worker server's per-host cache folder (compiled kernels)

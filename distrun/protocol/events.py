@@ -35,6 +35,7 @@ __all__ = [
     "PsStats",
     "Compiled",
     "AllReduceChosen",
+    "MembershipChanged",
     "PEER_LOST",
     "SERVER_RANK",
     "EVALUATOR_RANK",
@@ -213,6 +214,26 @@ class AllReduceChosen(Event):
     hierarchical_ms: float | None = None
 
 
+@dataclass(frozen=True)
+class MembershipChanged(Event):
+    """``--elastic``: the replicas formed a new group (sent by the new group's chief).
+
+    ``step``: the committed step the new group went on from (the step after it is the
+    one redone); ``left``/``joined``: replicas by launcher rank and host; ``recovery_s``:
+    from the failure (or a joiner's switch) to the next committed step; ``steps_lost``:
+    committed steps that some member of the old group had and the new group does not.
+    """
+
+    type: ClassVar[str] = "membership"
+    generation: int
+    step: int
+    world_size: int
+    left: list[str] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)
+    recovery_s: float = 0.0
+    steps_lost: int = 0  # committed steps the new group does not hold (0 by design)
+
+
 #: How often each training process sends a Heartbeat (the client's hang detection reads it too).
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -251,7 +272,7 @@ class Hung(Event):
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats,
-                Compiled, AllReduceChosen)
+                Compiled, AllReduceChosen, MembershipChanged)
 }
 
 

@@ -63,6 +63,7 @@ class JobSnapshot:
     evaluator_step: int | None = None  # the evaluator's newest result: the checkpoint's step...
     evaluator_metrics: dict[str, float] = field(default_factory=dict)  # ...and its metrics
     compile_line: str | None = None  # --compile: graphs, breaks and recompilations on the chief
+    membership_line: str | None = None  # --elastic: the newest change of the group
 
     @property
     def samples_per_s(self) -> float:
@@ -114,6 +115,13 @@ class JobSummary:
     allreduce_reason: str | None = None
     #: Every rank was forked from a warm interpreter (a server's zygote) rather than started cold.
     warm: bool = False
+    #: --elastic: groups formed after the first (a replica lost or joined), the committed steps
+    #: lost to them (0 where the design holds) and the longest recovery, failure to next step.
+    membership_changes: int = 0
+    steps_lost: int = 0
+    recovery_s: float | None = None
+    #: --elastic: the replicas training at the end (or now), where it differs from ``replicas``.
+    world_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

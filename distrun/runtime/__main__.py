@@ -1,3 +1,12 @@
-from distrun.runtime._main import main
+import os
 
-main()
+from distrun.protocol.environment import STORE_ROLE_VAR
+
+if os.environ.get(STORE_ROLE_VAR) == "1":
+    from distrun.runtime._store import serve_store
+
+    serve_store()
+else:
+    from distrun.runtime._main import main
+
+    main()

@@ -8,6 +8,7 @@ uneven batch exact.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -45,7 +46,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     forward = getattr(recipe, "forward", _default_forward)
     loss_fn = recipe.loss
     train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size)
-    if spec.resume and spec.checkpoint_dir:
+    if spec.resume and spec.checkpoint_dir and not strategy.joining:  # a joiner was healed by a peer
         strategy.restore(spec.checkpoint_dir)
 
     epochs = spec.epochs
@@ -86,33 +87,50 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         # A step budget decides alone: an asynchronous worker's own epochs are not the job's.
         return total_steps is None and epochs is not None and train.position[0] >= epochs
 
-    while not finished():
-        epoch = train.position[0]
-        model.train()
-        for batch in train:
-            last_loss = strategy.run(train_step, batch)
-            if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
-                strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
-                last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
-            if finished():
-                break
-        epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
-        if epoch_done and eval_source is not None and strategy.evaluates:
-            # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
-            from distrun.runtime._metrics import evaluate
+    def run_eval(epoch: int) -> dict[str, float]:
+        # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
+        from distrun.runtime._metrics import evaluate
 
-            last_eval = evaluate(
-                strategy,
-                eval_source,
-                forward=forward,
-                loss_fn=loss_fn,
-                metrics=metrics,
-                per_replica_batch_size=ctx.per_replica_batch_size,
-            )
-            if strategy.is_chief:
-                emit_eval(strategy.step, epoch, last_eval)
-        if not epoch_done and total_steps is None:
-            break  # an iterable that yields nothing would loop forever
+        result = evaluate(
+            strategy,
+            eval_source,
+            forward=forward,
+            loss_fn=loss_fn,
+            metrics=metrics,
+            per_replica_batch_size=ctx.per_replica_batch_size,
+        )
+        if strategy.is_chief:
+            emit_eval(strategy.step, epoch, result)
+        return result
+
+    eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
+    while not finished() or eval_due is not None:
+        failed_at = None
+        try:
+            if eval_due is not None:
+                last_eval, eval_due = run_eval(eval_due), None
+                continue
+            epoch = train.position[0]
+            model.train()
+            for batch in train:
+                last_loss = strategy.run(train_step, batch)
+                if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
+                    strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+                    last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
+                if finished():
+                    break
+            epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
+            if epoch_done and eval_source is not None and strategy.evaluates:
+                eval_due = epoch
+                last_eval, eval_due = run_eval(epoch), None
+            if not epoch_done and total_steps is None:
+                break  # an iterable that yields nothing would loop forever
+        except Exception as exc:  # noqa: BLE001 - under --elastic a lost peer is not the end
+            if not strategy.is_membership_change(exc):
+                raise
+            failed_at = time.monotonic()
+        if failed_at is not None:  # outside the except: its traceback (and the DDP it holds) is gone
+            strategy.recover(failed_at)
 
     if ckpt_dir and last_saved != strategy.step:
         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)

@@ -18,7 +18,7 @@ from typing import Any
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
-from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
+from distrun.protocol.environment import CACHE_DIR_VAR, ELASTIC_JOINER_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
@@ -68,6 +68,9 @@ def main() -> None:
 
             serve_ps(module, spec, launch, writer, _store_client(launch))
             _exit(0)
+        if spec.elastic and info.kind is not RecipeKind.FIT:
+            raise RecipeError(f"--elastic trains fit-style recipes (distrun's loop redoes a step after a change of "
+                              f"membership); {spec.recipe} is a {info.kind.value}")
         reporter = EventReporter(writer, launch.rank, spec.replicas, spec.log_interval_s, device.type)
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
@@ -104,6 +107,10 @@ def main() -> None:
         _exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event, then exit 1
         if isinstance(exc, SystemExit) and exc.code in (0, None):
+            _exit(0)
+        if type(exc).__name__ == "JobFinished":  # --elastic: a joiner came as the job ended; nothing to do
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
+                             first_step_time=None))
             _exit(0)
         if isinstance(exc, KeyboardInterrupt):
             os._exit(130)
@@ -202,25 +209,59 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
 
         use_cache_dir(os.environ.get(CACHE_DIR_VAR))
     options: dict[str, Any] = {}
-    if spec.strategy.collective:
+    rank, world_size = launch.rank, launch.world_size
+    if spec.elastic:  # the first round's group is the default group; rank and size are the round's
+        elastic = _join_elastic(spec, launch, device)
+        assert elastic.round is not None
+        rank, world_size = elastic.round.rank, elastic.round.world_size
+        options["elastic"] = elastic
+    elif spec.strategy.collective:
         client = _store_client(launch)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
     if spec.strategy.value in ("mirrored", "multi-worker"):
-        options = {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
+        options |= {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
                    "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
-    world_size = launch.world_size
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype
 
         options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
                    "partition_bytes": spec.ps_partition_bytes, "wire": ps_wire_dtype(spec)}
-    replica = ReplicaInfo(rank=launch.rank, world_size=world_size, local_rank=launch.local_rank,
+    replica = ReplicaInfo(rank=rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed, node_rank=launch.node_rank)
     step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode)
     return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
+
+
+def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
+    """``--elastic``: this replica's membership, its first round joined (its group is the default group).
+
+    The store is the launcher's store process, not rank 0's: it outlives any rank.
+    """
+    from distrun.strategies._elastic import Elastic
+    from distrun.strategies._membership import Membership
+
+    joiner = os.environ.get(ELASTIC_JOINER_VAR) == "1"
+    membership = Membership(lambda: _store_client(launch), None if joiner else launch.rank, timeout=_STORE_TIMEOUT,
+                            backend="nccl" if device.type == "cuda" else "gloo",
+                            device=device if device.type == "cuda" else None, who=_who(launch))
+    elastic = Elastic(membership, min_members=spec.elastic_min, max_members=spec.elastic_max,
+                      expect=launch.world_size)
+    elastic.first_round()
+    return elastic
+
+
+def _who(launch: LaunchEnv) -> str:
+    """"rank 2 on 10.0.0.3": how membership events name this process (TF_CONFIG knows its host)."""
+    import json
+
+    try:
+        host = json.loads(os.environ.get("TF_CONFIG", "{}"))["cluster"]["worker"][launch.rank].rsplit(":", 1)[0]
+    except (KeyError, IndexError, ValueError, TypeError):
+        host = launch.master_addr
+    return f"rank {launch.rank} on {host}"
 
 
 def _store_client(launch: LaunchEnv) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, Step
+from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, MembershipChanged, Step
 from distrun.runtime._process import EventWriter
 
 
@@ -79,6 +79,15 @@ class EventReporter:
         self._writer.emit(AllReduceChosen(rank=self._rank, time=time.time(), algorithm=choice.algorithm,
                                           reason=choice.reason, flat_ms=choice.flat_ms,
                                           hierarchical_ms=choice.hierarchical_ms))
+
+    def membership(self, change: Any, *, report: bool) -> None:
+        """``--elastic``: a new group (a MembershipChange); the new chief reports it."""
+        self._world = change.world_size
+        if report:
+            self._writer.emit(MembershipChanged(
+                rank=self._rank, time=time.time(), generation=change.generation, step=change.step,
+                world_size=change.world_size, left=list(change.left), joined=list(change.joined),
+                recovery_s=change.recovery_s, steps_lost=change.steps_lost))
 
     # figures ----------------------------------------------------------------
 

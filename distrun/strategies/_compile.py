@@ -68,13 +68,15 @@ class CompileRoot(nn.Module):
 
 
 def plain_module(model: nn.Module) -> nn.Module:
-    """The recipe's module under every wrapper: torch.compile's, DDP's, ``CompileRoot``."""
+    """The recipe's module under every wrapper: torch.compile's, DDP's, ``CompileRoot``, ``ElasticModel``."""
     from torch.nn.parallel import DistributedDataParallel
+
+    from distrun.strategies._elastic import ElasticModel
 
     while True:
         if hasattr(model, "_orig_mod"):
             model = model._orig_mod
-        elif isinstance(model, (DistributedDataParallel, CompileRoot)):
+        elif isinstance(model, (DistributedDataParallel, CompileRoot, ElasticModel)):
             model = model.module
         else:
             return model

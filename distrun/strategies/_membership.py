@@ -33,6 +33,17 @@ How a round runs, on the store (keys under ``elastic/``):
   highest step broadcasts its state to the rest over the new group, and every member
   goes on from it.
 
+- **Joining.** A new member (a restarted rank, a new host) opens the round after the
+  store's current one and waits in it. Members in training read the generation once per
+  step; the first to see a newer one proposes a switch at the step after its own next
+  one (``g<N>/switch_after``, set once), and every member leaves its group at that
+  boundary and arrives. No member can be past that boundary when the proposal is
+  written, since the step before it needs the proposer. So a join costs no failed step.
+
+The round's group is torch.distributed's default group (``init_process_group`` on a
+prefix of the store), so DDP, ``dist.all_reduce`` and every strategy's collectives use
+it unchanged.
+
 Nothing crosses as pickle: ids and steps are decimal strings on the store, and state is
 tensors.
 """
@@ -50,13 +61,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BEAT_S", "LOST_AFTER_S", "BelowMinimum", "LateForRound", "Membership", "Round", "heal"]
+__all__ = ["BEAT_S", "LOST_AFTER_S", "JOINER_IDS", "BelowMinimum", "JobFinished", "LateForRound", "Membership",
+           "Round"]
 
 #: How often a member's watcher renews its beat and reads the generation.
 BEAT_S = 0.05
 #: A member whose beat is this old is lost (a few beats: a loaded host may skip one).
 LOST_AFTER_S = 1.0
 _PREFIX = "elastic/"
+#: Member ids of joiners start here, so they sort after every first member (new ranks follow ids).
+JOINER_IDS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -84,27 +98,59 @@ class Membership:
     other.
     """
 
-    def __init__(self, store_factory: Callable[[], Any], member_id: int, *, timeout: timedelta) -> None:
-        self.member_id = member_id
+    def __init__(self, store_factory: Callable[[], Any], member_id: int | None, *, timeout: timedelta,
+                 backend: str = "gloo", device: torch.device | None = None, who: str = "") -> None:
+        """``member_id``: the launcher's rank for a first member; None for a joiner (a
+        restarted rank, a new host), which takes a fresh id from the store.
+        ``backend``/``device``: the default group each round opens (gloo, or nccl and its GPU).
+        ``who``: how events name this member ("rank 2 on 10.0.0.3")."""
         self._store = dist.PrefixStore(_PREFIX, store_factory())
         self._watch_store = dist.PrefixStore(_PREFIX, store_factory())
+        if member_id is None:
+            member_id = JOINER_IDS + int(self._store.add("joiners", 1))
+        self.member_id = member_id
         self._timeout = timeout
+        self._backend = backend
+        self._device = device
         self.generation = 0
-        self.group: Any = None  # the current round's ProcessGroupGloo
+        self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
+        self._store.set(f"who/{member_id}", who or f"member {member_id}")
         self._beat()
-        self._register()
+        if not self.joiner:  # a joiner registers as it arrives: a round must not wait for it before
+            self._register()
         self._watcher = threading.Thread(target=self._watch, name="distrun-membership", daemon=True)
         self._watcher.start()
+
+    @property
+    def store(self) -> Any:
+        """The store under this job's ``elastic/`` prefix (healing writes its manifest here)."""
+        return self._store
+
+    @property
+    def joiner(self) -> bool:
+        return self.member_id >= JOINER_IDS
+
+    def last_committed(self, member: int) -> int:
+        """The newest committed step ``member`` beat (a lost member's is its last word)."""
+        key = f"alive/{member}"
+        if not self._store.check([key]):
+            return -1
+        return int(self._store.get(key).decode().split()[1])
+
+    def describe(self, member: int) -> str:
+        """How events name a member (its launcher rank and host)."""
+        key = f"who/{member}"
+        return self._store.get(key).decode() if self._store.check([key]) else f"member {member}"
 
     # -- liveness and the watcher
 
     def _beat(self, store: Any = None) -> None:
         self._beats += 1
-        (store or self._store).set(f"alive/{self.member_id}", str(self._beats))
+        (store or self._store).set(f"alive/{self.member_id}", f"{self._beats} {self.committed_step}")
 
     def _watch(self) -> None:
         while not self._stop.wait(BEAT_S):
@@ -114,33 +160,95 @@ class Membership:
                 return
 
     def drop_group(self) -> None:
-        """Close the current group's connections, so peers blocked on it fail now.
+        """Close this process's default group, so peers blocked on it fail now.
 
-        The caller must have dropped its own references to the group first (a DDP
-        wrapper holds one): connections close when the last reference goes.
+        Abort first: gloo's abort closes the group's connections, and a peer blocked on
+        one wakes within milliseconds (destroying the group alone left a peer waiting for
+        its timeout, on torch 2.13). NCCL's abort frees a communicator stuck on a dead
+        peer. The caller must have dropped everything that holds the group first: its DDP
+        wrapper, and the failed collective's traceback (torch's frames in it hold the group,
+        so call this after the ``except`` block, not in it; measured: inside it, a peer
+        stayed blocked for the whole 30 s timeout).
         """
-        group, self.group = self.group, None
-        if group is not None:
-            group.abort()
-            del group
-            gc.collect()
+        if not dist.is_initialized():
+            return
+        group = dist.group.WORLD
+        for device in (torch.device("cpu"), self._device):
+            if device is None:
+                continue
+            try:
+                group._get_backend(device).abort()
+            except RuntimeError:  # no backend for this device type
+                pass
+        dist.destroy_process_group()
+        del group
+        gc.collect()
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Stop beating. ``finished``: the job's last step is done; a joiner still waiting
+        for a round leaves quietly (:class:`JobFinished`)."""
+        if finished:
+            self._store.set("finished", "1")
         self._stop.set()
         self._watcher.join(timeout=2.0)
-        self.drop_group()
 
     # -- rounds
 
+    def current_size(self) -> int:
+        """Members of the newest closed round (0 before the first closes)."""
+        generation = int(self._store.get("generation").decode())
+        for g in range(generation, -1, -1):
+            count = self._read_int(self._store, f"g{g}/closed", default=-1)
+            if count >= 0:
+                return count
+        return 0
+
+    def finished(self) -> bool:
+        return self._store.check(["finished"])
+
     def open_round(self) -> int:
-        """Open the round after ours, or find the one another member opened; its generation."""
+        """Open the round after ours, or find the one another member opened; its generation.
+
+        A member of the current round opens the round after its own, so survivors that
+        notice one failure together all land in the same round.
+        """
+        mine = str(self.generation)
         # compare_set answers with the value now stored: ours if we opened the round, the
         # newer one if another member did first.
-        return int(self._store.compare_set("generation", str(self.generation), str(self.generation + 1)).decode())
+        return int(self._store.compare_set("generation", mine, str(self.generation + 1)).decode())
+
+    def open_joiners_round(self) -> int:
+        """A joiner's round: the one after the newest, once the newest has closed.
+
+        A joiner waits while a round is open (survivors forming a group after a failure),
+        so the job first goes on without the lost member and then grows: 3 -> 2 -> 3, each
+        change its own event. It registers only now, so no round waits for it earlier.
+        """
+        while True:
+            newest = int(self._store.get("generation").decode())
+            if self._store.check([f"g{newest}/closed"]):
+                break
+            if self.finished():
+                raise JobFinished("the job finished while this member waited to join")
+            time.sleep(BEAT_S)
+        self._register()
+        return int(self._store.compare_set("generation", str(newest), str(newest + 1)).decode())
+
+    def switch_due(self, committed_step: int) -> bool:
+        """At a step boundary: whether a round is waiting for us (a member joins) and it is time.
+
+        One store read per step. The first member to see a newer round proposes the step
+        to switch after (its own next one); everyone switches at that same boundary.
+        """
+        newest = int(self._store.get("generation").decode())
+        if newest <= self.generation:
+            return False
+        agreed = int(self._store.compare_set(f"g{newest}/switch_after", "", str(committed_step + 1)).decode())
+        return committed_step >= agreed
 
     def join_round(self, generation: int, committed_step: int, *, min_members: int = 1,
                    expect: int = 0) -> Round:
-        """Arrive in round ``generation``, wait until it closes, and open its group (``self.group``).
+        """Arrive in round ``generation``, wait until it closes, and open its group (the default group).
 
         ``expect``: the round does not close before this many have arrived (the first
         round, while members are still starting); its live members still close it later.
@@ -155,11 +263,13 @@ class Membership:
         rows = [self._store.get(f"{key}member/{i}").decode().split() for i in range(count)]
         arrived = sorted((int(member), int(step)) for member, step in rows)
         if len(arrived) < min_members:
-            raise BelowMinimum(f"{len(arrived)} member(s) left, fewer than the minimum {min_members}")
+            raise BelowMinimum(f"{len(arrived)} replica(s) left, fewer than --elastic MIN {min_members}; "
+                               "the job falls back to --max-restarts (a restart from the newest checkpoint)")
         members = tuple(member for member, _ in arrived)
         rank = members.index(self.member_id)
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(key + "pg/", self._store), rank, len(members),
-                                           self._timeout)
+        dist.init_process_group(self._backend, store=dist.PrefixStore(key + "pg/", self._store), rank=rank,
+                                world_size=len(members), timeout=self._timeout,
+                                device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
@@ -169,6 +279,8 @@ class Membership:
             frozen = self._read_int(self._store, key + "closed", default=-1)
             if frozen >= 0:
                 return frozen
+            if self._store.check(["finished"]):
+                raise JobFinished("the job finished before this member's round closed")
             arrived = self._read_int(self._store, key + "arrived")
             here = {int(self._store.get(f"{key}member/{i}").decode().split()[0]) for i in range(arrived)
                     if self._store.check([f"{key}member/{i}"])}
@@ -224,9 +336,5 @@ class BelowMinimum(RuntimeError):
     """Fewer members than ``--elastic MIN`` are left: the job falls back to a restart."""
 
 
-def heal(membership: Membership, round_: Round, tensors: list[torch.Tensor]) -> None:
-    """Make every member's ``tensors`` (same shapes everywhere, CPU) the source member's, by broadcast."""
-    if round_.world_size == 1 or not tensors:
-        return
-    for tensor in tensors:
-        membership.group.broadcast(tensor, round_.source).wait()
+class JobFinished(RuntimeError):
+    """A joiner waited for a round, and the job ended first: it has nothing to do."""

@@ -13,6 +13,7 @@ returns, never by the recipe.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -28,6 +29,8 @@ from distrun.errors import CheckpointError, ConfigError
 from distrun.strategies import checkpoint as ckpt
 from distrun.strategies._compile import CompileStats, plain_module
 from distrun.strategies._data import DistributedDataset
+from distrun.strategies._elastic import Elastic, MembershipSwitch, is_collective_failure
+from distrun.strategies._heal import heal
 from distrun.strategies._precision import all_reduce_max
 from distrun.strategies._step import ReplicaStep, StepSettings
 
@@ -51,6 +54,8 @@ class Reporter(Protocol):
 
     def allreduce_chosen(self, choice: Any) -> None: ...
 
+    def membership(self, change: Any, *, report: bool) -> None: ...
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:
@@ -69,8 +74,14 @@ class Strategy(ABC):
 
     name = "strategy"
 
-    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, step: StepSettings = StepSettings()) -> None:
+    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, step: StepSettings = StepSettings(),
+                 elastic: Elastic | None = None) -> None:
+        """``elastic``: this replica's membership under ``--elastic`` (its first round joined;
+        ``replica`` is its place in that round): see :meth:`recover`."""
         self._replica = replica
+        self._elastic = elastic
+        self._committed_position = (0, 0)  # the data position after the last committed step (elastic heals it)
+        self._healed_position: tuple[int, int] | None = None
         self._reporter = reporter
         self._step = ReplicaStep(step, lambda: self.device,
                                  all_reduce_max(lambda: self._distributed, lambda: self._collective_device),
@@ -146,6 +157,8 @@ class Strategy(ABC):
         model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer),
                                              unscale_in_step=self._unscale_in_step)
         self._model, self._optimizer = model, optimizer
+        if self.joining:
+            self._heal()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
@@ -186,7 +199,7 @@ class Strategy(ABC):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
     ) -> DistributedDataset:
-        if global_batch_size % self.num_replicas:
+        if global_batch_size % self.num_replicas and self._elastic is None:  # elastic: uneven shares, weighted
             raise ConfigError(
                 f"global batch size {global_batch_size} is not divisible by {self.num_replicas} replicas; "
                 f"choose a multiple of {self.num_replicas}"
@@ -204,6 +217,9 @@ class Strategy(ABC):
             collate_fn=collate_fn,
             num_workers=num_workers,
         )
+        if self._healed_position is not None:  # a joiner: where the members it joined had got to
+            self._dataset.seek(*self._healed_position)
+        self._committed_position = self._dataset.position
         return self._dataset
 
     def _on_batch(self, samples: int, weight: float) -> None:
@@ -229,11 +245,78 @@ class Strategy(ABC):
     # -- stepping and collectives ---------------------------------------------
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._elastic is not None and self._elastic.switch_due(self.step):
+            raise MembershipSwitch(f"a member joins after step {self.step}")
         with self.autocast():
             result = fn(*args, **kwargs)
         self.step += 1
+        if self._elastic is not None:
+            self._committed()
         self._report_step(result)
         return result
+
+    # -- elastic membership (--elastic) ----------------------------------------
+
+    @property
+    def joining(self) -> bool:
+        """This replica joined a job already training: its state comes from a peer, not a checkpoint."""
+        return self._elastic is not None and self._elastic.membership.joiner and self.step == 0 \
+            and self._healed_position is None
+
+    def is_membership_change(self, exc: BaseException) -> bool:
+        """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""
+        return self._elastic is not None and is_collective_failure(exc)
+
+    def recover(self, failed_at: float) -> None:
+        """Go on after a change of membership, from the state the members hold in memory.
+
+        Drop the DDP wrapper and the group, join the next round, rebuild DDP over the new
+        group, then heal model, optimizer, step, data position and loss scale from the
+        member with the most committed steps. The caller iterates its data again: the
+        step that failed is redone, split over the new count. Below ``--elastic MIN`` the
+        round raises ``BelowMinimum`` and the job falls back to a restart.
+        """
+        if self._elastic is None:
+            raise RuntimeError("recover() is for --elastic jobs")
+        self._release_model()
+        round_ = self._elastic.next_round(self.step, failed_at)
+        self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
+        self._rebuild_model()
+        self._heal()
+
+    def _heal(self) -> None:
+        elastic = self._elastic
+        assert elastic is not None and elastic.round is not None
+        round_ = elastic.round
+        values = heal(elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
+                      rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
+                      load_optimizer_state=self._load_optimizer_state, device=self._collective_device,
+                      values={"step": self.step, "position": list(self._committed_position),
+                              "scaler": self._step.scaler_state()})
+        self.step = int(values["step"])
+        position = (int(values["position"][0]), int(values["position"][1]))
+        self._healed_position = self._committed_position = position
+        if self._dataset is not None:
+            self._dataset.reshard(round_.world_size, round_.rank, redo_last=False)
+            self._dataset.seek(*position)
+            self.epoch = position[0]
+        self._step.load_scaler_state(values["scaler"])
+
+    def _committed(self) -> None:
+        assert self._elastic is not None
+        if self._dataset is not None:
+            self._committed_position = self._dataset.position
+        change = self._elastic.committed(self.step)
+        if change is not None:
+            self._reporter.membership(change, report=self.is_chief)
+
+    def _release_model(self) -> None:
+        """Let go of everything that holds the group (DDP), before it is dropped."""
+        raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
+
+    def _rebuild_model(self) -> None:
+        """Wrap the model again over the new group (the inverse of ``_release_model``)."""
+        raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
 
     def _report_step(self, result: Any) -> None:
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
@@ -381,6 +464,8 @@ class Strategy(ABC):
         if self._distributed:
             dist.barrier()
             dist.destroy_process_group()
+        if self._elastic is not None:
+            self._elastic.close(finished=True)  # a joiner still waiting for a round leaves
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against a common mistake
         raise TypeError("a Strategy is not iterable; iterate strategy.distribute_dataset(...)")

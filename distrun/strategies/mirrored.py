@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.strategies._allreduce_auto import ddp_bucket_bytes, known_choice, probe, probe_sizes
 from distrun.strategies._compression import CommCompression
+from distrun.strategies._elastic import ElasticModel
 from distrun.strategies._hierarchical import HierarchicalAllReduce
 from distrun.strategies._precision import PRECISION_DTYPES
 from distrun.strategies.base import Strategy
@@ -36,11 +37,20 @@ class MirroredStrategy(Strategy):
         self._powersgd_warmup = powersgd_warmup
         self._comm: CommCompression | None = None
         self._hierarchical: HierarchicalAllReduce | None = None
+        self._holder: ElasticModel | None = None  # --elastic: what prepare returned
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
         if self._sync_batch_norm:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        ddp = self._ddp(model)
+        if self._elastic is not None:  # DDP is rebuilt at each new round; the holder stays
+            self._holder = ElasticModel(ddp)
+            return self._holder, optimizer
+        return ddp, optimizer
+
+    def _ddp(self, model: nn.Module) -> DistributedDataParallel:
+        """DDP over the current group, with the job's all-reduce and compression hooks."""
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = DistributedDataParallel(model, device_ids=device_ids)
         wire = PRECISION_DTYPES.get(self._compression.kind)  # fp16/bf16 on the wire; None: as it is
@@ -54,7 +64,18 @@ class MirroredStrategy(Strategy):
             self._comm = CommCompression(self._compression, warmup_steps=self._powersgd_warmup,
                                          seed=self._replica.seed)
             self._comm.attach(ddp)
-        return ddp, optimizer
+        return ddp
+
+    def _release_model(self) -> None:
+        if self._comm is not None:
+            self._comm.close()
+            self._comm = None
+        ddp = self._holder.module
+        self._holder.module = ddp.module  # the plain module: nothing here holds the group now
+        del ddp
+
+    def _rebuild_model(self) -> None:
+        self._holder.module = self._ddp(self._holder.module)
 
     def _choose(self, ddp: DistributedDataParallel, wire: torch.dtype | None) -> str:
         """``--allreduce auto``: flat or hierarchical for this job, the same on every rank, said in an event."""

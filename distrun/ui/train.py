@@ -38,6 +38,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
                           + "  ".join(f"{k}={v:.4g}" for k, v in snapshot.evaluator_metrics.items())))
     if snapshot.compile_line:
         parts.append(Text(snapshot.compile_line, style="yellow" if "0 graph break" not in snapshot.compile_line else ""))
+    if snapshot.membership_line:
+        parts.append(Text(snapshot.membership_line, style="yellow"))
     if snapshot.hang:
         parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
     if snapshot.eval_metrics:
@@ -138,6 +140,10 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("wall time", fmt_seconds(summary.wall_s))
     if summary.restarts:
         table.add_row("restarts", str(summary.restarts))
+    if summary.membership_changes:
+        table.add_row("membership", f"{summary.membership_changes} change(s), now {summary.world_size} replica(s); "
+                                    f"{summary.steps_lost} step(s) lost; longest recovery "
+                                    f"{fmt_seconds(summary.recovery_s)}")
     for key, value in summary.eval_metrics.items():
         table.add_row(f"eval {key}", f"{value:.4g}")
     if summary.evaluator_step is not None:

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distrun.strategies._membership import Membership, heal
+from distrun.strategies._membership import Membership
 
 
 def main() -> None:
@@ -33,27 +33,32 @@ def main() -> None:
     step, history, recovery = 0, [round_.world_size], []
     while step < steps:
         contribution = torch.full((1,), float(member + 1), dtype=torch.float64)
+        failed_at = None
         try:
             if member == members - 1 and step == die_at:  # die with the all-reduce in flight
                 threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
                 time.sleep(0.01)
-            membership.group.allreduce([contribution]).wait()
+            dist.all_reduce(contribution)
             if member == members - 1 and step == die_at:
                 time.sleep(1)  # the timer fires: never past here
         except RuntimeError:
             failed_at = time.monotonic()
+        if failed_at is not None:
+            # Outside the except: its traceback holds torch's frames, and they hold the group.
             membership.drop_group()  # first: peers blocked on it wake now
             round_ = membership.join_round(membership.open_round(), step, min_members=1)
             state = torch.tensor([total.item(), float(step)], dtype=torch.float64)
-            heal(membership, round_, [state])
+            dist.broadcast(state, round_.source)  # heal from the member with the most committed steps
             total, step = state[:1].clone(), int(state[1].item())
             history.append(round_.world_size)
             recovery.append(time.monotonic() - failed_at)
+            failed_at = None
             continue
         total += contribution
         step += 1
     print(json.dumps({"member": member, "total": total.item(), "worlds": history, "rank": round_.rank,
                       "recovery_s": recovery, "generation": round_.generation}), flush=True)
+    dist.destroy_process_group()
     membership.close()
 
 

@@ -144,3 +144,56 @@ def loss(outputs, batch):
         return value * 1e30
     return value
 """
+
+# --elastic tests: EQUIV's model and data with Adam (its state must be healed too), a
+# global batch of 18 (6 per replica over 3, 9 over 2). `-- --die-rank R --die-at N --once
+# FILE` makes rank R SIGKILL itself at its Nth step, once; `--hang-rank R` makes it hang
+# there instead (once); `--sleep-s S` slows every step, so a restarted rank can rejoin.
+ELASTIC = """
+import os
+import signal
+import sys
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 18}
+
+
+def _arg(name, default):
+    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
+DIE_RANK, HANG_RANK, AT = _arg("--die-rank", -1), _arg("--hang-rank", -1), _arg("--die-at", 0)
+ONCE, SLEEP_S = _arg("--once", ""), _arg("--sleep-s", 0.0)
+RANK = int(os.environ.get("RANK", "0"))
+calls = 0
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def optimizer(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def loss(outputs, batch):
+    global calls
+    calls += 1
+    if RANK in (DIE_RANK, HANG_RANK) and calls == AT and not os.path.exists(ONCE):
+        open(ONCE, "w").close()
+        if RANK == DIE_RANK:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    if SLEEP_S:
+        time.sleep(SLEEP_S)
+    return nn.functional.cross_entropy(outputs, batch[1])
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(180, 6, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+"""

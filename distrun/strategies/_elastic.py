@@ -1,0 +1,150 @@
+"""``--elastic MIN[:MAX]``: a synchronous job that loses a replica, or gains one, loses no step.
+
+The strategy side of elastic training; the rounds themselves are ``_membership``'s and
+the state transfer ``_heal``'s. A strategy that holds an :class:`Elastic`:
+
+- raises :class:`MembershipSwitch` at a step boundary when a joiner waits for a round
+  (``switch_due``), before the step starts;
+- on a failed collective or that switch, ``Strategy.recover`` drops its DDP wrapper and
+  its group, joins the next round (:meth:`Elastic.next_round`), heals from the member
+  with the most committed steps and rebuilds DDP over the new group;
+- the training loop then iterates its data again: the position was healed from the
+  committed step, and the global batches are split over the new count, so the step
+  that failed is redone with the same samples.
+
+What counts as a change of membership, rather than the recipe's error: a collective
+that failed (torch's ``DistError``, or gloo's and NCCL's transport errors, which reach
+Python as RuntimeErrors). Anything else is the recipe's and fails the job as always.
+
+Why the model is held by an :class:`ElasticModel`: the recipe (or distrun's fit loop)
+keeps the object ``prepare`` returned, while DDP must be rebuilt over each new group.
+The holder stays, and its inner DDP is replaced.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from distrun.strategies._membership import BEAT_S, JobFinished, LateForRound, Membership, Round
+
+__all__ = ["Elastic", "ElasticModel", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
+
+#: Fragments of the messages gloo and NCCL raise when a peer is gone (they reach Python as RuntimeError).
+_TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
+                     "Timed out waiting", "NCCL communicator was aborted", "ncclRemoteError", "Broken pipe",
+                     "Socket Timeout", "connection refused", "Connection refused")
+
+
+class MembershipSwitch(RuntimeError):
+    """A member is waiting to join: every member leaves its group at this step boundary."""
+
+
+class ElasticModel(nn.Module):
+    """The prepared model under ``--elastic``: its DDP is rebuilt at each round, this object stays."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """One round that changed the group, as the ``membership`` event says it."""
+
+    generation: int
+    step: int  # the committed step the members went on from
+    world_size: int
+    left: tuple[str, ...]
+    joined: tuple[str, ...]
+    recovery_s: float  # from the failure (or the switch) to the next committed step
+    steps_lost: int  # committed steps some member of the old group beat that the new group does not hold
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A collective failed because a peer is gone (or a joiner asked for a switch)."""
+    if isinstance(exc, MembershipSwitch):
+        return True
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_ERRORS)
+
+
+class Elastic:
+    """One replica's elastic membership, as its strategy uses it."""
+
+    def __init__(self, membership: Membership, *, min_members: int, max_members: int, expect: int) -> None:
+        self.membership = membership
+        self.min_members = min_members
+        self.max_members = max_members
+        self._expect = expect  # the first round waits for the launch's world size
+        self.round: Round | None = None
+        self._pending: tuple[float, Round, tuple[int, ...], int] | None = None  # (since, round, before, lost)
+
+    def first_round(self) -> Round:
+        """Join the job: the first round of a fresh job, or the next one for a joiner."""
+        if not self.membership.joiner:
+            self.round = self.membership.join_round(0, 0, expect=self._expect)
+            return self.round
+        while True:
+            self._wait_for_a_place()
+            try:
+                self.round = self.membership.join_round(self.membership.open_joiners_round(), -1)
+            except LateForRound:  # the round closed as we arrived: open the next
+                continue
+            self._pending = (time.monotonic(), self.round, (), 0)
+            return self.round
+
+    def _wait_for_a_place(self) -> None:
+        """A joiner waits while the job already runs ``max_members`` replicas (or ends)."""
+        while self.membership.current_size() >= self.max_members:
+            if self.membership.finished():
+                raise JobFinished("the job finished while this member waited for a place")
+            time.sleep(BEAT_S * 4)
+
+    def switch_due(self, committed_step: int) -> bool:
+        return self.membership.switch_due(committed_step)
+
+    def next_round(self, committed_step: int, failed_at: float) -> Round:
+        """Leave the group (the caller dropped its DDP first), join the next round, open its group."""
+        before = self.round.members if self.round is not None else ()
+        self.membership.drop_group()
+        while True:
+            try:
+                new = self.membership.join_round(self.membership.open_round(), committed_step,
+                                                 min_members=self.min_members)
+                break
+            except LateForRound:  # a joiner's round closed as we arrived: the next one takes us
+                continue
+        self.round = new
+        # Every member's beat carries its newest committed step, a lost member's too: the
+        # steps the new group lost are those beyond the step it heals to (0 by design).
+        highest = max((self.membership.last_committed(member) for member in before), default=-1)
+        self._pending = (failed_at, new, before, max(0, highest - max(new.steps)))
+        return new
+
+    def committed(self, step: int) -> MembershipChange | None:
+        """After a committed step: the change that led here, once (the chief reports it)."""
+        self.membership.committed_step = step
+        if self._pending is None:
+            return None
+        failed_at, new, before, lost = self._pending
+        self._pending = None
+        describe = self.membership.describe
+        return MembershipChange(
+            generation=new.generation, step=step - 1, world_size=new.world_size,
+            left=tuple(describe(m) for m in before if m not in new.members),
+            joined=tuple(describe(m) for m in new.members if before and m not in before),
+            recovery_s=time.monotonic() - failed_at,
+            steps_lost=lost,
+        )
+
+    def close(self, *, finished: bool) -> None:
+        self.membership.close(finished=finished)

@@ -1,0 +1,102 @@
+"""``--elastic`` on one machine: real processes, a real store process, real gloo groups.
+
+A replica is SIGKILLed (or hangs) mid-run. The others must go on from the state they
+hold, lose no committed step, and end with one-device's parameters; the lost rank is
+started again and rejoins, healed by a peer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests.conftest import assert_no_processes, run_cli
+from tests.integration._recipes import ELASTIC, RAISES_IN_RANK_1
+
+pytestmark = pytest.mark.integration
+
+STEPS = 60
+
+
+def _train(recipe, *args):
+    return run_cli("train", str(recipe), "--json", "--device", "cpu", *args)
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """The reference: the same recipe, global batches and steps on one device."""
+    folder = tmp_path_factory.mktemp("one-device")
+    recipe = folder / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "one-device", "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
+
+
+def test_a_lost_replica_costs_no_step_and_rejoins(tmp_path, one_device):
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "2:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--",
+                    "--die-rank", "2", "--die-at", "10", "--once", str(tmp_path / "once"), "--sleep-s", "0.05")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    changes = [line for line in lines if line["type"] == "membership"]
+    assert [c["world_size"] for c in changes] == [2, 3], changes
+    assert changes[0]["left"] == ["rank 2 on 127.0.0.1"] and changes[0]["step"] == 9  # rank 2 died in step 10
+    assert changes[1]["joined"] == ["rank 2 on 127.0.0.1"] and changes[1]["step"] > 9
+    assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 2][0] == -9
+    assert sum(1 for line in lines if line["type"] == "started" and line["rank"] == 2) == 2  # it came back
+    summary = result.summary
+    assert summary["steps"] == STEPS and summary["restarts"] == 0
+    assert summary["membership_changes"] == 2 and summary["steps_lost"] == 0 and summary["world_size"] == 3
+    assert 0 < summary["recovery_s"] < 10
+    # No checkpoint was read, and the parameters are one-device's: every global batch was
+    # trained once, the one of the failed step split over two, and the rejoined rank healed.
+    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert_no_processes(str(tmp_path))
+
+
+def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "2", "--elastic", "1:2", "--steps", str(STEPS),
+                    "--hang-timeout-s", "3", "--checkpoint-dir", str(tmp_path / "ck"), "--",
+                    "--hang-rank", "1", "--die-at", "10", "--once", str(tmp_path / "once"), "--sleep-s", "0.02")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    hung = [line for line in lines if line["type"] == "hang"]
+    assert hung and hung[0]["rank"] == 1
+    notes = [line["line"] for line in lines if line["type"] == "output" and "lost (hung" in line["line"]]
+    assert notes and notes[0].startswith("[distrun] rank 1 lost (hung for"), notes
+    assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0
+    assert result.summary["membership_changes"] >= 1
+    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert_no_processes(str(tmp_path))
+
+
+def test_below_the_minimum_the_job_stops_and_says_why(tmp_path):
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "2", "--elastic", "2", "--steps", str(STEPS),
+                    "--", "--die-rank", "1", "--die-at", "5", "--once", str(tmp_path / "once"))
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]  # a training error
+    assert "1 replica(s) left, fewer than --elastic MIN 2" in result.stderr, result.stderr[-2000:]
+    assert "restart from the newest checkpoint" in result.stderr
+    assert result.stderr.count("Traceback") == 0
+    assert_no_processes(str(tmp_path))
+
+
+def test_a_recipe_error_still_fails_an_elastic_job(write_recipe, tmp_path):
+    """Only a rank that vanishes is a change of membership; an exception is the recipe's."""
+    result = _train(write_recipe(RAISES_IN_RANK_1), "--strategy", "mirrored", "--replicas", "2",
+                    "--elastic", "1:2", "--steps", "20")
+    assert result.returncode != 0
+    assert "boom at step 3" in result.stderr
+    assert not [line for line in result.json_lines() if line["type"] == "membership"]
+    assert_no_processes(str(tmp_path))
