@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,6 +55,25 @@ class HostLink:
             raise HostError(self.label, "no worker server; run `distrun up` first")
         self._control = self.client()
         self.info, _ = self._control.status()
+
+    def reopen(self) -> None:
+        """Connect to the host's server again: a new one (``distrun up`` after a loss) has a new port and token."""
+        with self._lock:
+            if self._control is not None:
+                self._control.close()
+                self._control = None
+            self.open()
+
+    def wait_for_server(self, give_up: Callable[[], bool], poll_s: float = 1.0) -> bool:
+        """Poll until this host's server answers again (``--elastic``: a lost host rejoins); False on ``give_up()``."""
+        while not give_up():
+            time.sleep(poll_s)
+            try:
+                self.reopen()
+                return True
+            except HostError:
+                continue
+        return False
 
     def client(self) -> ServerClient:
         assert self.state is not None, "open() first"

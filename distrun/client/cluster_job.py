@@ -33,10 +33,10 @@ from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
-from distrun.client.local import ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
-from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
+from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
+from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe, parse_elastic
 from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import EVALUATOR_RANK, PEER_LOST, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -105,6 +105,8 @@ class ClusterJob:
         self._user_cancelled = False
         self._saw_checkpoint = False
         self.bundle_sent_to: tuple[str, ...] = ()
+        self._port: int | None = None  # the current attempt's rendezvous port
+        self.spec: JobSpec | None = None
 
     @classmethod
     def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
@@ -187,6 +189,16 @@ class ClusterJob:
                 return placement.host.label
         return "?"
 
+    def elastic_range(self, text: str) -> dict[str, int]:
+        """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas."""
+        slots = sorted({p.slots for p in self.placements})
+        if len(slots) != 1:
+            where = self.cluster.source or "the cluster"
+            raise UsageError(f"--elastic counts worker hosts, so every worker host of {where} needs the same "
+                             f"slots: they have {', '.join(map(str, slots))}")
+        low, high = parse_elastic(text, len(self.placements), unit="worker host", scale=slots[0])
+        return {"elastic_min": low, "elastic_max": high}
+
     # -- start
 
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0,
@@ -221,18 +233,22 @@ class ClusterJob:
     def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]
         port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
-        port = rank0.call("rendezvous", job=attempt_id, port_range=port_range)["port"]
-        master_addr = self.rank_hosts[0]
+        self._port = rank0.call("rendezvous", job=attempt_id, port_range=port_range)["port"]
         for link, placement in zip(self._links, self.placements):
-            link.call("submit", job=attempt_id, bundle=self._bundle.sha256, recipe=self._bundle.recipe,
-                      spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
-                      rank_offset=placement.rank_offset, node_rank=placement.node_rank,
-                      master_addr=master_addr, master_port=port, interface=self.cluster.network.interface,
-                      rank_hosts=self.rank_hosts, detach=self._detach,
-                      evaluator_hosts=[link.host.address for link in self._evaluators],
-                      num_ps=spec.ps_tasks, independent_ranks=sorted(independent_ranks(spec)),
-                      respawns=self.max_restarts)
+            self._submit_to(link, placement, attempt_id, spec)
         self.attempt_id = attempt_id
+
+    def _submit_to(self, link: HostLink, placement: Placement, attempt_id: str, spec: JobSpec, *,
+                   join: bool = False) -> None:
+        """``join``: ``--elastic``, a host that was lost and is back: its ranks join the running job."""
+        link.call("submit", job=attempt_id, bundle=self._bundle.sha256, recipe=self._bundle.recipe,
+                  spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
+                  rank_offset=placement.rank_offset, node_rank=placement.node_rank,
+                  master_addr=self.rank_hosts[0], master_port=self._port, interface=self.cluster.network.interface,
+                  rank_hosts=self.rank_hosts, detach=self._detach,
+                  evaluator_hosts=[link.host.address for link in self._evaluators],
+                  num_ps=spec.ps_tasks, independent_ranks=sorted(independent_ranks(spec)),
+                  respawns=ELASTIC_RESPAWNS if spec.elastic else self.max_restarts, join=join)
 
     def _start_following(self) -> None:
         self._supervisor = threading.Thread(target=self._supervise, name="job-supervisor", daemon=True)
@@ -252,10 +268,12 @@ class ClusterJob:
             self._follow_attempt()
             while self._restart_wanted():
                 self.restarts += 1
-                failed_rank = next((r["failure"]["rank"] for r in self._results.values() if r.get("failure")), 0)
+                failure = next((r["failure"] for r in self._results.values() if r.get("failure")), None)
                 how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
-                self._events.put(Output(rank=failed_rank, time=time.time(), stream="stderr",
-                                        line=f"[distrun] restarting every rank ({self.restarts}/{self.max_restarts}) {how}"))
+                why = f" after rank {failure['rank']}: {failure['message']}" if failure else ""
+                self._events.put(Output(rank=failure["rank"] if failure else 0, time=time.time(), stream="stderr",
+                                        line=f"[distrun] restarting every rank ({self.restarts}/{self.max_restarts}) "
+                                             f"{how}{why}"))
                 self._results = {}
                 self._cancelled.clear()
                 spec = dataclasses.replace(self.spec, resume=self._saw_checkpoint)
@@ -275,7 +293,12 @@ class ClusterJob:
         if self._user_cancelled or self._detaching or self.restarts >= self.max_restarts:
             return False
         states = [result.get("state") for result in self._results.values()]
-        return len(states) == len(self._links) and any(state != "succeeded" for state in states)
+        return len(states) == len(self._links) and not self._succeeded(states)
+
+    def _succeeded(self, states: list[Any]) -> bool:
+        """Every host succeeded; under ``--elastic`` a host lost for good may be missing (the others went on)."""
+        ok = {"succeeded", "lost"} if self.spec is not None and self.spec.elastic else {"succeeded"}
+        return bool(states) and all(state in ok for state in states) and "succeeded" in states
 
     def _ship(self, link: HostLink, bundle: Bundle) -> bool:
         if link.call("has_bundle", bundle=bundle.sha256)["present"]:
@@ -304,8 +327,41 @@ class ClusterJob:
         except HostError as exc:
             if self._detaching:
                 return
+            if self.spec is not None and self.spec.elastic and link is not self._links[0]:
+                self._lost_host(link, attempt_id, exc.reason)
+                return
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
             self._cancel_attempt(f"lost {link.label}")
+
+    def _lost_host(self, link: HostLink, attempt_id: str, reason: str) -> None:
+        """``--elastic``: a worker host (not the chief's, which holds the store) was lost.
+
+        Its ranks died with its server; the others form a new group on their own. When its
+        server is back (``distrun up``), its ranks join the running job, healed by a peer.
+        """
+        self._results[link.label] = {"state": "lost", "failure": None, "error": reason}
+        self._note(f"[distrun] lost {link.label} ({reason}): the job goes on without it (--elastic); "
+                   "it rejoins once its server is back (`distrun up`)")
+        others = [other.label for other in self._links if other is not link]
+
+        def job_over() -> bool:
+            return self._cancelled.is_set() or self._detaching or all(label in self._results for label in others)
+
+        if not link.wait_for_server(job_over):
+            return
+        placement = self.placements[self._links.index(link)]
+        try:
+            self._ship(link, self._bundle)
+            self._submit_to(link, placement, attempt_id, self.spec, join=True)
+        except HostError as exc:
+            self._note(f"[distrun] {link.label} is back but could not rejoin: {exc.reason}")
+            return
+        self._note(f"[distrun] {link.label} is back: its ranks join the job")
+        del self._results[link.label]
+        self._follow(link, attempt_id)
+
+    def _note(self, line: str) -> None:
+        self._events.put(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=line))
 
     # -- the LocalJob surface
 
@@ -354,7 +410,7 @@ class ClusterJob:
         if self._detaching:
             raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
         states = {label: result.get("state") for label, result in self._results.items()}
-        if states and all(state == "succeeded" for state in states.values()) and len(states) == len(self._links):
+        if self._succeeded(list(states.values())) and len(states) == len(self._links):
             return JobOutcome(self.summary("succeeded"), None)
         failures = []
         for label, result in self._results.items():

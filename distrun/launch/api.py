@@ -59,6 +59,8 @@ class WorkerSpec:
     #: started again as a joiner while ``respawns`` last. The rendezvous store lives in a
     #: process of its own here (the store process), so it outlives every rank.
     elastic: bool = False
+    #: ``--elastic``: these ranks join a job already training (a lost host that is back).
+    join: bool = False
     #: torchrun's contract: the job's id, and which restart of it this is (TORCHELASTIC_*).
     run_id: str = "local"
     restart_count: int = 0

@@ -164,7 +164,7 @@ class LocalLauncher:
                 self._store_proc = self._spawn_store(port, listener)
                 for_rank0 = None
             for local_rank in range(spec.local_world_size):
-                self._procs.append(self._spawn(local_rank, port, for_rank0))
+                self._procs.append(self._spawn(local_rank, port, for_rank0, joiner=spec.join))
         except BaseException:
             self._kill_all(signal.SIGKILL)
             self._reap_all()

@@ -18,7 +18,7 @@ import torch
 from distrun.config import JobSpec
 from distrun.runtime._move import to_device
 from distrun.runtime._reporter import EventReporter
-from distrun.strategies import InputContext, Strategy
+from distrun.strategies import InputContext, MembershipSwitch, Strategy
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
     while not finished() or eval_due is not None:
-        failed_at = None
+        failed_at, switch = None, False
         try:
             if eval_due is not None:
                 last_eval, eval_due = run_eval(eval_due), None
@@ -128,9 +128,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         except Exception as exc:  # noqa: BLE001 - under --elastic a lost peer is not the end
             if not strategy.is_membership_change(exc):
                 raise
-            failed_at = time.monotonic()
+            failed_at, switch = time.monotonic(), isinstance(exc, MembershipSwitch)
         if failed_at is not None:  # outside the except: its traceback (and the DDP it holds) is gone
-            strategy.recover(failed_at)
+            strategy.recover(failed_at, switch=switch)
 
     if ckpt_dir and last_saved != strategy.step:
         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)

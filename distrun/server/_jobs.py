@@ -180,6 +180,8 @@ class JobManager:
             num_ps=0 if evaluating else int(args.get("num_ps", 0)),
             independent_ranks=frozenset(int(rank) for rank in args.get("independent_ranks", ())),
             respawns=int(args.get("respawns", 0)),
+            elastic=spec.elastic,
+            join=bool(args.get("join", False)) and spec.elastic,
             **_torchelastic_ids(job_id, int(args.get("respawns", 0))),
         )
         starter = self._starter()

@@ -10,6 +10,7 @@ from typing import Any
 
 from distrun.strategies._context import InputContext
 from distrun.strategies._data import DistributedDataset, GlobalBatchPlan, Share
+from distrun.strategies._elastic import MembershipSwitch
 from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, StepSettings, Strategy
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
@@ -33,6 +34,7 @@ __all__ = [
     "GlobalBatchPlan",
     "Share",
     "make_strategy",
+    "MembershipSwitch",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",

@@ -112,13 +112,17 @@ class Elastic:
     def switch_due(self, committed_step: int) -> bool:
         return self.membership.switch_due(committed_step)
 
-    def next_round(self, committed_step: int, failed_at: float) -> Round:
-        """Leave the group (the caller dropped its DDP first), join the next round, open its group."""
+    def next_round(self, committed_step: int, failed_at: float, *, failed: bool) -> Round:
+        """Leave the group (the caller dropped its DDP first), join the next round, open its group.
+
+        ``failed``: a collective failed (not a joiner's switch): members still blocked in the
+        old group are woken.
+        """
         before = self.round.members if self.round is not None else ()
         self.membership.drop_group()
         while True:
             try:
-                new = self.membership.join_round(self.membership.open_round(), committed_step,
+                new = self.membership.join_round(self.membership.open_round(failed=failed), committed_step,
                                                  min_members=self.min_members)
                 break
             except LateForRound:  # a joiner's round closed as we arrived: the next one takes us

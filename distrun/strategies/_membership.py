@@ -19,7 +19,13 @@ How a round runs, on the store (keys under ``elastic/``):
   once. So a member whose collective failed drops its group (:meth:`Membership.drop_group`)
   before anything else. Its peers' collectives then fail, they drop theirs, and the
   failure spreads round the group in milliseconds. A member busy computing fails at its
-  next collective, with no timeout to wait out.
+  next collective, with no timeout to wait out. That spread is not enough alone: on
+  three namespace hosts, a member stayed blocked in DDP's all-reduce after both its
+  peers had gone (one killed, one dropped its group), 3 runs in 4. So a member that
+  notices a failure marks its round (``g<N>/failed``), and every member's watcher
+  that sees the mark while still in the old group shuts down the old group's sockets
+  (found by which sockets ``init_process_group`` opened), which wakes its own blocked
+  collective at once.
 - **Opening.** ``generation`` names the current round. The first member to notice a
   failure opens the next round with ``compare_set``, so every survivor joins the same
   one.
@@ -51,6 +57,8 @@ tensors.
 from __future__ import annotations
 
 import gc
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -116,6 +124,8 @@ class Membership:
         self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
+        self._group_sockets: dict[int, str] = {}  # fd -> its socket inode: the current group's connections
+        self._sockets_lock = threading.Lock()
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
         self._store.set(f"who/{member_id}", who or f"member {member_id}")
@@ -156,8 +166,36 @@ class Membership:
         while not self._stop.wait(BEAT_S):
             try:
                 self._beat(self._watch_store)
+                if self._group_sockets:
+                    newest = int(self._watch_store.get("generation").decode())
+                    if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
+                        self._break_group()
             except RuntimeError:  # the store is gone: the job is ending
                 return
+
+    def _break_group(self) -> None:
+        """Shut down the current group's sockets: a collective blocked on them fails now.
+
+        ``shutdown``, not ``close``: the fds stay gloo's to close, and a blocked ``recv``
+        on them returns at once. An fd whose inode changed was closed and reused: skipped.
+        """
+        with self._sockets_lock:
+            sockets, self._group_sockets = self._group_sockets, {}
+        if self._backend == "nccl" and self._device is not None and dist.is_initialized():
+            # NCCL's kernels do not wait on these sockets; aborting the communicator from
+            # another thread is what NCCL offers (ncclCommAbort), and the blocked op raises.
+            try:
+                dist.group.WORLD._get_backend(self._device).abort()
+            except RuntimeError:
+                pass
+        for fd, inode in sockets.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                    continue
+                with socket.socket(fileno=os.dup(fd)) as dup:
+                    dup.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                continue
 
     def drop_group(self) -> None:
         """Close this process's default group, so peers blocked on it fail now.
@@ -170,6 +208,8 @@ class Membership:
         so call this after the ``except`` block, not in it; measured: inside it, a peer
         stayed blocked for the whole 30 s timeout).
         """
+        with self._sockets_lock:
+            self._group_sockets = {}
         if not dist.is_initialized():
             return
         group = dist.group.WORLD
@@ -206,16 +246,20 @@ class Membership:
     def finished(self) -> bool:
         return self._store.check(["finished"])
 
-    def open_round(self) -> int:
+    def open_round(self, *, failed: bool = False) -> int:
         """Open the round after ours, or find the one another member opened; its generation.
 
         A member of the current round opens the round after its own, so survivors that
-        notice one failure together all land in the same round.
+        notice one failure together all land in the same round. ``failed``: our group
+        failed; mark the round, so members still blocked in it are woken (``_watch``).
         """
         mine = str(self.generation)
         # compare_set answers with the value now stored: ours if we opened the round, the
         # newer one if another member did first.
-        return int(self._store.compare_set("generation", mine, str(self.generation + 1)).decode())
+        generation = int(self._store.compare_set("generation", mine, str(self.generation + 1)).decode())
+        if failed:
+            self._store.set(f"g{generation}/failed", "1")
+        return generation
 
     def open_joiners_round(self) -> int:
         """A joiner's round: the one after the newest, once the newest has closed.
@@ -267,10 +311,13 @@ class Membership:
                                "the job falls back to --max-restarts (a restart from the newest checkpoint)")
         members = tuple(member for member, _ in arrived)
         rank = members.index(self.member_id)
+        before = _socket_fds()
         dist.init_process_group(self._backend, store=dist.PrefixStore(key + "pg/", self._store), rank=rank,
                                 world_size=len(members), timeout=self._timeout,
                                 device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation
+        with self._sockets_lock:  # the group's connections: what init_process_group opened
+            self._group_sockets = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
     def _wait_closed(self, key: str, deadline: float, expect: int) -> int:
@@ -326,6 +373,19 @@ class Membership:
             return default
         raw = store.get(key).decode()
         return int(raw) if raw else default
+
+
+def _socket_fds() -> dict[int, str]:
+    """This process's socket fds, each with its inode ("socket:[N]"), from /proc (Linux)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
 
 
 class LateForRound(RuntimeError):

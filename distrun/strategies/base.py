@@ -267,19 +267,20 @@ class Strategy(ABC):
         """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""
         return self._elastic is not None and is_collective_failure(exc)
 
-    def recover(self, failed_at: float) -> None:
+    def recover(self, failed_at: float, *, switch: bool = False) -> None:
         """Go on after a change of membership, from the state the members hold in memory.
 
         Drop the DDP wrapper and the group, join the next round, rebuild DDP over the new
         group, then heal model, optimizer, step, data position and loss scale from the
         member with the most committed steps. The caller iterates its data again: the
         step that failed is redone, split over the new count. Below ``--elastic MIN`` the
-        round raises ``BelowMinimum`` and the job falls back to a restart.
+        round raises ``BelowMinimum`` and the job falls back to a restart. ``switch``: no
+        collective failed; a joiner asked for the new round (:class:`MembershipSwitch`).
         """
         if self._elastic is None:
             raise RuntimeError("recover() is for --elastic jobs")
         self._release_model()
-        round_ = self._elastic.next_round(self.step, failed_at)
+        round_ = self._elastic.next_round(self.step, failed_at, failed=not switch)
         self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
         self._rebuild_model()
         self._heal()

@@ -1,0 +1,150 @@
+"""``--elastic`` on three namespace hosts of one slot each: real sshd, real servers, gloo.
+
+A lost rank costs no step and rejoins; a lost server's host rejoins after ``distrun up``;
+below MIN the job falls back to ``--max-restarts``. One cluster serves every test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab, training_pids
+from tests.integration._recipes import ELASTIC
+
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def elastic_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Path]]:
+    tmp_path = tmp_path_factory.mktemp("elastic")
+    with shaped_lab(tmp_path, ("h1", "h2", "h3")) as lab:
+        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}, "h3": {"roles": "[worker]"}}
+        with brought_up(lab, roles, "elastic") as cluster:
+            yield lab, cluster
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    folder = tmp_path_factory.mktemp("elastic-one-device")
+    recipe = folder / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = subprocess.run([sys.executable, "-m", "distrun", "train", str(recipe), "--strategy", "one-device",
+                             "--device", "cpu", "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"),
+                             "--json"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
+
+
+def _recipe(lab: Lab, name: str) -> Path:
+    folder = lab.root / name
+    folder.mkdir()
+    (folder / "elastic.py").write_text(ELASTIC)
+    return folder / "elastic.py"
+
+
+def _no_training_processes(lab: Lab) -> None:
+    deadline = time.monotonic() + 10
+    while training_pids(lab):
+        assert time.monotonic() < deadline, f"training processes left: {training_pids(lab)}"
+        time.sleep(0.1)
+
+
+def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> None:
+    lab, cluster = elastic_lab
+    recipe = _recipe(lab, "killed-rank")
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json",
+                     "--steps", str(STEPS), "--checkpoint-dir", str(lab.root / "killed-rank-ck"), "--",
+                     "--die-rank", "2", "--die-at", "10", "--once", str(recipe.parent / "once"), "--sleep-s", "0.05",
+                     timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = json_lines(result)
+    h3 = lab.hosts["h3"][1]
+    changes = [line for line in lines if line["type"] == "membership"]
+    assert [c["world_size"] for c in changes] == [2, 3], changes
+    assert changes[0]["left"] == [f"rank 2 on {h3}"] and changes[1]["joined"] == [f"rank 2 on {h3}"]
+    summary = next(line for line in lines if line["type"] == "summary")
+    assert summary["steps"] == STEPS and summary["steps_lost"] == 0 and summary["restarts"] == 0
+    assert summary["membership_changes"] == 2 and summary["world_size"] == 3
+    # The chief's checkpoint came home with the results: one-device's parameters.
+    results = next(line for line in lines if line["type"] == "results")
+    model = torch.load(results["checkpoint"], weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    _no_training_processes(lab)
+
+
+def test_a_lost_server_host_rejoins_after_up(elastic_lab) -> None:
+    lab, cluster = elastic_lab
+    recipe = _recipe(lab, "lost-server")
+    proc = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train",
+                             str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json", "--steps", "300",
+                             "--", "--sleep-s", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=lab.root)
+    lines: list[dict] = []
+    stderr: list[str] = []
+    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+
+    def read_until(predicate, within_s: float, what: str) -> None:
+        deadline = time.monotonic() + within_s
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            if raw.startswith("{"):
+                lines.append(json.loads(raw))
+                if predicate(lines[-1]):
+                    return
+            assert time.monotonic() < deadline, f"{what} did not happen within {within_s} s"
+        raise AssertionError(f"the job ended before {what}: {''.join(stderr)[-3000:]}")
+
+    try:
+        read_until(lambda line: line["type"] == "step" and line["step"] >= 10, 90, "step 10")
+        h3_state = lab.workdir / "elastic" / lab.hosts["h3"][1] / "server.json"
+        os.kill(json.loads(h3_state.read_text())["pid"], signal.SIGKILL)
+        read_until(lambda line: line["type"] == "membership" and line["world_size"] == 2, 30, "a group of 2")
+        up = lab_cli(lab, "up", str(cluster), "--json")
+        assert up.returncode == 0, up.stdout + up.stderr
+        read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3, 60, "a group of 3 again")
+        read_until(lambda line: line["type"] == "summary", 120, "the summary")
+        proc.wait(timeout=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+    assert proc.returncode == 0, "".join(stderr)[-3000:]
+    summary = next(line for line in lines if line["type"] == "summary")
+    assert summary["status"] == "succeeded" and summary["steps"] == 300 and summary["steps_lost"] == 0
+    assert summary["membership_changes"] == 2 and summary["world_size"] == 3
+    h3 = lab.hosts["h3"][1]
+    notes = [line["line"] for line in lines if line["type"] == "output"]
+    assert any(note.startswith(f"[distrun] lost {h3}") for note in notes), notes
+    assert any(note == f"[distrun] {h3} is back: its ranks join the job" for note in notes), notes
+    _no_training_processes(lab)
+
+
+def test_below_the_minimum_it_falls_back_to_a_restart_from_the_checkpoint(elastic_lab) -> None:
+    lab, cluster = elastic_lab
+    recipe = _recipe(lab, "below-min")
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--elastic", "3", "--max-restarts", "1",
+                     "--json", "--steps", str(STEPS), "--checkpoint-dir", str(lab.root / "below-min-ck"),
+                     "--checkpoint-every", "5", "--", "--die-rank", "1", "--die-at", "12",
+                     "--once", str(recipe.parent / "once"), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = json_lines(result)
+    notes = [line["line"] for line in lines if line["type"] == "output"]
+    restart = [note for note in notes if note.startswith("[distrun] restarting every rank (1/1) from the newest "
+                                                         "checkpoint after rank")]
+    assert restart and "2 replica(s) left, fewer than --elastic MIN 3" in restart[0], notes
+    summary = next(line for line in lines if line["type"] == "summary")
+    assert summary["restarts"] == 1 and summary["steps"] == STEPS
+    _no_training_processes(lab)
