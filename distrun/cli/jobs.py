@@ -29,7 +29,10 @@ def jobs(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """List the jobs the cluster's servers know, newest first."""
-    rows = list_jobs(resolve_cluster(cluster_file))
+    unreachable: list[str] = []
+    rows = list_jobs(resolve_cluster(cluster_file), unreachable)
+    for host in unreachable:
+        stderr.print(f"note: not listed: {host}", markup=False)
     if json_output:
         for row in rows:
             typer.echo(json.dumps(row.to_dict()))
@@ -39,7 +42,8 @@ def jobs(
         table.add_column(name, no_wrap=name != "hosts")
     for row in rows:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.started_at))
-        table.add_row(row.job, row.state, row.recipe, row.strategy, str(row.world_size), ", ".join(row.hosts), started)
+        replicas = str(row.world_size) if row.world_now is None else f"{row.world_now} of {row.world_size}"
+        table.add_row(row.job, row.state, row.recipe, row.strategy, replicas, ", ".join(row.hosts), started)
     Console(highlight=False, width=None if Console().is_terminal else 160).print(table)
 
 

@@ -327,9 +327,13 @@ class ClusterJob:
         except HostError as exc:
             if self._detaching:
                 return
-            if self.spec is not None and self.spec.elastic and link is not self._links[0]:
-                self._lost_host(link, attempt_id, exc.reason)
-                return
+            if self.spec is not None and self.spec.elastic:
+                if link is not self._links[0]:
+                    self._lost_host(link, attempt_id, exc.reason)
+                    return
+                self._note(f"[distrun] lost the chief host {link.label} ({exc.reason}): it holds the job's store "
+                           "and rank 0, so an elastic job cannot go on without it; --max-restarts restarts every "
+                           "rank from the newest checkpoint")
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
             self._cancel_attempt(f"lost {link.label}")
 

@@ -16,7 +16,7 @@ from typing import Any
 from distrun.client._links import HostLink, holders_of, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.config import ClusterSpec
-from distrun.errors import UsageError
+from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
 
 __all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks", "pull_job"]
@@ -32,6 +32,7 @@ class JobRow:
     hosts: tuple[str, ...]
     started_at: float
     detached: bool
+    world_now: int | None = None  # --elastic: replicas in the group now, where it changed
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "hosts": list(self.hosts)}
@@ -43,25 +44,46 @@ def _links(cluster: ClusterSpec) -> list[HostLink]:
     return links
 
 
-def list_jobs(cluster: ClusterSpec) -> list[JobRow]:
-    """Every job every server knows, one row per job (its hosts merged), newest first."""
-    links = _links(cluster)
+def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> list[JobRow]:
+    """Every job every server knows, one row per job (its hosts merged), newest first.
+
+    A host that cannot be reached (its server is down: a lost host of an elastic job)
+    is skipped and, when ``unreachable`` is given, named there with why; when no host
+    can be reached, the first host's error is raised.
+    """
+    links = [HostLink(cluster, host) for host in cluster.hosts]
+    merged: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {}
+    errors: list[HostError] = []
     try:
-        merged: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {}
         for link in links:
-            for job in link.call("jobs")["jobs"]:
+            try:
+                link.open()
+                jobs = link.call("jobs")["jobs"]
+            except HostError as exc:
+                if unreachable is None:
+                    raise
+                errors.append(exc)
+                continue
+            for job in jobs:
                 meta, hosts, states = merged.setdefault(job["job"], (job, [], []))
                 hosts.append(link.label)
                 states.append(job["state"])
+                if job.get("world_now") and job["world_now"][1] > (meta.get("world_now") or [0, 0])[1]:
+                    meta["world_now"] = job["world_now"]  # the newest change, from whichever host saw it
     finally:
         for link in links:
             link.close()
+    if errors and len(errors) == len(links):
+        raise errors[0]
+    if unreachable is not None:
+        unreachable.extend(f"{error.host}: {error.reason}" for error in errors)
     rows = []
     for job_id, (meta, hosts, states) in merged.items():
         state = "running" if "running" in states else next((s for s in states if s != "succeeded"), "succeeded")
         rows.append(JobRow(job_id, state, meta.get("recipe", "?"), meta.get("strategy", "?"),
                            int(meta.get("world_size", 0)), tuple(hosts), float(meta["started_at"]),
-                           bool(meta.get("detached"))))
+                           bool(meta.get("detached")),
+                           int(meta["world_now"][0]) if meta.get("world_now") else None))
     return sorted(rows, key=lambda row: row.started_at, reverse=True)
 
 

@@ -36,17 +36,17 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     global_batch_size = spec.global_batch_size
     if global_batch_size is None:  # the CLI fills it from flags or recipe defaults
         global_batch_size = 32 * strategy.num_replicas
-    ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
-
     torch.manual_seed(spec.seed)  # identical initial parameters on every replica
     with strategy.scope():
         model = recipe.model()
         optimizer = recipe.optimizer(model.parameters())
     model, optimizer = strategy.prepare(model, optimizer)
+    # After prepare: an elastic joiner learns its place in the job there.
+    ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
     forward = getattr(recipe, "forward", _default_forward)
     loss_fn = recipe.loss
     train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size)
-    if spec.resume and spec.checkpoint_dir and not strategy.joining:  # a joiner was healed by a peer
+    if spec.resume and spec.checkpoint_dir and not strategy.joined:  # a joiner was healed by a peer
         strategy.restore(spec.checkpoint_dir)
 
     epochs = spec.epochs

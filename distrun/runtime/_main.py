@@ -212,8 +212,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     rank, world_size = launch.rank, launch.world_size
     if spec.elastic:  # the first round's group is the default group; rank and size are the round's
         elastic = _join_elastic(spec, launch, device)
-        assert elastic.round is not None
-        rank, world_size = elastic.round.rank, elastic.round.world_size
+        if elastic.round is not None:  # a joiner joins in prepare(), once its model is built
+            rank, world_size = elastic.round.rank, elastic.round.world_size
         options["elastic"] = elastic
     elif spec.strategy.collective:
         client = _store_client(launch)
@@ -249,7 +249,8 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
                             device=device if device.type == "cuda" else None, who=_who(launch))
     elastic = Elastic(membership, min_members=spec.elastic_min, max_members=spec.elastic_max,
                       expect=launch.world_size)
-    elastic.first_round()
+    if not joiner:
+        elastic.first_round()
     return elastic
 
 

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 from distrun.config import JobSpec, StrategyName
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import SERVER_RANK, Event, Output, encode_event, event_to_dict
+from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._net import interface_towards
@@ -65,6 +65,8 @@ class _Job:
 
     def record(self, event: Event) -> None:
         with self.changed:
+            if isinstance(event, MembershipChanged):  # --elastic: `distrun jobs` shows the group's size now
+                self.meta["world_now"] = [event.world_size, event.time]
             self.lines.append(event_to_dict(event))
             if self.log is None:
                 self.log = open(self.folder / "events.ndjson", "ab", buffering=0)  # noqa: SIM115 - closed in finish()

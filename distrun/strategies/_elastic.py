@@ -89,7 +89,11 @@ class Elastic:
         self._pending: tuple[float, Round, tuple[int, ...], int] | None = None  # (since, round, before, lost)
 
     def first_round(self) -> Round:
-        """Join the job: the first round of a fresh job, or the next one for a joiner."""
+        """Join the job: the first round of a fresh job, or the next one for a joiner.
+
+        A joiner calls this once its model and optimizer are built (``Strategy.prepare``):
+        the members already training wait in the round for it, so it arrives ready.
+        """
         if not self.membership.joiner:
             self.round = self.membership.join_round(0, 0, expect=self._expect)
             return self.round
@@ -120,13 +124,16 @@ class Elastic:
         """
         before = self.round.members if self.round is not None else ()
         self.membership.drop_group()
+        opened = self.membership.open_round(failed=failed)
         while True:
             try:
-                new = self.membership.join_round(self.membership.open_round(failed=failed), committed_step,
-                                                 min_members=self.min_members)
+                new = self.membership.join_round(opened, committed_step, min_members=self.min_members)
                 break
-            except LateForRound:  # a joiner's round closed as we arrived: the next one takes us
-                continue
+            except LateForRound:
+                # The round closed without us: our beat looked lost (a starved host), or a
+                # joiner's round closed as we arrived. Join the next one, as a joiner does;
+                # the others switch to it at a step boundary and heal whoever is behind.
+                opened = self.membership.open_joiners_round()
         self.round = new
         # Every member's beat carries its newest committed step, a lost member's too: the
         # steps the new group lost are those beyond the step it heals to (0 by design).

@@ -56,7 +56,6 @@ tensors.
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 import threading
@@ -74,7 +73,9 @@ __all__ = ["BEAT_S", "LOST_AFTER_S", "JOINER_IDS", "BelowMinimum", "JobFinished"
 
 #: How often a member's watcher renews its beat and reads the generation.
 BEAT_S = 0.05
-#: A member whose beat is this old is lost (a few beats: a loaded host may skip one).
+#: A member whose beat is this old is lost: twenty beats. Measured: at 0.3 s, three ranks
+#: starting on a loaded 2-core host missed six beats in a row, and a live rank was taken
+#: for lost at step 1.
 LOST_AFTER_S = 1.0
 _PREFIX = "elastic/"
 #: Member ids of joiners start here, so they sort after every first member (new ranks follow ids).
@@ -125,6 +126,7 @@ class Membership:
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
         self._group_sockets: dict[int, str] = {}  # fd -> its socket inode: the current group's connections
+        self._round_peers: tuple[int, ...] = ()  # the other members of our round (the watcher reads their beats)
         self._sockets_lock = threading.Lock()
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
@@ -166,21 +168,51 @@ class Membership:
         while not self._stop.wait(BEAT_S):
             try:
                 self._beat(self._watch_store)
-                if self._group_sockets:
-                    newest = int(self._watch_store.get("generation").decode())
-                    if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
-                        self._break_group()
+                if not self._group_sockets:
+                    continue
+                newest = int(self._watch_store.get("generation").decode())
+                if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
+                    self._break_group()  # another member's collective failed: ours is in the dead group
+                    continue
+                if self._lost_peer():
+                    self._break_group()  # a peer's beat stopped: fail now, not when a socket says so
             except RuntimeError:  # the store is gone: the job is ending
                 return
 
+    def _lost_peer(self) -> bool:
+        """Whether a member of our round stopped beating (one ``multi_get`` for all of them).
+
+        A dead peer's sockets do not always tell: on namespace hosts a survivor noticed a
+        SIGKILLed peer half a second late, or not at all. Its beat is the sure sign. What
+        is seen here is what the next round's closing reads (``_last_seen``), so a peer
+        already stale by then does not cost another ``LOST_AFTER_S``.
+        """
+        peers = self._round_peers
+        if not peers:
+            return False
+        now = time.monotonic()
+        beats = self._watch_store.multi_get([f"alive/{peer}" for peer in peers])
+        lost = False
+        for peer, raw in zip(peers, beats):
+            beat = raw.decode()
+            last = self._last_seen.get(peer)
+            if last is None or last[0] != beat:
+                self._last_seen[peer] = (beat, now)
+            elif now - last[1] > LOST_AFTER_S:
+                lost = True
+        return lost
+
     def _break_group(self) -> None:
-        """Shut down the current group's sockets: a collective blocked on them fails now.
+        """Shut down the current group's connections: a collective blocked on them fails now.
 
         ``shutdown``, not ``close``: the fds stay gloo's to close, and a blocked ``recv``
-        on them returns at once. An fd whose inode changed was closed and reused: skipped.
+        on them returns at once, here and at the peer. An fd whose inode changed was
+        closed and reused: skipped.
         """
         with self._sockets_lock:
             sockets, self._group_sockets = self._group_sockets, {}
+        if not sockets:
+            return
         if self._backend == "nccl" and self._device is not None and dist.is_initialized():
             # NCCL's kernels do not wait on these sockets; aborting the communicator from
             # another thread is what NCCL offers (ncclCommAbort), and the blocked op raises.
@@ -193,23 +225,25 @@ class Membership:
                 if os.readlink(f"/proc/self/fd/{fd}") != inode:
                     continue
                 with socket.socket(fileno=os.dup(fd)) as dup:
-                    dup.shutdown(socket.SHUT_RDWR)
+                    # Never gloo's listening socket: its accept thread treats an error there as
+                    # fatal and aborts the process (seen: "accept: Invalid argument", SIGABRT).
+                    if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        dup.shutdown(socket.SHUT_RDWR)
             except OSError:
                 continue
 
     def drop_group(self) -> None:
-        """Close this process's default group, so peers blocked on it fail now.
+        """Leave this process's default group so that peers blocked on it fail now.
 
-        Abort first: gloo's abort closes the group's connections, and a peer blocked on
-        one wakes within milliseconds (destroying the group alone left a peer waiting for
-        its timeout, on torch 2.13). NCCL's abort frees a communicator stuck on a dead
-        peer. The caller must have dropped everything that holds the group first: its DDP
-        wrapper, and the failed collective's traceback (torch's frames in it hold the group,
-        so call this after the ``except`` block, not in it; measured: inside it, a peer
-        stayed blocked for the whole 30 s timeout).
+        First shut down the group's sockets (:meth:`_break_group`): each peer blocked on a
+        connection to us sees it close at once. Destroying the group alone did not do that
+        (torch 2.13): its connections close only when the last reference goes, and a failed
+        collective's traceback, or DDP's reducer in a reference cycle, keeps one; a peer then
+        waited out the whole timeout. A full ``gc.collect()`` would free them, but costs a
+        quarter of a second with torch loaded, on every survivor, in the recovery's path.
+        NCCL: abort the communicator, which frees one stuck on a dead peer.
         """
-        with self._sockets_lock:
-            self._group_sockets = {}
+        self._break_group()
         if not dist.is_initialized():
             return
         group = dist.group.WORLD
@@ -221,8 +255,6 @@ class Membership:
             except RuntimeError:  # no backend for this device type
                 pass
         dist.destroy_process_group()
-        del group
-        gc.collect()
 
     def close(self, *, finished: bool = False) -> None:
         """Stop beating. ``finished``: the job's last step is done; a joiner still waiting
@@ -316,6 +348,7 @@ class Membership:
                                 world_size=len(members), timeout=self._timeout,
                                 device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation
+        self._round_peers = tuple(member for member in members if member != self.member_id)
         with self._sockets_lock:  # the group's connections: what init_process_group opened
             self._group_sockets = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))

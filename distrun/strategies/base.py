@@ -154,10 +154,13 @@ class Strategy(ABC):
 
     def prepare(self, model: nn.Module, optimizer: Any = None) -> tuple[nn.Module, Any]:
         """The strategy's wrapping, then the step's: compile (after DDP, in its order) and fp16 scaling."""
+        if self._elastic is not None and self._elastic.round is None:  # a joiner, its model built: join now
+            round_ = self._elastic.first_round()
+            self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
         model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer),
                                              unscale_in_step=self._unscale_in_step)
         self._model, self._optimizer = model, optimizer
-        if self.joining:
+        if self.joined and self._healed_position is None:
             self._heal()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
 
@@ -258,10 +261,9 @@ class Strategy(ABC):
     # -- elastic membership (--elastic) ----------------------------------------
 
     @property
-    def joining(self) -> bool:
-        """This replica joined a job already training: its state comes from a peer, not a checkpoint."""
-        return self._elastic is not None and self._elastic.membership.joiner and self.step == 0 \
-            and self._healed_position is None
+    def joined(self) -> bool:
+        """This replica joined a job already training: its state came from a peer, not a checkpoint."""
+        return self._elastic is not None and self._elastic.membership.joiner
 
     def is_membership_change(self, exc: BaseException) -> bool:
         """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""

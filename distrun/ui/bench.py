@@ -97,3 +97,18 @@ def render_compression(report: Mapping[str, Any]) -> Table:
         table.add_row(row["compression"], f"{row['samples_per_s']:.0f}", speedup, f"{row['loss']:.4f}",
                       f"{row['digits_accuracy']:.4f}")
     return table
+
+
+def render_elastic(report: Mapping[str, Any]) -> Table:
+    title = (f"recovery from a lost rank: {report['hosts']} hosts, the last rank killed at step {report['kill_at']} "
+             f"of {report['steps']}; checkpoints every {report['checkpoint_every']} steps for the restart")
+    table = Table(title=title, title_justify="left", caption="recovery: the rank's exit to the next committed step; "
+                  "back: to the step reached before the loss", caption_justify="left")
+    for column in ("contender", "recovery", "back to the step", "steps redone", "restarts"):
+        table.add_column(column, justify="left" if column == "contender" else "right")
+    for row in report["rows"]:
+        table.add_row(row["contender"], f"{row['recovery_s']:.2f} s", f"{row['back_s']:.2f} s",
+                      str(row["steps_redone"]), str(row["restarts"]))
+    if report.get("speedup"):
+        table.add_row("restart / elastic", f"{report['speedup']:.2f}x", f"{report['speedup_back']:.2f}x", "", "")
+    return table

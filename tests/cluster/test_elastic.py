@@ -113,6 +113,11 @@ def test_a_lost_server_host_rejoins_after_up(elastic_lab) -> None:
         h3_state = lab.workdir / "elastic" / lab.hosts["h3"][1] / "server.json"
         os.kill(json.loads(h3_state.read_text())["pid"], signal.SIGKILL)
         read_until(lambda line: line["type"] == "membership" and line["world_size"] == 2, 30, "a group of 2")
+        jobs = lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")
+        assert jobs.returncode == 0, jobs.stderr
+        row = json.loads(jobs.stdout.splitlines()[0])
+        assert row["state"] == "running" and row["world_size"] == 3 and row["world_now"] == 2, row
+        assert f"note: not listed: {lab.hosts['h3'][1]}" in jobs.stderr  # its server is down
         up = lab_cli(lab, "up", str(cluster), "--json")
         assert up.returncode == 0, up.stdout + up.stderr
         read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3, 60, "a group of 3 again")
