@@ -36,7 +36,7 @@ from distrun.client.cluster import slots_for
 from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe, parse_elastic
 from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Hung, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -218,7 +218,7 @@ class ClusterJob:
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
                                           host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
                                           **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s)
+                               hang_timeout_s=hang_timeout_s, on_hang=self._lose_hung if spec.elastic else None)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
@@ -363,6 +363,18 @@ class ClusterJob:
         self._note(f"[distrun] {link.label} is back: its ranks join the job")
         del self._results[link.label]
         self._follow(link, attempt_id)
+
+    def _lose_hung(self, hang: Hung) -> None:
+        """``--elastic``: a stuck rank is treated as lost: its host's server kills it, it rejoins."""
+        if hang.rank < 0:
+            return
+        for link, placement in zip(self._links, self.placements):
+            if placement.rank_offset <= hang.rank < placement.rank_offset + placement.slots:
+                try:
+                    link.call("lose_rank", job=self.attempt_id, rank=hang.rank,
+                              why=f"hung for {hang.stalled_s:.0f} s {hang.where}")
+                except HostError as exc:
+                    self._note(f"[distrun] could not stop hung rank {hang.rank} on {link.label}: {exc.reason}")
 
     def _note(self, line: str) -> None:
         self._events.put(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=line))

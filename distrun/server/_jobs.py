@@ -260,6 +260,16 @@ class JobManager:
             job.finish("stopped", {"state": "stopped", "failure": None})
         return {"job": job.id, "state": job.state}
 
+    def lose_rank(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``--elastic``: kill one of this host's ranks as lost (the client saw it hang); it rejoins."""
+        job = self._get(args)
+        rank = args.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            raise JobError(f"lose_rank: rank must be a whole number. Received: {rank!r}")
+        if job.launcher is not None:
+            job.launcher.lose_rank(rank, str(args.get("why", "lost"))[:200])
+        return {"job": job.id}
+
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
         """The newest checkpoint this host's ranks wrote for the job (from its event log)."""
         job = self._get(args)

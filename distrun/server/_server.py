@@ -95,6 +95,7 @@ class WorkerServer:
             "rendezvous": self.jobs.rendezvous,
             "submit": self.jobs.submit,
             "cancel": self.jobs.cancel,
+            "lose_rank": self.jobs.lose_rank,
             "jobs": self.jobs.list,
             "artifacts": self.jobs.artifacts,
         }

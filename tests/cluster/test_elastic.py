@@ -153,3 +153,20 @@ def test_below_the_minimum_it_falls_back_to_a_restart_from_the_checkpoint(elasti
     summary = next(line for line in lines if line["type"] == "summary")
     assert summary["restarts"] == 1 and summary["steps"] == STEPS
     _no_training_processes(lab)
+
+
+def test_a_hung_rank_is_killed_as_lost_by_its_server(elastic_lab) -> None:
+    lab, cluster = elastic_lab
+    recipe = _recipe(lab, "hung-rank")
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json",
+                     "--steps", str(STEPS), "--hang-timeout-s", "3", "--",
+                     "--hang-rank", "1", "--die-at", "10", "--once", str(recipe.parent / "once"), "--sleep-s", "0.05",
+                     timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = json_lines(result)
+    assert [line["rank"] for line in lines if line["type"] == "hang"][:1] == [1]
+    notes = [line["line"] for line in lines if line["type"] == "output"]
+    assert any(note.startswith("[distrun] rank 1 lost (hung for") for note in notes), notes
+    summary = next(line for line in lines if line["type"] == "summary")
+    assert summary["steps"] == STEPS and summary["steps_lost"] == 0 and summary["membership_changes"] >= 1
+    _no_training_processes(lab)
