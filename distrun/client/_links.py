@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from distrun.client._server_client import ServerClient
@@ -34,6 +35,17 @@ def read_server_state(remote: Remote, state_dir: str) -> ServerState | None:
 def connect(remote: Remote, state: ServerState, label: str) -> ServerClient:
     """An authenticated connection to the server ``state`` describes."""
     return ServerClient(remote.open_stream(state.port), state.token, label)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a block of ranks runs: ``slots`` processes on ``host`` from ``rank_offset``."""
+
+    host: HostSpec
+    slots: int
+    rank_offset: int
+    node_rank: int
+    gpus: int
 
 
 class HostLink:

@@ -21,36 +21,25 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from distrun.client._bundle import Bundle
 from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
-from distrun.client._links import HostLink, holders_of, open_all
+from distrun.client._elastic_hosts import ElasticHosts
+from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._results import fetch_newest_checkpoint
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
 from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
-from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe, parse_elastic
+from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
 from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
-from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Hung, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 
 __all__ = ["ClusterJob", "Placement"]
 
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a block of ranks runs: ``slots`` processes on ``host`` from ``rank_offset``."""
-
-    host: HostSpec
-    slots: int
-    rank_offset: int
-    node_rank: int
-    gpus: int
 
 
 def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
@@ -75,7 +64,7 @@ def ps_hosts(cluster: ClusterSpec) -> tuple[HostSpec, ...]:
     return hosts
 
 
-class ClusterJob:
+class ClusterJob(ElasticHosts):
     """``plan()`` a new job (learns the world size), then ``start(spec, bundle)``; or ``attach()`` to one."""
 
     def __init__(self, cluster: ClusterSpec, job_id: str, links: list[HostLink],
@@ -107,6 +96,7 @@ class ClusterJob:
         self.bundle_sent_to: tuple[str, ...] = ()
         self._port: int | None = None  # the current attempt's rendezvous port
         self.spec: JobSpec | None = None
+        self._refused_hosts: set[str] = set()  # --elastic: added hosts that cannot join (their slots differ)
 
     @classmethod
     def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
@@ -189,16 +179,6 @@ class ClusterJob:
                 return placement.host.label
         return "?"
 
-    def elastic_range(self, text: str) -> dict[str, int]:
-        """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas."""
-        slots = sorted({p.slots for p in self.placements})
-        if len(slots) != 1:
-            where = self.cluster.source or "the cluster"
-            raise UsageError(f"--elastic counts worker hosts, so every worker host of {where} needs the same "
-                             f"slots: they have {', '.join(map(str, slots))}")
-        low, high = parse_elastic(text, len(self.placements), unit="worker host", scale=slots[0])
-        return {"elastic_min": low, "elastic_max": high}
-
     # -- start
 
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0,
@@ -229,6 +209,8 @@ class ClusterJob:
         self._submit(self.job_id, spec)
         if not detach:
             self._start_following()
+            if spec.elastic:
+                self._watch_for_hosts()
 
     def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]
@@ -336,45 +318,6 @@ class ClusterJob:
                            "rank from the newest checkpoint")
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
             self._cancel_attempt(f"lost {link.label}")
-
-    def _lost_host(self, link: HostLink, attempt_id: str, reason: str) -> None:
-        """``--elastic``: a worker host (not the chief's, which holds the store) was lost.
-
-        Its ranks died with its server; the others form a new group on their own. When its
-        server is back (``distrun up``), its ranks join the running job, healed by a peer.
-        """
-        self._results[link.label] = {"state": "lost", "failure": None, "error": reason}
-        self._note(f"[distrun] lost {link.label} ({reason}): the job goes on without it (--elastic); "
-                   "it rejoins once its server is back (`distrun up`)")
-        others = [other.label for other in self._links if other is not link]
-
-        def job_over() -> bool:
-            return self._cancelled.is_set() or self._detaching or all(label in self._results for label in others)
-
-        if not link.wait_for_server(job_over):
-            return
-        placement = self.placements[self._links.index(link)]
-        try:
-            self._ship(link, self._bundle)
-            self._submit_to(link, placement, attempt_id, self.spec, join=True)
-        except HostError as exc:
-            self._note(f"[distrun] {link.label} is back but could not rejoin: {exc.reason}")
-            return
-        self._note(f"[distrun] {link.label} is back: its ranks join the job")
-        del self._results[link.label]
-        self._follow(link, attempt_id)
-
-    def _lose_hung(self, hang: Hung) -> None:
-        """``--elastic``: a stuck rank is treated as lost: its host's server kills it, it rejoins."""
-        if hang.rank < 0:
-            return
-        for link, placement in zip(self._links, self.placements):
-            if placement.rank_offset <= hang.rank < placement.rank_offset + placement.slots:
-                try:
-                    link.call("lose_rank", job=self.attempt_id, rank=hang.rank,
-                              why=f"hung for {hang.stalled_s:.0f} s {hang.where}")
-                except HostError as exc:
-                    self._note(f"[distrun] could not stop hung rank {hang.rank} on {link.label}: {exc.reason}")
 
     def _note(self, line: str) -> None:
         self._events.put(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=line))

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
+from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab, training_pids
 from tests.integration._recipes import ELASTIC
 
@@ -86,28 +87,34 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     _no_training_processes(lab)
 
 
+class _Job:
+    """A `distrun train --json` in the lab's client namespace, read as it runs."""
+
+    def __init__(self, lab: Lab, *args: str) -> None:
+        self.proc = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train",
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
+        self.lines: list[dict] = []
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+
+    def read_until(self, predicate, within_s: float, what: str) -> None:
+        deadline = time.monotonic() + within_s
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            if raw.startswith("{"):
+                self.lines.append(json.loads(raw))
+                if predicate(self.lines[-1]):
+                    return
+            assert time.monotonic() < deadline, f"{what} did not happen within {within_s} s"
+        raise AssertionError(f"the job ended before {what}: {''.join(self.stderr)[-3000:]}")
+
+
 def test_a_lost_server_host_rejoins_after_up(elastic_lab) -> None:
     lab, cluster = elastic_lab
     recipe = _recipe(lab, "lost-server")
-    proc = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train",
-                             str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json", "--steps", "300",
-                             "--", "--sleep-s", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=lab.root)
-    lines: list[dict] = []
-    stderr: list[str] = []
-    threading.Thread(target=lambda: stderr.extend(proc.stderr), daemon=True).start()  # type: ignore[arg-type]
-
-    def read_until(predicate, within_s: float, what: str) -> None:
-        deadline = time.monotonic() + within_s
-        assert proc.stdout is not None
-        for raw in proc.stdout:
-            if raw.startswith("{"):
-                lines.append(json.loads(raw))
-                if predicate(lines[-1]):
-                    return
-            assert time.monotonic() < deadline, f"{what} did not happen within {within_s} s"
-        raise AssertionError(f"the job ended before {what}: {''.join(stderr)[-3000:]}")
-
+    job = _Job(lab, str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json", "--steps", "300", "--",
+               "--sleep-s", "0.05")
+    proc, lines, stderr, read_until = job.proc, job.lines, job.stderr, job.read_until
     try:
         read_until(lambda line: line["type"] == "step" and line["step"] >= 10, 90, "step 10")
         h3_state = lab.workdir / "elastic" / lab.hosts["h3"][1] / "server.json"
@@ -169,4 +176,38 @@ def test_a_hung_rank_is_killed_as_lost_by_its_server(elastic_lab) -> None:
     assert any(note.startswith("[distrun] rank 1 lost (hung for") for note in notes), notes
     summary = next(line for line in lines if line["type"] == "summary")
     assert summary["steps"] == STEPS and summary["steps_lost"] == 0 and summary["membership_changes"] >= 1
+    _no_training_processes(lab)
+
+
+def test_a_worker_host_added_to_the_cluster_file_joins_up_to_max(elastic_lab) -> None:
+    lab, _ = elastic_lab
+    recipe = _recipe(lab, "grow")
+    grow = lab.root / "grow.yaml"
+    hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]"}, {"address": lab.hosts["h2"][1]}]
+    grow.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="grow"))
+    assert lab_cli(lab, "up", str(grow)).returncode == 0
+    try:
+        job = _Job(lab, str(recipe), "--cluster", str(grow), "--elastic", "1:3", "--json", "--steps", "300", "--",
+                   "--sleep-s", "0.05")
+        try:
+            job.read_until(lambda line: line["type"] == "step" and line["step"] >= 10, 90, "step 10")
+            h3 = lab.hosts["h3"][1]
+            grow.write_text(cluster_yaml(lab.keys, [*hosts, {"address": h3}], workdir=lab.workdir, name="grow"))
+            up = lab_cli(lab, "up", str(grow))
+            assert up.returncode == 0, up.stdout + up.stderr
+            job.read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3, 60, "a group of 3")
+            job.read_until(lambda line: line["type"] == "summary", 120, "the summary")
+            job.proc.wait(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                job.proc.kill()
+        assert job.proc.returncode == 0, "".join(job.stderr)[-3000:]
+        change = next(line for line in job.lines if line["type"] == "membership")
+        assert change["joined"] == [f"rank 2 on {h3}"] and change["left"] == []
+        summary = job.lines[-1]
+        assert summary["steps"] == 300 and summary["world_size"] == 3 and summary["steps_lost"] == 0
+        assert any(line["type"] == "output" and line["line"].startswith(f"[distrun] {h3} was added to")
+                   for line in job.lines)
+    finally:
+        lab_cli(lab, "down", str(grow))
     _no_training_processes(lab)
