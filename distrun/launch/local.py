@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from distrun.launch._agent import ElasticAgent
 from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
@@ -44,6 +45,7 @@ from distrun.protocol import Event, EventDecodeError, Exited, Failed, Output, de
 from distrun.protocol.environment import (
     ELASTIC_JOINER_VAR,
     EVENT_FD_VAR,
+    INCARNATION_VAR,
     PARENT_PID_VAR,
     STORE_FD_VAR,
     STORE_ROLE_VAR,
@@ -66,6 +68,7 @@ class _Proc:
     returncode: int | None = None
     signalled: bool = False  # we sent it SIGTERM/SIGKILL: its death is ours, not its own failure
     lost_reason: str | None = None  # --elastic: why we killed it as lost (a hang), said when it is started again
+    incarnation: int = 0  # how many times this rank was started before this process
 
 
 class LocalLauncher:
@@ -95,7 +98,7 @@ class LocalLauncher:
         self._port = 0
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
-        self._store_proc: Handle | None = None  # --elastic: the process that hosts the rendezvous store
+        self._agent: ElasticAgent | None = None  # --elastic: hosts the store (or is its client), tells of deaths
         self._lose: list[tuple[int, str]] = []  # --elastic: (rank, why) to kill as lost, from any thread
 
     # -- public ---------------------------------------------------------------
@@ -107,7 +110,7 @@ class LocalLauncher:
         finally:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
-            self._stop_store()
+            self._stop_agent()
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
         return RunResult(
@@ -160,47 +163,32 @@ class LocalLauncher:
         self._port = port
         for_rank0 = listener  # who hosts the store on it: rank 0, or (elastic) the store process
         try:
-            if spec.elastic and listener is not None:
-                self._store_proc = self._spawn_store(port, listener)
+            if spec.elastic:
+                self._start_agent(port, listener)
                 for_rank0 = None
             for local_rank in range(spec.local_world_size):
                 self._procs.append(self._spawn(local_rank, port, for_rank0, joiner=spec.join))
         except BaseException:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
-            self._stop_store()
+            self._stop_agent()
             raise
         finally:
             if listener is not None:
                 listener.close()  # rank 0 (or the store process) holds its own copy of the socket now
 
-    def _spawn_store(self, port: int, listener: socket.socket) -> Handle:
-        """``--elastic``: start the store process on the rendezvous socket (see module docs)."""
+    def _start_agent(self, port: int, listener: socket.socket | None) -> None:
+        """``--elastic``: this launcher's agent process (``launch/_agent``); it hosts the store
+        when ``listener`` is the rendezvous socket."""
         env = dict(os.environ)
         env.update(self._spec.env)
         env.update(rank_env(self._spec, 0, port))
-        env[STORE_ROLE_VAR] = "1"
-        env[STORE_FD_VAR] = str(listener.fileno())
-        env[PARENT_PID_VAR] = str(self._starter.parent_pid())
-        try:
-            handle = self._starter.start(self._spec.argv, env, self._spec.cwd, stdout=2, stderr=2,
-                                         pass_fds=[listener.fileno()])
-        except ZygoteUnavailable:
-            self._starter = PopenStarter()
-            env[PARENT_PID_VAR] = str(os.getpid())
-            handle = self._starter.start(self._spec.argv, env, self._spec.cwd, stdout=2, stderr=2,
-                                         pass_fds=[listener.fileno()])
-        return handle
+        self._agent = ElasticAgent(self._starter, self._spec.argv, env, self._spec.cwd, listener)
+        self._starter = self._agent.starter
 
-    def _stop_store(self) -> None:
-        store, self._store_proc = self._store_proc, None
-        if store is None:
-            return
-        try:
-            os.killpg(store.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        store.wait()
+    def _stop_agent(self) -> None:
+        if self._agent is not None:
+            self._agent.stop()
 
     def _spawn(self, local_rank: int, port: int, listener: socket.socket | None, *, joiner: bool = False) -> _Proc:
         spec = self._spec
@@ -215,6 +203,7 @@ class LocalLauncher:
         env.pop(STORE_ROLE_VAR, None)
         if joiner:
             env[ELASTIC_JOINER_VAR] = "1"
+        env[INCARNATION_VAR] = str(self._respawned.get(rank, 0))
         pass_fds = [event_w]
         if listener is not None and rank == 0:
             env[STORE_FD_VAR] = str(listener.fileno())
@@ -238,7 +227,7 @@ class LocalLauncher:
         finally:
             for fd in (event_w, out_w, err_w):
                 os.close(fd)
-        proc = _Proc(local_rank=local_rank, rank=rank, popen=handle)
+        proc = _Proc(local_rank=local_rank, rank=rank, popen=handle, incarnation=self._respawned.get(rank, 0))
         for fd, stream in ((out_r, "stdout"), (err_r, "stderr"), (event_r, "events")):
             os.set_blocking(fd, False)
             proc.fds[fd] = (stream, LineBuffer())
@@ -316,6 +305,8 @@ class LocalLauncher:
                 self._respawn(proc)
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
+                if self._agent is not None:  # the survivors need not wait for its beat to go stale
+                    self._agent.lost(proc.rank, proc.incarnation)
                 self._respawn(proc, why=proc.lost_reason or _describe_exit(rc))
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(

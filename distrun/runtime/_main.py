@@ -18,7 +18,13 @@ from typing import Any
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
-from distrun.protocol.environment import CACHE_DIR_VAR, ELASTIC_JOINER_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
+from distrun.protocol.environment import (
+    CACHE_DIR_VAR,
+    ELASTIC_JOINER_VAR,
+    EVAL_CHECKPOINT_VAR,
+    INCARNATION_VAR,
+    JOB_SPEC_VAR,
+)
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
@@ -246,7 +252,8 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
     joiner = os.environ.get(ELASTIC_JOINER_VAR) == "1"
     membership = Membership(lambda: _store_client(launch), None if joiner else launch.rank, timeout=_STORE_TIMEOUT,
                             backend="nccl" if device.type == "cuda" else "gloo",
-                            device=device if device.type == "cuda" else None, who=_who(launch))
+                            device=device if device.type == "cuda" else None, who=_who(launch),
+                            launch_rank=launch.rank, incarnation=int(os.environ.get(INCARNATION_VAR, "0")))
     elastic = Elastic(membership, min_members=spec.elastic_min, max_members=spec.elastic_max,
                       expect=launch.world_size)
     if not joiner:

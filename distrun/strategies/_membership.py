@@ -68,8 +68,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BEAT_S", "LOST_AFTER_S", "JOINER_IDS", "BelowMinimum", "JobFinished", "LateForRound", "Membership",
-           "Round"]
+__all__ = ["BEAT_S", "LOST_AFTER_S", "JOINER_IDS", "STORE_PREFIX", "BelowMinimum", "JobFinished", "LateForRound",
+           "Membership", "Round"]
 
 #: How often a member's watcher renews its beat and reads the generation.
 BEAT_S = 0.05
@@ -77,7 +77,8 @@ BEAT_S = 0.05
 #: starting on a loaded 2-core host missed six beats in a row, and a live rank was taken
 #: for lost at step 1.
 LOST_AFTER_S = 1.0
-_PREFIX = "elastic/"
+#: Every membership key lives under this prefix (a PrefixStore: "elastic/" + "/" + key).
+STORE_PREFIX = "elastic/"
 #: Member ids of joiners start here, so they sort after every first member (new ranks follow ids).
 JOINER_IDS = 1_000_000
 
@@ -108,13 +109,16 @@ class Membership:
     """
 
     def __init__(self, store_factory: Callable[[], Any], member_id: int | None, *, timeout: timedelta,
-                 backend: str = "gloo", device: torch.device | None = None, who: str = "") -> None:
+                 backend: str = "gloo", device: torch.device | None = None, who: str = "",
+                 launch_rank: int | None = None, incarnation: int = 0) -> None:
         """``member_id``: the launcher's rank for a first member; None for a joiner (a
         restarted rank, a new host), which takes a fresh id from the store.
         ``backend``/``device``: the default group each round opens (gloo, or nccl and its GPU).
-        ``who``: how events name this member ("rank 2 on 10.0.0.3")."""
-        self._store = dist.PrefixStore(_PREFIX, store_factory())
-        self._watch_store = dist.PrefixStore(_PREFIX, store_factory())
+        ``who``: how events name this member ("rank 2 on 10.0.0.3"). ``launch_rank`` and
+        ``incarnation``: which start of which launcher rank this is: its launcher's agent
+        marks exactly that one lost when it dies (``elastic/lost/RANK/INCARNATION``)."""
+        self._store = dist.PrefixStore(STORE_PREFIX, store_factory())
+        self._watch_store = dist.PrefixStore(STORE_PREFIX, store_factory())
         if member_id is None:
             member_id = JOINER_IDS + int(self._store.add("joiners", 1))
         self.member_id = member_id
@@ -131,6 +135,10 @@ class Membership:
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
         self._store.set(f"who/{member_id}", who or f"member {member_id}")
+        if launch_rank is not None:
+            self._store.set(f"ident/{member_id}", f"{launch_rank} {incarnation}")
+        self._marks: dict[int, str | None] = {}  # member -> its lost mark's key (None: no launcher rank)
+        self._lost_count = 0  # elastic/lost_count as the watcher last read it
         self._beat()
         if not self.joiner:  # a joiner registers as it arrives: a round must not wait for it before
             self._register()
@@ -179,6 +187,17 @@ class Membership:
             except RuntimeError:  # the store is gone: the job is ending
                 return
 
+    def _marked_lost(self, member: int, store: Any) -> bool:
+        """Its launcher's agent said this member died (``launch/_agent``): no need to wait for its beat."""
+        if member not in self._marks:
+            key = f"ident/{member}"
+            if not store.check([key]):
+                return False  # not registered yet: ask again next time
+            rank, incarnation = store.get(key).decode().split()
+            self._marks[member] = f"lost/{rank}/{incarnation}"
+        mark = self._marks[member]
+        return mark is not None and store.check([mark])
+
     def _lost_peer(self) -> bool:
         """Whether a member of our round stopped beating (one ``multi_get`` for all of them).
 
@@ -190,6 +209,11 @@ class Membership:
         peers = self._round_peers
         if not peers:
             return False
+        count = int(self._watch_store.add("lost_count", 0))
+        if count != self._lost_count:  # an agent marked a death since we last looked: is it one of ours?
+            self._lost_count = count
+            if any(self._marked_lost(peer, self._watch_store) for peer in peers):
+                return True
         now = time.monotonic()
         beats = self._watch_store.multi_get([f"alive/{peer}" for peer in peers])
         lost = False
@@ -367,6 +391,7 @@ class Membership:
             if len(here) >= expect and self._live_members() <= here:
                 self._store.compare_set(key + "closed", "", str(arrived))
                 continue
+
             if time.monotonic() > deadline:
                 raise TimeoutError(f"round {key[:-1]}: live members did not arrive: "
                                    f"{sorted(self._live_members() - here)}")
@@ -376,6 +401,8 @@ class Membership:
         now = time.monotonic()
         live = set()
         for member in self._known_members():
+            if self._marked_lost(member, self._store):
+                continue
             beat = self._store.get(f"alive/{member}").decode()
             seen = self._last_seen.get(member)
             if seen is None or seen[0] != beat:
