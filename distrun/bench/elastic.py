@@ -69,6 +69,7 @@ def _timed(argv: list[str], kill_at: int, killed_rank: int) -> dict[str, Any]:
     first_after: int | None = None
     restarted = False  # the restart path's new attempt began: its steps are new, whatever their number
     summary: dict[str, Any] | None = None
+    rank_recovery: float | None = None  # elastic: the new chief's own figure (its clock, failure to step)
     deadline = time.monotonic() + TIMEOUT_S
     assert proc.stdout is not None
     for raw in proc.stdout:
@@ -91,6 +92,8 @@ def _timed(argv: list[str], kill_at: int, killed_rank: int) -> dict[str, Any]:
                 recovered_at, first_after = now, int(line["step"])
             if back_at is None and int(line["step"]) > reached:
                 back_at = now
+        elif kind == "membership" and rank_recovery is None:
+            rank_recovery = float(line["recovery_s"])
         elif kind == "summary":
             summary = line
     _, err = proc.communicate()
@@ -102,4 +105,4 @@ def _timed(argv: list[str], kill_at: int, killed_rank: int) -> dict[str, Any]:
     return {"recovery_s": recovered_at - lost_at, "back_s": back_at - lost_at,
             "steps_redone": reached - (first_after - 1), "reached": reached,
             "restarts": summary["restarts"], "membership_changes": summary["membership_changes"],
-            "steps_lost": summary["steps_lost"], "wall_s": summary["wall_s"]}
+            "steps_lost": summary["steps_lost"], "wall_s": summary["wall_s"], "rank_recovery_s": rank_recovery}

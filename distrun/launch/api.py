@@ -56,8 +56,9 @@ class WorkerSpec:
     respawns: int = 0
     #: ``--elastic``: a rank that dies without a Failed event of its own (a signal, a lost
     #: host) is a change of membership, not the job's failure: the others go on, and it is
-    #: started again as a joiner while ``respawns`` last. The rendezvous store lives in a
-    #: process of its own here (the store process), so it outlives every rank.
+    #: started again as a joiner while ``respawns`` last. Each launcher runs an agent
+    #: process (launch/_agent); the rendezvous host's agent holds the store, so it outlives
+    #: every rank.
     elastic: bool = False
     #: ``--elastic``: these ranks join a job already training (a lost host that is back).
     join: bool = False

@@ -19,9 +19,10 @@ Guarantees (each held by a test):
   launcher leaves no orphans;
 * the first failure is the root cause: a primary failure beats a ``peer-lost``
   one, and among equals the earliest wins;
-* ``--elastic``: the rendezvous store runs in a store process of its own, which outlives
-  every rank, and a rank that dies without saying why (a signal) stops no one: the others
-  form a new group, and it is started again as a joiner while ``respawns`` last.
+* ``--elastic``: an agent process beside the ranks hosts the rendezvous store, which
+  outlives every rank (``launch/_agent``). A rank that dies without saying why (a
+  signal) stops no one: the agent marks it lost, the others form a new group, and it is
+  started again as a joiner while ``respawns`` last.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class LocalLauncher:
         else:
             port = spec.master_port
         self._port = port
-        for_rank0 = listener  # who hosts the store on it: rank 0, or (elastic) the store process
+        for_rank0 = listener  # who hosts the store on it: rank 0, or (elastic) the agent
         try:
             if spec.elastic:
                 self._start_agent(port, listener)
@@ -175,7 +176,7 @@ class LocalLauncher:
             raise
         finally:
             if listener is not None:
-                listener.close()  # rank 0 (or the store process) holds its own copy of the socket now
+                listener.close()  # rank 0 (or the agent) holds its own copy of the socket now
 
     def _start_agent(self, port: int, listener: socket.socket | None) -> None:
         """``--elastic``: this launcher's agent process (``launch/_agent``); it hosts the store

@@ -244,7 +244,7 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
 def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
     """``--elastic``: this replica's membership, its first round joined (its group is the default group).
 
-    The store is the launcher's store process, not rank 0's: it outlives any rank.
+    The store is hosted by the launcher's agent process, not by rank 0: it outlives any rank.
     """
     from distrun.strategies._elastic import Elastic
     from distrun.strategies._membership import Membership
