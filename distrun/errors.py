@@ -8,6 +8,7 @@ place and docs/cli.md can list it::
     │   └── ConfigError          2  invalid job or cluster spec (file, key path)
     ├── RecipeError              3  the recipe cannot be loaded or breaks the contract
     ├── TrainingError            4  a replica raised or died during training
+    │   └── NonFiniteLoss        4  a NaN or Inf loss under --on-nonfinite stop (names the step and rank)
     ├── CheckpointError          5  no checkpoint to resume from, or an unreadable one
     ├── HostError                6  a host cannot be reached, logged into or used
     │   ├── HostUnreachable      6  no connection or no login (the host's row says "down")
@@ -27,6 +28,7 @@ __all__ = [
     "ConfigError",
     "RecipeError",
     "TrainingError",
+    "NonFiniteLoss",
     "CheckpointError",
     "HostError",
     "HostUnreachable",
@@ -75,6 +77,10 @@ class TrainingError(DistrunError):
         super().__init__(message, detail=detail)
         self.rank = rank
         self.stderr_tail = stderr_tail  # the failing rank's last stderr lines, shown above the message
+
+
+class NonFiniteLoss(TrainingError):
+    """A replica's loss was NaN or Inf, and ``--on-nonfinite stop`` (the default) stops the job."""
 
 
 class CheckpointError(DistrunError):

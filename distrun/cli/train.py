@@ -72,6 +72,7 @@ def train(
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
+    on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored (replicas) or multi-worker (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
@@ -90,7 +91,7 @@ def train(
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
-        allreduce=allreduce,
+        allreduce=allreduce, on_nonfinite=on_nonfinite,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")

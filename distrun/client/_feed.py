@@ -8,6 +8,7 @@ the error that may follow.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -20,6 +21,13 @@ from distrun.protocol import HEARTBEAT_INTERVAL_S, Event, Hung, JobSnapshot, Job
 STDERR_TAIL_LINES = 5
 _END = object()
 
+#: torch's c10d logs this on every rank whose host has no reverse DNS for a peer's address
+#: (err=-3 is EAI_AGAIN: namespaces, containers, bare IPs). It is harmless: only a log line
+#: loses a hostname. One note replaces them all, instead of one warning per rank per host.
+_NO_REVERSE_DNS = "The hostname of the client socket cannot be retrieved"
+_NO_REVERSE_DNS_NOTE = ("[distrun] no reverse DNS for the peers' addresses here, so c10d cannot name them in its "
+                        "logs (\"hostname of the client socket cannot be retrieved\"); harmless, said once")
+
 
 class EventFeed:
     def __init__(self, tracker: JobTracker, *, hang_timeout_s: float | None = None,
@@ -31,6 +39,7 @@ class EventFeed:
         self._on_hang = on_hang
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stderr: dict[int, deque[str]] = {}
+        self._said_no_dns = False
 
     def put(self, event: Event) -> None:
         """Thread-safe: called by the producers."""
@@ -56,6 +65,11 @@ class EventFeed:
                 continue
             if item is _END:
                 return
+            if isinstance(item, Output) and _NO_REVERSE_DNS in item.line:
+                if self._said_no_dns:
+                    continue
+                self._said_no_dns = True
+                item = dataclasses.replace(item, line=_NO_REVERSE_DNS_NOTE)
             self.tracker.update(item)
             if isinstance(item, Output) and item.stream == "stderr":
                 self._stderr.setdefault(item.rank, deque(maxlen=STDERR_TAIL_LINES)).append(item.line)

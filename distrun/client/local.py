@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.config import JobSpec, StrategyName
-from distrun.errors import CheckpointError, ConfigError, DistrunError, Interrupted, RecipeError, TrainingError
+from distrun.errors import (
+    CheckpointError,
+    ConfigError,
+    DistrunError,
+    Interrupted,
+    NonFiniteLoss,
+    RecipeError,
+    TrainingError,
+)
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import Event, Failed, Hung, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
@@ -141,6 +149,7 @@ ERROR_BY_KIND: dict[str, type[DistrunError]] = {
     "RecipeError": RecipeError,
     "ConfigError": ConfigError,
     "CheckpointError": CheckpointError,
+    "NonFiniteLoss": NonFiniteLoss,
 }
 
 

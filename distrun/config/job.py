@@ -112,6 +112,8 @@ class JobSpec:
     #: MIN remain, up to MAX (counted in replicas; the CLI turns hosts into replicas).
     elastic_min: int = 0
     elastic_max: int = 0
+    #: a NaN or Inf loss: stop the job naming step and rank, skip the update everywhere, or warn.
+    on_nonfinite: str = "stop"
 
     @property
     def elastic(self) -> bool:
@@ -196,6 +198,9 @@ def _validate(spec: JobSpec) -> None:
     _validate_compression(spec)
     _validate_allreduce(spec)
     _validate_elastic(spec)
+    if spec.on_nonfinite not in ("stop", "skip", "warn"):
+        raise ConfigError(f"--on-nonfinite: expected stop, skip or warn. Received: {spec.on_nonfinite!r}"
+                          f"{did_you_mean(str(spec.on_nonfinite), ('stop', 'skip', 'warn'))}")
     if spec.log_interval_s < 0:
         raise ConfigError(f"log interval must be >= 0 s. Received: {spec.log_interval_s!r}")
 

@@ -17,6 +17,7 @@ import torch
 
 from distrun.config import JobSpec
 from distrun.runtime._move import to_device
+from distrun.runtime._nonfinite import NonFiniteGuard
 from distrun.runtime._reporter import EventReporter
 from distrun.strategies import InputContext, MembershipSwitch, Strategy
 
@@ -63,13 +64,16 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     metrics = make_metrics() if make_metrics is not None else {}
     device = strategy.device
 
+    guard = NonFiniteGuard(spec.on_nonfinite, strategy)
+
     def train_step(batch: Any) -> torch.Tensor:
         batch = to_device(batch, device)
         loss = loss_fn(forward(model, batch), batch)
         weight = strategy.batch_weight
         optimizer.zero_grad(set_to_none=True)
         (loss * weight if weight != 1.0 else loss).backward()
-        optimizer.step()
+        if guard.update_allowed(loss):
+            optimizer.step()
         return loss.detach()
 
     last_eval: dict[str, float] = {}
