@@ -72,6 +72,7 @@ def train(
     include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
+    tensorboard: Path | None = typer.Option(None, "--tensorboard", help="Write TensorBoard event files to DIR (loss, samples/s, learning rate, eval, strategy.log, ps figures); --cluster: they come home to DIR (pip install 'distrun[tensorboard]')."),
     on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored (replicas) or multi-worker (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
@@ -92,6 +93,7 @@ def train(
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
         allreduce=allreduce, on_nonfinite=on_nonfinite,
+        tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")

@@ -1,4 +1,4 @@
-"""Bringing a job's results home: its newest checkpoint from the host that wrote it.
+"""Bringing a job's results home: its newest checkpoint and its TensorBoard files.
 
 Shared storage is not assumed: checkpoints are written on rank 0's host (under
 ``--checkpoint-dir`` there) and copied back over the same SSH connection.
@@ -26,3 +26,20 @@ def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path) -> Path | N
     tmp.write_bytes(data)
     os.replace(tmp, target)
     return target
+
+
+def fetch_tensorboard(link: HostLink, job_id: str, dest: Path) -> list[Path]:
+    """Copy the ``--tensorboard`` event files ``job_id`` wrote on this host into ``dest`` (same layout)."""
+    board = link.call("artifacts", job=job_id).get("tensorboard") or {}
+    fetched = []
+    for name in board.get("files", ()):
+        relative = PurePosixPath(name)
+        if relative.is_absolute() or ".." in relative.parts:  # a server names files under its own folder only
+            continue
+        target = dest.resolve() / Path(*relative.parts)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_bytes(link.remote.read_bytes(f"{board['dir']}/{name}"))
+        os.replace(tmp, target)
+        fetched.append(target)
+    return fetched

@@ -29,7 +29,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._links import HostLink, Placement, holders_of, open_all
-from distrun.client._results import fetch_newest_checkpoint
+from distrun.client._results import fetch_newest_checkpoint, fetch_tensorboard
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
@@ -395,13 +395,18 @@ class ClusterJob(ElasticHosts):
                             stderr_tail=self._events.stderr_tail(failure.rank))
 
     def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
-        """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``."""
+        """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``, and the
+        ``--tensorboard`` files into their folder."""
         dest = dest.resolve()
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         checkpoint = fetch_newest_checkpoint(self._links[0], self.attempt_id, dest)
+        board = None
+        if self.spec is not None and self.spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
+            board = Path(self.spec.tensorboard_dir)
+            fetch_tensorboard(self._links[0], self.attempt_id, board)
         return {"type": "results", "job": self.job_id, "dir": str(dest),
-                "checkpoint": str(checkpoint) if checkpoint else None}
+                "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None}
 
     def close(self) -> None:
         for link in self._links + self._evaluators:

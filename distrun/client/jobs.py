@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.client._links import HostLink, holders_of, open_all
-from distrun.client._results import fetch_newest_checkpoint
+from distrun.client._results import fetch_newest_checkpoint, fetch_tensorboard
 from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
@@ -110,8 +110,11 @@ def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
 
 
 def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
-    """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it."""
+    """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it, and any
+    ``--tensorboard`` files into ``dest``/tensorboard."""
     with _job_hosts(cluster, job_id) as holders:
+        for link in holders:
+            fetch_tensorboard(link, job_id, dest / "tensorboard")
         for link in holders:
             fetched = fetch_newest_checkpoint(link, job_id, dest)
             if fetched is not None:

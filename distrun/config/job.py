@@ -114,6 +114,9 @@ class JobSpec:
     elastic_max: int = 0
     #: a NaN or Inf loss: stop the job naming step and rank, skip the update everywhere, or warn.
     on_nonfinite: str = "stop"
+    #: ``--tensorboard DIR``: rank 0 (and each ps task) write event files there; on a cluster
+    #: the chief host's server points it at the job's folder, and the client brings them home.
+    tensorboard_dir: str | None = None
 
     @property
     def elastic(self) -> bool:

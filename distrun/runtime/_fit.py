@@ -65,6 +65,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     device = strategy.device
 
     guard = NonFiniteGuard(spec.on_nonfinite, strategy)
+    reporter.learning_rate = lambda: optimizer.param_groups[0]["lr"]  # --tensorboard's train/learning_rate
 
     def train_step(batch: Any) -> torch.Tensor:
         batch = to_device(batch, device)

@@ -48,6 +48,8 @@ def main() -> None:
         info = inspect_recipe(spec.recipe)
         ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas
         device = _device(spec, launch) if not ps_task else _cpu()  # a ps task applies updates on its CPU
+        if spec.tensorboard_dir and (launch.rank == 0 or ps_task) and not os.environ.get(EVAL_CHECKPOINT_VAR):
+            writer = _tensorboard(writer, spec, launch, ps_task)
         writer.emit(
             Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
                     world_size=launch.world_size, recipe_kind=info.kind.value)
@@ -170,6 +172,17 @@ def _exit(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _tensorboard(writer: EventWriter, spec: JobSpec, launch: LaunchEnv, ps_task: bool) -> Any:
+    """``--tensorboard``: rank 0 writes into the folder, each ps task into ps<N> under it."""
+    from distrun.runtime._tensorboard import TensorBoardTap
+
+    assert spec.tensorboard_dir is not None
+    logdir = f"{spec.tensorboard_dir}/ps{launch.rank - spec.replicas}" if ps_task else spec.tensorboard_dir
+    tap = TensorBoardTap(writer, logdir)
+    atexit.register(tap.close)  # _exit runs atexit handlers: the last figures reach the file
+    return tap
 
 
 def _device(spec: JobSpec, launch: LaunchEnv) -> Any:

@@ -40,6 +40,16 @@ class EventReporter:
         self._pushes: int | None = None
         self._staleness: int | None = None
 
+    @property
+    def learning_rate(self) -> Any:
+        return getattr(self._writer, "learning_rate", None)
+
+    @learning_rate.setter
+    def learning_rate(self, source: Any) -> None:
+        """A callable giving the optimizer's current lr; only ``--tensorboard``'s writer reads it."""
+        if hasattr(self._writer, "learning_rate"):
+            self._writer.learning_rate = source
+
     # Reporter protocol -------------------------------------------------------
 
     def step(self, step: int, epoch: int, loss: Any, samples: int) -> None:

@@ -147,6 +147,8 @@ class JobManager:
         if root.resolve() not in recipe.parents or not recipe.is_file():
             raise JobError(f"recipe {args['recipe']!r} is not in the bundle")
         spec = dataclasses.replace(JobSpec.from_json(str(args["spec"])), recipe=str(recipe))
+        if spec.tensorboard_dir:  # --tensorboard: written here, in the job's folder; the client fetches it
+            spec = dataclasses.replace(spec, tensorboard_dir=str(job.folder / "tensorboard"))
         evaluating = None
         if args.get("eval_checkpoint"):  # uploaded by the client into this server's folder
             evaluating = (self.state_dir / str(args["eval_checkpoint"])).resolve()
@@ -271,13 +273,17 @@ class JobManager:
         return {"job": job.id}
 
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The newest checkpoint this host's ranks wrote for the job (from its event log)."""
+        """The newest checkpoint this host's ranks wrote for the job (from its event log), and
+        the ``--tensorboard`` event files they wrote (paths under ``dir``)."""
         job = self._get(args)
         with job.changed:
             saved = [line for line in job.lines if line.get("type") == "checkpoint"]
         newest = max(saved, key=lambda line: line["step"]) if saved else None
+        board = job.folder / "tensorboard"
+        files = sorted(str(path.relative_to(board)) for path in board.rglob("*") if path.is_file()) \
+            if board.is_dir() else []
         return {"checkpoint": newest["path"] if newest else None, "step": newest["step"] if newest else None,
-                "result": job.result}
+                "result": job.result, "tensorboard": {"dir": str(board), "files": files}}
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
         with self._lock:

@@ -24,6 +24,7 @@ from distrun.strategies import latest_checkpoint
 from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab, training_pids
 from tests.integration._recipes import ELASTIC
+from tests.integration.test_tensorboard import read as read_board
 
 STEPS = 60
 
@@ -67,7 +68,8 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     lab, cluster = elastic_lab
     recipe = _recipe(lab, "killed-rank")
     result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json",
-                     "--steps", str(STEPS), "--checkpoint-dir", str(lab.root / "killed-rank-ck"), "--",
+                     "--steps", str(STEPS), "--checkpoint-dir", str(lab.root / "killed-rank-ck"),
+                     "--tensorboard", str(lab.root / "killed-rank-tb"), "--",
                      "--die-rank", "2", "--die-at", "10", "--once", str(recipe.parent / "once"), "--sleep-s", "0.05",
                      timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -84,6 +86,11 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     model = torch.load(results["checkpoint"], weights_only=True)["model"]
     for key, tensor in one_device.items():
         torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    # --tensorboard on a cluster: written on the chief's host, home with the results.
+    assert results["tensorboard"] == str(lab.root / "killed-rank-tb")
+    board = read_board(lab.root / "killed-rank-tb")
+    assert [size for _, size in board["membership/world_size"]] == [2, 3]
+    assert board["train/loss"][-1][0] == STEPS
     _no_training_processes(lab)
 
 
