@@ -63,9 +63,15 @@ def main() -> None:
                 from distrun.runtime._teardown import keep_destroyed_process_groups
 
                 keep_destroyed_process_groups()
+            from distrun.runtime._script_progress import ScriptProgress  # steps, loss, samples/s: watched
+
+            reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
+            ScriptProgress(reporter)
             runpy.run_path(spec.recipe, run_name="__main__")
-            writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
-                             first_step_time=None))
+            reporter.flush()
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=reporter.current_step,
+                             final_loss=to_float(reporter.last_loss), samples_per_s=reporter.samples_per_s,
+                             first_step_time=reporter.first_step_time))
             _leave_together(launch, store)
             _exit(0)
         if ps_task:

@@ -14,7 +14,7 @@ the collectives, so nobody hangs, and contributes nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -216,7 +216,12 @@ class DistributedDataset:
 
 
 def batch_len(batch: Any) -> int:
-    """Samples in a batch: the first dimension of its first tensor (1 if it has none)."""
+    """Samples in a batch: the first dimension of its first tensor (1 if it has none).
+
+    A tuple or list: its first element; a mapping (a Hugging Face batch): its first value.
+    """
+    if isinstance(batch, Mapping) and batch:
+        batch = next(iter(batch.values()))
     first = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
     if isinstance(first, torch.Tensor) and first.dim() > 0:
         return int(first.shape[0])
