@@ -1,4 +1,4 @@
-"""`distrun up | status | down [CLUSTER]`: worker servers on every host of a cluster file.
+"""`distrun up | status | doctor | down [CLUSTER]`: worker servers on every host of a cluster file.
 
 Without a cluster file these act on the embedded default: one server on this
 machine, started as a local process (no SSH), in ``$DISTRUN_HOME`` (default
@@ -21,9 +21,11 @@ from rich.table import Table
 
 from distrun.cli._app import app, stderr
 from distrun.client import cluster_down, cluster_status, cluster_up
+from distrun.client.doctor import doctor_exit_code, run_doctor
 from distrun.config import ClusterSpec, load_cluster, local_cluster
 from distrun.protocol.cluster import ClusterReport
 from distrun.ui import render_cluster
+from distrun.ui.cluster import render_doctor
 
 _CLUSTER_HELP = "The cluster file (YAML, docs/cluster.md); none: this machine, no SSH."
 
@@ -110,6 +112,26 @@ def status(
 ) -> None:
     """Ask every host's server how it is (round trip, load, memory, jobs); exit non-zero if any is not up."""
     _run(cluster_file, json_output, cluster_status)
+
+
+@app.command()
+def doctor(
+    cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]", help=_CLUSTER_HELP, show_default=False),
+    json_output: bool = typer.Option(False, "--json", help="One JSON object per host instead of the table."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """What makes or breaks a job on each host: versions, CUDA/NCCL, disk, clock, the route and port to the chief.
+
+    Exit 0 when every host can run a job (warnings allowed), 6 when one cannot (docs/cluster.md).
+    """
+    cluster = resolve_cluster(cluster_file)
+    rows = run_doctor(cluster)
+    if json_output:
+        for row in rows:
+            typer.echo(json.dumps(row.to_dict()))
+    else:
+        Console(highlight=False, width=None if Console().is_terminal else 200).print(render_doctor(cluster.name, rows))
+    raise typer.Exit(doctor_exit_code(rows))
 
 
 @app.command()

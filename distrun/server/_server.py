@@ -24,6 +24,7 @@ from typing import Any
 from distrun._version import __version__
 from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
+from distrun.server._doctor import ProbeListener, doctor_facts
 from distrun.server._hostinfo import gpu_names, host_facts
 from distrun.server._jobs import JobManager
 from distrun.server._warm import WarmInterpreter
@@ -96,6 +97,8 @@ class WorkerServer:
             "submit": self.jobs.submit,
             "cancel": self.jobs.cancel,
             "lose_rank": self.jobs.lose_rank,
+            "doctor": self._doctor,
+            "doctor_listen": self._doctor_listen,
             "jobs": self.jobs.list,
             "artifacts": self.jobs.artifacts,
         }
@@ -208,6 +211,22 @@ class WorkerServer:
             **host_facts(),  # type: ignore[arg-type]
         )
         return info.to_dict()
+
+    def _doctor(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``distrun doctor``: this host's facts, and whether it reaches the chief's probe port.
+        ``clock_only``: just the time, answered at once (the client measures skew with it)."""
+        if args.get("clock_only"):
+            return {"time": time.time()}
+        chief = args.get("chief")
+        port = args.get("port")
+        return doctor_facts(self.state_dir.path, str(chief) if chief else None,
+                            int(port) if isinstance(port, int) and not isinstance(port, bool) else None)
+
+    def _doctor_listen(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``distrun doctor`` on the chief: a port that accepts for a while, as the rendezvous will."""
+        raw = args.get("port_range")
+        port_range = (int(raw[0]), int(raw[1])) if isinstance(raw, list) and len(raw) == 2 else None
+        return {"port": ProbeListener(port_range, lifetime_s=30.0).port}
 
     def _shutdown(self, _args: dict[str, Any]) -> dict[str, Any]:
         # Reply first; the accept loop notices within _ACCEPT_POLL_S and exits.

@@ -81,3 +81,27 @@ def _table(report: ClusterReport) -> Table:
             ]
         table.add_row(*cells, status)
     return table
+
+
+_DOCTOR_STYLE = {"ok": "green", "warn": "yellow", "problem": "red", "down": "red"}
+
+
+def render_doctor(cluster: str, rows: list) -> Group:  # rows: client.doctor.DoctorRow
+    """`distrun doctor`: one row per host, then every problem and warning in full."""
+    table = Table(title=f"cluster {cluster}: doctor", title_justify="left", box=box.SIMPLE_HEAD)
+    host_width = max((len(row.host) for row in rows), default=0)
+    for name in ("host", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock", "route to chief",
+                 "chief port", "status"):
+        table.add_column(name, no_wrap=True, min_width=host_width if name == "host" else None,
+                         justify="right" if name in ("gpus", "free", "clock") else "left")
+    for row in rows:
+        reach = "-" if row.reaches_chief is None else ("reached" if row.reaches_chief else "NOT reached")
+        table.add_row(
+            row.host, row.python or "-", row.distrun or "-", row.torch or "-", row.cuda or "-", row.nccl or "-",
+            "-" if row.gpus is None else str(row.gpus),
+            "-" if row.free_bytes is None else fmt_bytes(row.free_bytes),
+            "-" if row.skew_s is None else f"{row.skew_s * 1000:+.0f} ms",
+            row.interface or "-", reach, Text(row.status, style=_DOCTOR_STYLE[row.status]))
+    notes = [Text.assemble((f"{row.host}: ", "bold"), (text, _DOCTOR_STYLE["problem" if problem else "warn"]))
+             for row in rows for problem, texts in ((True, row.problems), (False, row.warnings)) for text in texts]
+    return Group(table, *notes)

@@ -1,0 +1,99 @@
+"""What ``distrun doctor`` asks a worker server: the facts that make or break a job here.
+
+The server never imports torch (the control plane's rule), so what torch sees (its
+version, CUDA, NCCL, GPUs) is asked of a short-lived ``python -c`` with the server's own
+interpreter: the one training processes use. Every probe is bounded in time: a doctor
+row may say "failed", never hang.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from distrun.server._net import interface_towards
+
+__all__ = ["doctor_facts", "ProbeListener"]
+
+_TORCH_PROBE = """
+import json, torch
+cuda = torch.cuda.is_available()
+nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda and hasattr(torch.cuda, "nccl") else None
+print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": cuda,
+                  "gpus": torch.cuda.device_count() if cuda else 0, "nccl": nccl}))
+"""
+#: Bounds: importing torch takes seconds on a cold disk; a TCP connect to the chief, a few.
+_TORCH_PROBE_S = 60.0
+_CONNECT_S = 3.0
+
+
+def doctor_facts(state_dir: Path, chief: str | None, port: int | None) -> dict[str, Any]:
+    """Facts of this host; ``chief``/``port``: the chief's probe listener, to try to reach."""
+    facts: dict[str, Any] = {"time": time.time(), "free_bytes": shutil.disk_usage(state_dir).free}
+    facts.update(_torch_facts())
+    if chief:
+        facts["interface"] = interface_towards(chief)
+        facts["reaches_chief"] = _reaches(chief, port) if port else None
+    return facts
+
+
+def _torch_facts() -> dict[str, Any]:
+    try:
+        done = subprocess.run([sys.executable, "-c", _TORCH_PROBE], capture_output=True, text=True,  # noqa: S603
+                              timeout=_TORCH_PROBE_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"torch_error": f"importing torch took over {_TORCH_PROBE_S:.0f} s"}
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"torch_error": last[:300]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _reaches(host: str, port: int) -> str | None:
+    """None if a TCP connection to ``host:port`` opens; else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=_CONNECT_S):
+            return None
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+
+
+class ProbeListener:
+    """On the chief: a port the other hosts try, as ranks will try the rendezvous port.
+
+    It accepts and closes connections for ``lifetime_s``, then closes itself.
+    """
+
+    def __init__(self, port_range: tuple[int, int] | None, lifetime_s: float) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for port in ([0] if port_range is None else range(port_range[0], port_range[1] + 1)):
+            try:
+                self._sock.bind(("0.0.0.0", port))
+                break
+            except OSError:
+                continue
+        else:
+            self._sock.close()
+            raise OSError(f"no free port in {port_range[0]}-{port_range[1]}")  # type: ignore[index]
+        self._sock.listen(64)
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self._until = time.monotonic() + lifetime_s
+        threading.Thread(target=self._serve, name="doctor-probe", daemon=True).start()
+
+    def _serve(self) -> None:
+        with self._sock:
+            while time.monotonic() < self._until:
+                try:
+                    conn, _ = self._sock.accept()
+                except OSError:
+                    continue
+                conn.close()
