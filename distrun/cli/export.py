@@ -1,0 +1,57 @@
+"""`distrun export k8s CLUSTER RECIPE`: the same job as Kubernetes manifests (docs/kubernetes.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from distrun.cli._app import app, stderr
+from distrun.cli.train import build_spec
+from distrun.client import pack
+from distrun.client.cluster_job import training_hosts
+from distrun.client.k8s import K8sJob, job_name, manifests, write
+from distrun.config import Role, StrategyName, load_cluster
+from distrun.errors import UsageError
+
+export_app = typer.Typer(help="Describe a job for another scheduler.", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("k8s")
+def k8s(
+    cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="The cluster file: one pod per worker host entry."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe; its folder is bundled into a ConfigMap."),
+    recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe.", show_default=False),
+    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker (every worker host) | mirrored | one-device (the first)."),
+    out: Path = typer.Option(Path("k8s"), "-o", "--out", help="Folder for the manifests (one YAML file each)."),
+    image: str = typer.Option("distrun:latest", "--image", help="A standard image with distrun installed (docs/kubernetes.md)."),
+    namespace: str | None = typer.Option(None, "--namespace", help="metadata.namespace of every object."),
+    steps: int | None = typer.Option(None, "--steps", help="Train this many global steps."),
+    epochs: int | None = typer.Option(None, "--epochs", help="Train this many epochs."),
+    global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas."),
+    include: list[Path] = typer.Option([], "--include", help="Also bundle this file or folder (inside the recipe's folder)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Write Kubernetes manifests for RECIPE on CLUSTER's worker hosts: ConfigMap, headless Service, Indexed Job."""
+    cluster = load_cluster(cluster_file)
+    name = StrategyName.parse(strategy)
+    if name is StrategyName.PARAMETER_SERVER:
+        raise UsageError("export k8s: --strategy parameter-server is not exported yet (its ps pods need a role of "
+                         "their own); use multi-worker")
+    hosts = tuple(host for host in training_hosts(cluster, name) if Role.WORKER in host.roles)
+    slots = {host.slots or host.gpus or 1 for host in hosts}
+    if len(slots) != 1:
+        raise UsageError(f"export k8s: {cluster_file}: every worker host needs the same slots (one pod template); "
+                         f"they have {', '.join(map(str, sorted(slots)))}")
+    per_pod = slots.pop()
+    gpus = any(host.gpus for host in hosts)
+    spec = build_spec(recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=name.value, device="cuda" if gpus else "cpu",
+                      replicas=len(hosts) * per_pod, gpus=len(hosts) * per_pod if gpus else 0, steps=steps,
+                      epochs=epochs, global_batch_size=global_batch_size, seed=None, checkpoint_dir=None,
+                      checkpoint_every=None)
+    bundle = pack(Path(spec.recipe), include)
+    job = K8sJob(name=job_name(cluster, recipe), hosts=hosts, slots=per_pod, image=image, namespace=namespace)
+    for path in write(manifests(job, spec, bundle), out):
+        typer.echo(str(path))
+    stderr.print(f"note: {len(hosts)} pod(s) of {per_pod} process(es); `kubectl apply -f {out}`", markup=False)

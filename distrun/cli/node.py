@@ -1,0 +1,83 @@
+"""`distrun node`: one pod's (or one machine's) share of a job, started by a scheduler.
+
+The entrypoint of the pods ``distrun export k8s`` describes. A scheduler (Kubernetes,
+Slurm) starts this once per node. It unpacks the shipped bundle, then starts and
+supervises the node's ranks with the same launcher as a worker server, and with the same
+torchrun environment and TF_CONFIG. Node 0 hosts the rendezvous on ``--master-port``.
+Events go to stdout as NDJSON, like ``distrun train --json``. The exit code follows
+docs/cli.md: 0, or the code of the first failure's error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+
+from distrun.cli._app import app, stderr
+from distrun.client.local import failure_message
+from distrun.config import JobSpec
+from distrun.errors import TrainingError, UsageError
+from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
+from distrun.protocol import Event, event_to_dict
+from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.server._bundle import unpack
+
+
+@app.command(hidden=False)
+def node(
+    bundle: Path = typer.Option(..., "--bundle", help="The recipe's bundle (.tar.gz, as `distrun train` ships it)."),
+    spec_file: Path = typer.Option(..., "--spec", help="The job spec (JSON)."),
+    recipe: str = typer.Option(..., "--recipe", help="The recipe's path inside the bundle."),
+    nnodes: int = typer.Option(..., "--nnodes", help="Nodes in the job."),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node."),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="This node's index (default: $JOB_COMPLETION_INDEX, Kubernetes' Indexed Job)."),
+    master_addr: str = typer.Option(..., "--master-addr", help="Node 0's address."),
+    master_port: int = typer.Option(29500, "--master-port", help="The rendezvous port node 0 listens on."),
+    node_host: str = typer.Option("", "--node-host", help="Each node's address, with {index} for its index (TF_CONFIG); default: --master-addr."),
+    run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Run one node's ranks of a job (the pod entrypoint of `distrun export k8s`)."""
+    index = node_rank if node_rank is not None else int(os.environ.get("JOB_COMPLETION_INDEX", "-1"))
+    if not 0 <= index < nnodes:
+        raise UsageError(f"--node-rank: expected 0..{nnodes - 1} (or JOB_COMPLETION_INDEX). Received: {index}")
+    data = bundle.read_bytes()
+    root = unpack(bundle, hashlib.sha256(data).hexdigest(), Path(tempfile.mkdtemp(prefix="distrun-node-")) / "b")
+    path = (root / recipe).resolve()
+    if root.resolve() not in path.parents or not path.is_file():
+        raise UsageError(f"--recipe {recipe!r} is not in the bundle")
+    spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
+    hosts = tuple((node_host.format(index=i) if node_host else master_addr) for i in range(nnodes)
+                  for _ in range(nproc_per_node))
+    listener = None
+    if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("0.0.0.0", master_port))
+        listener.listen(1024)
+    worker = WorkerSpec(
+        argv=(sys.executable, "-m", "distrun.runtime"), local_world_size=nproc_per_node,
+        world_size=nnodes * nproc_per_node, rank_offset=index * nproc_per_node, node_rank=index,
+        master_addr=master_addr, master_port=None if index == 0 else master_port,
+        env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}, cwd=str(root), rank_hosts=hosts, run_id=run_id,
+        elastic=spec.elastic, respawns=3 if spec.elastic else 0,
+    )
+
+    def emit(event: Event) -> None:
+        sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
+        sys.stdout.flush()
+
+    result = LocalLauncher(worker, emit, listener=listener).run()
+    if result.state is ProcessState.SUCCEEDED:
+        return
+    message = failure_message(result.failure)
+    stderr.print(f"error: node {index}: {message}", markup=False)
+    raise typer.Exit(TrainingError.exit_code)

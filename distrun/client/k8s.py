@@ -1,0 +1,129 @@
+"""``distrun export k8s``: the same job as Kubernetes manifests (the seeds' template idea).
+
+The seeds ran multi-worker jobs on Kubernetes with a Jinja template that set TF_CONFIG per
+pod. This writes, for a cluster file and a recipe:
+
+- a **ConfigMap** holding the recipe's bundle (the same ``.tar.gz`` ``distrun train``
+  ships, so the laptop still ships the code; the image holds none) and the job spec;
+- a **headless Service**, so pod ``<job>-<i>`` is ``<job>-<i>.<job>`` in DNS;
+- an **Indexed Job**: one pod per worker host entry of the cluster file, its ``slots``
+  processes, and its ``gpus`` as ``nvidia.com/gpu``.
+
+Each pod runs ``distrun node`` (``cli/node.py``) in a standard image with distrun
+installed (its Dockerfile is in docs/kubernetes.md). ``distrun node`` starts the pod's
+ranks with torchrun's whole environment and TF_CONFIG, computed from the pod's index
+(``JOB_COMPLETION_INDEX``, set by Kubernetes for Indexed Jobs), exactly as a worker
+server would. Pod 0 hosts the rendezvous on ``MASTER_PORT``.
+
+The output is plain data (dicts) and YAML; nothing here talks to a cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distrun.client._bundle import Bundle
+from distrun.config import ClusterSpec, HostSpec, JobSpec
+from distrun.errors import UsageError
+
+__all__ = ["K8sJob", "manifests", "MASTER_PORT", "MAX_BUNDLE_BYTES"]
+
+MASTER_PORT = 29500
+#: A ConfigMap holds at most 1 MiB; base64 grows the bundle by a third.
+MAX_BUNDLE_BYTES = 700 * 1024
+_MOUNT = "/distrun"
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    name: str
+    hosts: tuple[HostSpec, ...]  # one pod each, in rank order
+    slots: int  # processes per pod
+    image: str
+    namespace: str | None = None
+
+
+def job_name(cluster: ClusterSpec, recipe: Path) -> str:
+    """A DNS-1123 label from the cluster's and the recipe's names (pod names add ``-<index>``)."""
+    raw = f"{cluster.name}-{recipe.stem}".lower()
+    name = re.sub(r"[^a-z0-9-]+", "-", raw).strip("-")[:50].strip("-")
+    return name or "distrun-job"
+
+
+def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle) -> list[dict[str, Any]]:
+    """[ConfigMap, Service, Job]: the job on Kubernetes."""
+    if bundle.size_bytes > MAX_BUNDLE_BYTES:
+        raise UsageError(f"export k8s: the recipe's bundle is {bundle.size_bytes / 1024:.0f} KiB; a ConfigMap holds "
+                         f"{MAX_BUNDLE_BYTES // 1024} KiB of it (1 MiB after base64). Leave data out of the recipe's "
+                         "folder (.distrunignore) and read it from a volume")
+    nodes = len(job.hosts)
+    meta = {"name": job.name, **({"namespace": job.namespace} if job.namespace else {}),
+            "labels": {"app.kubernetes.io/name": "distrun", "app.kubernetes.io/instance": job.name}}
+    config_map = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {**meta, "name": f"{job.name}-bundle", "labels": dict(meta["labels"])},
+        "data": {"job-spec.json": spec.to_json(), "recipe": bundle.recipe},
+        "binaryData": {"bundle.tar.gz": base64.b64encode(bundle.data).decode()},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {**meta, "labels": dict(meta["labels"])},
+        "spec": {"clusterIP": "None", "selector": {"job-name": job.name},
+                 "ports": [{"name": "rendezvous", "port": MASTER_PORT, "targetPort": MASTER_PORT}]},
+    }
+    gpus = max((host.gpus or 0) for host in job.hosts)
+    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    master = f"{job.name}-0.{job.name}"
+    command = ["distrun", "node", "--bundle", f"{_MOUNT}/bundle.tar.gz", "--spec", f"{_MOUNT}/job-spec.json",
+               "--recipe", bundle.recipe, "--nnodes", str(nodes), "--nproc-per-node", str(job.slots),
+               "--master-addr", master, "--master-port", str(MASTER_PORT),
+               "--node-host", f"{job.name}-{{index}}.{job.name}", "--run-id", job.name]
+    container = {
+        "name": "distrun", "image": job.image, "command": command,
+        "env": [
+            {"name": "MASTER_ADDR", "value": master},
+            {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+            {"name": "WORLD_SIZE", "value": str(nodes * job.slots)},
+            {"name": "GROUP_WORLD_SIZE", "value": str(nodes)},
+            {"name": "GROUP_RANK", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
+            {"name": "TORCHELASTIC_RUN_ID", "value": job.name},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
+        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT}],
+        "volumeMounts": [{"name": "bundle", "mountPath": _MOUNT, "readOnly": True}],
+        **({"resources": resources} if resources else {}),
+    }
+    job_manifest = {
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": meta,
+        "spec": {
+            "completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": dict(meta["labels"])},  # a copy: no YAML anchors in the output
+                "spec": {"subdomain": job.name, "restartPolicy": "Never", "containers": [container],
+                         "volumes": [{"name": "bundle", "configMap": {"name": f"{job.name}-bundle"}}]},
+            },
+        },
+    }
+    return [config_map, service, job_manifest]
+
+
+def write(objects: list[dict[str, Any]], out: Path) -> list[Path]:
+    """One YAML file per object in ``out`` (``kubectl apply -f out/``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, obj in enumerate(objects):
+        path = out / f"{index:02d}-{obj['kind'].lower()}.yaml"
+        path.write_text(yaml.safe_dump(obj, sort_keys=False, width=120))
+        paths.append(path)
+    return paths
+
+
+def describe(objects: list[dict[str, Any]]) -> str:
+    return json.dumps([{"kind": obj["kind"], "name": obj["metadata"]["name"]} for obj in objects])
