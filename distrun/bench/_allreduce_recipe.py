@@ -136,7 +136,7 @@ def time_all_reduce(fn: Callable[[torch.Tensor], object], buffer: torch.Tensor, 
 
 def main(strategy) -> None:  # noqa: ANN001 - the recipe API
     args = parse_args(sys.argv[1:])
-    sizes_mb = [float(part) for part in args.sizes_mb.split(",")]
+    sizes_mb = [float(part) for part in args.sizes_mb.split(",") if part]  # none: the links alone (doctor --links)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = strategy.device if dist.get_backend() == "nccl" else torch.device("cpu")
     node = int(os.environ.get("GROUP_RANK", "0"))

@@ -117,7 +117,8 @@ def status(
 @app.command()
 def doctor(
     cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]", help=_CLUSTER_HELP, show_default=False),
-    json_output: bool = typer.Option(False, "--json", help="One JSON object per host instead of the table."),
+    links: bool = typer.Option(False, "--links", help="Also measure every host pair's link (raw TCP, one pair at a time, as `bench allreduce` does): a short job."),
+    json_output: bool = typer.Option(False, "--json", help="One JSON object per host (and per link) instead of the table."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """What makes or breaks a job on each host: versions, CUDA/NCCL, disk, clock, the route and port to the chief.
@@ -126,12 +127,25 @@ def doctor(
     """
     cluster = resolve_cluster(cluster_file)
     rows = run_doctor(cluster)
+    code = doctor_exit_code(rows)
+    measured = []
+    if links and code == 0 and cluster_file is not None:  # a job runs only where every host can run one
+        from distrun.bench.allreduce import run_allreduce
+        from distrun.client.cluster_job import training_hosts
+        from distrun.config import StrategyName
+
+        labels = [host.label for host in training_hosts(cluster, StrategyName.MULTI_WORKER)]  # the job's host order
+        measured = [{"from": labels[link["from_host"]], "to": labels[link["to_host"]], "MBps": link["MBps"]}
+                    for link in run_allreduce(cluster=cluster_file, sizes_mb=(), link_s=1.0)["links"]]
     if json_output:
         for row in rows:
             typer.echo(json.dumps(row.to_dict()))
+        for link in measured:
+            typer.echo(json.dumps({"type": "link", **link}))
     else:
-        Console(highlight=False, width=None if Console().is_terminal else 200).print(render_doctor(cluster.name, rows))
-    raise typer.Exit(doctor_exit_code(rows))
+        Console(highlight=False, width=None if Console().is_terminal else 200).print(
+            render_doctor(cluster.name, rows, measured))
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -86,8 +86,8 @@ def _table(report: ClusterReport) -> Table:
 _DOCTOR_STYLE = {"ok": "green", "warn": "yellow", "problem": "red", "down": "red"}
 
 
-def render_doctor(cluster: str, rows: list) -> Group:  # rows: client.doctor.DoctorRow
-    """`distrun doctor`: one row per host, then every problem and warning in full."""
+def render_doctor(cluster: str, rows: list, links: list | None = None) -> Group:  # rows: client.doctor.DoctorRow
+    """`distrun doctor`: one row per host, every problem and warning in full, then ``--links``' rates."""
     table = Table(title=f"cluster {cluster}: doctor", title_justify="left", box=box.SIMPLE_HEAD)
     host_width = max((len(row.host) for row in rows), default=0)
     for name in ("host", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock", "route to chief",
@@ -104,4 +104,12 @@ def render_doctor(cluster: str, rows: list) -> Group:  # rows: client.doctor.Doc
             row.interface or "-", reach, Text(row.status, style=_DOCTOR_STYLE[row.status]))
     notes = [Text.assemble((f"{row.host}: ", "bold"), (text, _DOCTOR_STYLE["problem" if problem else "warn"]))
              for row in rows for problem, texts in ((True, row.problems), (False, row.warnings)) for text in texts]
-    return Group(table, *notes)
+    parts: list = [table, *notes]
+    if links:
+        rates = Table(title="links (raw TCP, one pair at a time)", title_justify="left", box=box.SIMPLE_HEAD)
+        for name in ("from", "to", "MB/s", "Mbit/s"):
+            rates.add_column(name, justify="right" if "/" in name else "left", no_wrap=True)
+        for link in links:
+            rates.add_row(str(link["from"]), str(link["to"]), f"{link['MBps']:.1f}", f"{link['MBps'] * 8:.0f}")
+        parts.append(rates)
+    return Group(*parts)

@@ -24,6 +24,12 @@ def test_doctor_rows_for_every_host_and_an_unreachable_one_is_a_row(lab: Lab) ->
         assert rows[h1]["status"] == "ok"
         assert rows[h2]["status"] == "warn" and rows[h2]["warnings"] == ["the cluster file says gpus: 1; torch sees 0"]
 
+        # --links: every pair's rate, as `bench allreduce` measures it (a short job on the cluster).
+        result = lab_cli(lab, "doctor", str(cluster), "--links", "--json")
+        assert result.returncode == 0, result.stdout + result.stderr
+        links = [row for row in map(json.loads, result.stdout.splitlines()) if row["type"] == "link"]
+        assert [(link["from"], link["to"]) for link in links] == [(h1, h2)] and links[0]["MBps"] > 1
+
         # A third host nobody answers at: a row that says so, in bounded time, and exit 6.
         gone = lab.root / "doctor-gone.yaml"
         hosts = [{"address": h1, "roles": "[chief, worker]"}, {"address": h2}, {"address": "10.199.0.250"}]
