@@ -97,7 +97,7 @@ def pull(
     to: Path = typer.Option(Path("distrun-results"), "--to", help="Copy into DIR/<job id>."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Copy a job's newest checkpoint home from the host that wrote it."""
+    """Copy a job's newest checkpoint home from the host that wrote it (and its --tensorboard files)."""
     fetched = pull_job(resolve_cluster(cluster_file), job, to / job)
     if fetched is None:
         raise UsageError(f"job {job} wrote no checkpoint (was --checkpoint-dir given?)")

@@ -85,13 +85,20 @@ def render_allreduce(report: Mapping[str, Any]) -> Table:
     return table
 
 
+def _contenders(title: str, caption: str, columns: tuple[str, ...]) -> Table:
+    """A table of contenders: named in the first column, figures right-aligned in the others."""
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right")
+    return table
+
+
 def render_compression(report: Mapping[str, Any]) -> Table:
     title = (f"compression: {report['world_size']} ranks, MLP of {report['parameters']:,} parameters, batch "
              f"{report['batch_per_replica']} per replica, {report['timed_steps']} timed steps")
-    table = Table(title=title, title_justify="left", caption="loss: training loss after the same steps; digits: "
-                  "recipes/digits.py's held-out accuracy under the same compression", caption_justify="left")
-    for column in ("compression", "samples/s", "vs none", "loss", "digits accuracy"):
-        table.add_column(column, justify="left" if column == "compression" else "right")
+    table = _contenders(title, "loss: training loss after the same steps; digits: recipes/digits.py's held-out "
+                        "accuracy under the same compression",
+                        ("compression", "samples/s", "vs none", "loss", "digits accuracy"))
     for row in report["rows"]:
         speedup = "-" if row["speedup_vs_none"] is None else f"{row['speedup_vs_none']:.2f}x"
         table.add_row(row["compression"], f"{row['samples_per_s']:.0f}", speedup, f"{row['loss']:.4f}",
@@ -102,10 +109,9 @@ def render_compression(report: Mapping[str, Any]) -> Table:
 def render_elastic(report: Mapping[str, Any]) -> Table:
     title = (f"recovery from a lost rank: {report['hosts']} hosts, the last rank killed at step {report['kill_at']} "
              f"of {report['steps']}; checkpoints every {report['checkpoint_every']} steps for the restart")
-    table = Table(title=title, title_justify="left", caption="recovery: the rank's exit to the next committed step; "
-                  "back: to the step reached before the loss", caption_justify="left")
-    for column in ("contender", "recovery", "back to the step", "steps redone", "restarts"):
-        table.add_column(column, justify="left" if column == "contender" else "right")
+    table = _contenders(title, "recovery: the rank's exit to the next committed step; back: to a step past the "
+                        "one reached before the loss",
+                        ("contender", "recovery", "back to the step", "steps redone", "restarts"))
     for row in report["rows"]:
         table.add_row(row["contender"], f"{row['recovery_s']:.2f} s", f"{row['back_s']:.2f} s",
                       str(row["steps_redone"]), str(row["restarts"]))

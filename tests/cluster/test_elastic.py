@@ -91,6 +91,11 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     board = read_board(lab.root / "killed-rank-tb")
     assert [size for _, size in board["membership/world_size"]] == [2, 3]
     assert board["train/loss"][-1][0] == STEPS
+    # ... and with `distrun pull`, later: into DIR/<job>/tensorboard.
+    job_id = next(line["job"] for line in lines if line["type"] == "job")
+    pulled = lab_cli(lab, "pull", job_id, "--cluster", str(cluster), "--to", str(lab.root / "pulled"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert read_board(lab.root / "pulled" / job_id / "tensorboard")["train/loss"] == board["train/loss"]
     _no_training_processes(lab)
 
 

@@ -75,10 +75,11 @@ RAISES_IN_RANK_1 = _TINY.format(samples=256, loss_body="""\
 # Slow enough to be interrupted mid-training.
 SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
 
-# parameter-server tests: `-- --die-rank R --die-at N --once FILE` makes rank R SIGKILL
-# itself at its Nth step, once (the file marks it done, so a restarted worker lives);
-# `--sleep-s S` slows every step of rank `--slow-rank` (default: every rank).
-PS_RECIPE = """
+# Faults for the recipes below, from their arguments: `-- --die-rank R --die-at N --once FILE`
+# makes rank R SIGKILL itself at its Nth step, once (the file marks it done, so a restarted
+# rank lives); `--hang-rank R` makes it hang there instead; `--sleep-s S` slows every step
+# of rank `--slow-rank` (default: every rank).
+_FAULTS = """
 import os
 import signal
 import sys
@@ -87,17 +88,32 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-defaults = {"global_batch_size": 32}
-
 
 def _arg(name, default):
     return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
 
 
-DIE_RANK, DIE_AT, ONCE = _arg("--die-rank", -1), _arg("--die-at", 0), _arg("--once", "")
+DIE_RANK, HANG_RANK, DIE_AT, ONCE = _arg("--die-rank", -1), _arg("--hang-rank", -1), _arg("--die-at", 0), _arg("--once", "")
 SLEEP_S, SLOW_RANK = _arg("--sleep-s", 0.0), _arg("--slow-rank", -1)
 RANK = int(os.environ.get("RANK", "0"))
 calls = 0
+
+
+def _step_faults():
+    global calls
+    calls += 1
+    if RANK in (DIE_RANK, HANG_RANK) and calls == DIE_AT and not os.path.exists(ONCE):
+        open(ONCE, "w").close()
+        if RANK == DIE_RANK:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    if SLEEP_S and SLOW_RANK in (-1, RANK):
+        time.sleep(SLEEP_S)
+"""
+
+# parameter-server tests (faults above).
+PS_RECIPE = _FAULTS + """
+defaults = {"global_batch_size": 32}
 
 
 def model():
@@ -109,13 +125,7 @@ def optimizer(params):
 
 
 def loss(outputs, batch):
-    global calls
-    calls += 1
-    if RANK == DIE_RANK and calls == DIE_AT and not os.path.exists(ONCE):
-        open(ONCE, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-    if SLEEP_S and SLOW_RANK in (-1, RANK):
-        time.sleep(SLEEP_S)
+    _step_faults()
     return nn.functional.mse_loss(outputs, batch[1])
 
 
@@ -145,30 +155,10 @@ def loss(outputs, batch):
     return value
 """
 
-# --elastic tests: EQUIV's model and data with Adam (its state must be healed too), a
-# global batch of 18 (6 per replica over 3, 9 over 2). `-- --die-rank R --die-at N --once
-# FILE` makes rank R SIGKILL itself at its Nth step, once; `--hang-rank R` makes it hang
-# there instead (once); `--sleep-s S` slows every step, so a restarted rank can rejoin.
-ELASTIC = """
-import os
-import signal
-import sys
-import time
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
+# --elastic tests (faults above): EQUIV's model and data with Adam (its state must be healed
+# too), a global batch of 18 (6 per replica over 3, 9 over 2).
+ELASTIC = _FAULTS + """
 defaults = {"global_batch_size": 18}
-
-
-def _arg(name, default):
-    return type(default)(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
-
-
-DIE_RANK, HANG_RANK, AT = _arg("--die-rank", -1), _arg("--hang-rank", -1), _arg("--die-at", 0)
-ONCE, SLEEP_S = _arg("--once", ""), _arg("--sleep-s", 0.0)
-RANK = int(os.environ.get("RANK", "0"))
-calls = 0
 
 
 def model():
@@ -180,15 +170,7 @@ def optimizer(params):
 
 
 def loss(outputs, batch):
-    global calls
-    calls += 1
-    if RANK in (DIE_RANK, HANG_RANK) and calls == AT and not os.path.exists(ONCE):
-        open(ONCE, "w").close()
-        if RANK == DIE_RANK:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(600)
-    if SLEEP_S:
-        time.sleep(SLEEP_S)
+    _step_faults()
     return nn.functional.cross_entropy(outputs, batch[1])
 
 
