@@ -94,6 +94,12 @@ class Round:
     steps: tuple[int, ...]  # each member's committed step, same order
 
     @property
+    def in_step(self) -> bool:
+        """Every member committed the same step, and none is new: under DDP they hold the same
+        state already (the same averaged gradients, the same optimizer steps), so nothing is healed."""
+        return len(set(self.steps)) == 1 and self.steps[0] >= 0
+
+    @property
     def source(self) -> int:
         """The new rank that heals the others: the highest committed step (lowest rank on ties)."""
         best = max(self.steps)

@@ -272,9 +272,9 @@ class Strategy(ABC):
     def recover(self, failed_at: float, *, switch: bool = False) -> None:
         """Go on after a change of membership, from the state the members hold in memory.
 
-        Drop the DDP wrapper and the group, join the next round, rebuild DDP over the new
-        group, then heal model, optimizer, step, data position and loss scale from the
-        member with the most committed steps. The caller iterates its data again: the
+        Drop the group, join the next round, put DDP on the new group, then heal model,
+        optimizer, step, data position and loss scale from the member with the most
+        committed steps (nothing, where every member committed the same step). The caller iterates its data again: the
         step that failed is redone, split over the new count. Below ``--elastic MIN`` the
         round raises ``BelowMinimum`` and the job falls back to a restart. ``switch``: no
         collective failed; a joiner asked for the new round (:class:`MembershipSwitch`).
@@ -284,26 +284,32 @@ class Strategy(ABC):
         self._release_model()
         round_ = self._elastic.next_round(self.step, failed_at, failed=not switch)
         self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
-        self._rebuild_model()
+        self._rebuild_model(round_)
         self._heal()
 
     def _heal(self) -> None:
         elastic = self._elastic
         assert elastic is not None and elastic.round is not None
         round_ = elastic.round
+        if round_.in_step:  # the same committed step everywhere: the same state (every member decides alike)
+            self._resplit(round_, self._committed_position)
+            return
         values = heal(elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
                       rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
                       load_optimizer_state=self._load_optimizer_state, device=self._collective_device,
                       values={"step": self.step, "position": list(self._committed_position),
                               "scaler": self._step.scaler_state()})
         self.step = int(values["step"])
-        position = (int(values["position"][0]), int(values["position"][1]))
+        self._step.load_scaler_state(values["scaler"])
+        self._resplit(round_, (int(values["position"][0]), int(values["position"][1])))
+
+    def _resplit(self, round_: Any, position: tuple[int, int]) -> None:
+        """The same global batches over the new count, from ``position`` (the committed one)."""
         self._healed_position = self._committed_position = position
         if self._dataset is not None:
             self._dataset.reshard(round_.world_size, round_.rank, redo_last=False)
             self._dataset.seek(*position)
             self.epoch = position[0]
-        self._step.load_scaler_state(values["scaler"])
 
     def _committed(self) -> None:
         assert self._elastic is not None
@@ -314,11 +320,11 @@ class Strategy(ABC):
             self._reporter.membership(change, report=self.is_chief)
 
     def _release_model(self) -> None:
-        """Let go of everything that holds the group (DDP), before it is dropped."""
+        """Let go of what belongs to the old group (hook state), before it is dropped."""
         raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
 
-    def _rebuild_model(self) -> None:
-        """Wrap the model again over the new group (the inverse of ``_release_model``)."""
+    def _rebuild_model(self, round_: Any) -> None:
+        """Wrap the model again over ``round_``'s group (after ``_release_model``)."""
         raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
 
     def _report_step(self, result: Any) -> None:

@@ -70,15 +70,20 @@ class MirroredStrategy(Strategy):
         return ddp
 
     def _release_model(self) -> None:
-        if self._comm is not None:
+        if self._comm is not None:  # its hook state belongs to the old group
             self._comm.close()
             self._comm = None
-        ddp = self._holder.module
-        self._holder.module = ddp.module  # the plain module: nothing here holds the group now
-        del ddp
 
-    def _rebuild_model(self) -> None:
-        self._holder.module = self._ddp(self._holder.module)
+    def _rebuild_model(self, round_: Any) -> None:
+        """DDP over the new group. Where only members left, the same DDP takes the new group
+        (``_update_process_group``: its buckets are rebuilt at the next step, no new DDP).
+        A round with a joiner builds a new DDP: the joiner's constructor runs collectives
+        (parameter shapes) that every member must run with it. Hooks are attached anew."""
+        ddp = self._holder.module
+        if min(round_.steps) >= 0 and not self._compression.active:
+            ddp._update_process_group(dist.group.WORLD)
+            return
+        self._holder.module = self._ddp(ddp.module)
 
     def _choose(self, ddp: DistributedDataParallel, wire: torch.dtype | None) -> str:
         """``--allreduce auto``: flat or hierarchical for this job, the same on every rank, said in an event."""

@@ -100,3 +100,16 @@ def test_a_recipe_error_still_fails_an_elastic_job(write_recipe, tmp_path):
     assert "boom at step 3" in result.stderr
     assert not [line for line in result.json_lines() if line["type"] == "membership"]
     assert_no_processes(str(tmp_path))
+
+
+def test_a_lost_replica_with_compressed_gradients(tmp_path):
+    """With a comm hook (bf16 on the wire), DDP is rebuilt for the new group and the hook attached anew."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "2:3", "--compression", "bf16",
+                    "--steps", str(STEPS), "--", "--die-rank", "2", "--die-at", "10", "--once", str(tmp_path / "once"),
+                    "--sleep-s", "0.05")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [c["world_size"] for c in result.json_lines() if c["type"] == "membership"] == [2, 3]
+    assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0
+    assert_no_processes(str(tmp_path))
