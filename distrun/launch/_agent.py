@@ -55,11 +55,13 @@ class ElasticAgent:
         finally:
             os.close(read_end)
 
-    def lost(self, rank: int, incarnation: int) -> None:
-        """Tell the job that ``rank`` (its ``incarnation``-th start) is gone. Never blocks for long:
-        a line is far below the pipe's buffer, and a dead agent is ignored (beats still tell)."""
+    def lost(self, rank: int, incarnation: int, why: str) -> None:
+        """Tell the job that ``rank`` (its ``incarnation``-th start) is gone, and ``why`` (one line,
+        what membership events say). Never blocks for long: a line is far below the pipe's
+        buffer, and a dead agent is ignored (beats still tell)."""
+        reason = " ".join(why.split())[:200]
         try:
-            os.write(self._write_end, f"lost {rank} {incarnation}\n".encode())
+            os.write(self._write_end, f"lost {rank} {incarnation} {reason}\n".encode())
         except OSError:
             pass
 

@@ -306,9 +306,10 @@ class LocalLauncher:
                 self._respawn(proc)
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
+                why = proc.lost_reason or _describe_exit(rc)
                 if self._agent is not None:  # the survivors need not wait for its beat to go stale
-                    self._agent.lost(proc.rank, proc.incarnation)
-                self._respawn(proc, why=proc.lost_reason or _describe_exit(rc))
+                    self._agent.lost(proc.rank, proc.incarnation, why)
+                self._respawn(proc, why=why)
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 self._failures.append(
                     Failed(rank=proc.rank, time=now, kind="exited",

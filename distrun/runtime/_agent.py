@@ -3,7 +3,7 @@
 Started by ``launch/_agent.ElasticAgent``, one per launcher. Where the launcher binds the
 rendezvous socket (locally the client's launcher, on a cluster the chief host's server),
 the agent hosts the job's TCPStore on it, so the store outlives every rank: rank 0
-included. Everywhere, it reads ``lost RANK INCARNATION`` lines from its launcher and marks
+included. Everywhere, it reads ``lost RANK INCARNATION WHY`` lines from its launcher and marks
 them on the store (``lost/RANK/INCARNATION`` under the membership's prefix, then bumps
 ``lost_count``),
 which is how survivors learn of a death at once rather than from a beat that stopped.
@@ -38,8 +38,9 @@ def serve_agent() -> None:
     marks = dist.PrefixStore(STORE_PREFIX, store)  # the membership's keys (strategies/_membership)
     with os.fdopen(int(os.environ[AGENT_FD_VAR]), "rb") as lines:
         for line in lines:
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == b"lost" and parts[1].isdigit() and parts[2].isdigit():
-                marks.set(f"lost/{int(parts[1])}/{int(parts[2])}", "1")
+            parts = line.split(maxsplit=3)
+            if len(parts) >= 3 and parts[0] == b"lost" and parts[1].isdigit() and parts[2].isdigit():
+                why = parts[3].decode("utf-8", "replace").strip() if len(parts) == 4 else "lost"
+                marks.set(f"lost/{int(parts[1])}/{int(parts[2])}", why or "lost")
                 marks.add("lost_count", 1)
     threading.Event().wait()  # the launcher closed its end: it is stopping, and kills us next

@@ -151,7 +151,7 @@ class Elastic:
         describe = self.membership.describe
         return MembershipChange(
             generation=new.generation, step=step - 1, world_size=new.world_size,
-            left=tuple(describe(m) for m in before if m not in new.members),
+            left=tuple(f"{describe(m)} ({self.membership.why_lost(m)})" for m in before if m not in new.members),
             joined=tuple(describe(m) for m in new.members if before and m not in before),
             recovery_s=time.monotonic() - failed_at,
             steps_lost=lost,

@@ -167,6 +167,14 @@ class Membership:
             return -1
         return int(self._store.get(key).decode().split()[1])
 
+    def why_lost(self, member: int) -> str:
+        """What its launcher's agent said when it died ("killed by SIGKILL"), else that its beat stopped."""
+        if self._marked_lost(member, self._store):
+            mark = self._marks[member]
+            assert mark is not None
+            return self._store.get(mark).decode()
+        return "its beat stopped: its host or launcher is gone"
+
     def describe(self, member: int) -> str:
         """How events name a member (its launcher rank and host)."""
         key = f"who/{member}"

@@ -77,7 +77,7 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     h3 = lab.hosts["h3"][1]
     changes = [line for line in lines if line["type"] == "membership"]
     assert [c["world_size"] for c in changes] == [2, 3], changes
-    assert changes[0]["left"] == [f"rank 2 on {h3}"] and changes[1]["joined"] == [f"rank 2 on {h3}"]
+    assert changes[0]["left"] == [f"rank 2 on {h3} (killed by SIGKILL)"] and changes[1]["joined"] == [f"rank 2 on {h3}"]
     summary = next(line for line in lines if line["type"] == "summary")
     assert summary["steps"] == STEPS and summary["steps_lost"] == 0 and summary["restarts"] == 0
     assert summary["membership_changes"] == 2 and summary["world_size"] == 3
@@ -132,6 +132,7 @@ def test_a_lost_server_host_rejoins_after_up(elastic_lab) -> None:
         h3_state = lab.workdir / "elastic" / lab.hosts["h3"][1] / "server.json"
         os.kill(json.loads(h3_state.read_text())["pid"], signal.SIGKILL)
         read_until(lambda line: line["type"] == "membership" and line["world_size"] == 2, 30, "a group of 2")
+        assert lines[-1]["left"] == [f"rank 2 on {lab.hosts['h3'][1]} (its beat stopped: its host or launcher is gone)"]
         jobs = lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")
         assert jobs.returncode == 0, jobs.stderr
         row = json.loads(jobs.stdout.splitlines()[0])

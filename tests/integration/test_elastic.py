@@ -44,7 +44,8 @@ def test_a_lost_replica_costs_no_step_and_rejoins(tmp_path, one_device):
     lines = result.json_lines()
     changes = [line for line in lines if line["type"] == "membership"]
     assert [c["world_size"] for c in changes] == [2, 3], changes
-    assert changes[0]["left"] == ["rank 2 on 127.0.0.1"] and changes[0]["step"] == 9  # rank 2 died in step 10
+    assert changes[0]["left"] == ["rank 2 on 127.0.0.1 (killed by SIGKILL)"]  # who, and why
+    assert changes[0]["step"] == 9  # rank 2 died in step 10
     assert changes[1]["joined"] == ["rank 2 on 127.0.0.1"] and changes[1]["step"] > 9
     assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 2][0] == -9
     assert sum(1 for line in lines if line["type"] == "started" and line["rank"] == 2) == 2  # it came back
@@ -72,6 +73,8 @@ def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
     assert hung and hung[0]["rank"] == 1
     notes = [line["line"] for line in lines if line["type"] == "output" and "lost (hung" in line["line"]]
     assert notes and notes[0].startswith("[distrun] rank 1 lost (hung for"), notes
+    left = next(line for line in lines if line["type"] == "membership")["left"]
+    assert left[0].startswith("rank 1 on 127.0.0.1 (hung for"), left  # the event says why, too
     assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0
     assert result.summary["membership_changes"] >= 1
     model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
