@@ -23,6 +23,7 @@ The holder stays, and its inner DDP is replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -30,9 +31,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from distrun.strategies._heal import heal
 from distrun.strategies._membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
-__all__ = ["Elastic", "ElasticModel", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
+__all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
 
 #: Fragments of the messages gloo and NCCL raise when a peer is gone (they reach Python as RuntimeError).
 _TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
@@ -159,3 +161,93 @@ class Elastic:
 
     def close(self, *, finished: bool) -> None:
         self.membership.close(finished=finished)
+
+
+class ElasticReplica:
+    """A strategy's elastic part (a mixin of ``Strategy``: it uses its state).
+
+    ``Strategy.run`` calls :meth:`_committed` after each step; the fit loop calls
+    :meth:`is_membership_change` and :meth:`recover`. Strategies that support
+    ``--elastic`` (mirrored, multi-worker) implement ``_release_model`` and
+    ``_rebuild_model``. It also uses the strategy's ``unwrap``, ``_optimizer_state``,
+    ``_load_optimizer_state``, ``_collective_device`` and ``is_chief``. A mixin keeps
+    base.py to the API every strategy shares.
+    """
+
+    _elastic: Elastic | None
+    _replica: Any
+    _dataset: Any
+    _step: Any
+    _reporter: Any
+    _committed_position: tuple[int, int]
+    _healed_position: tuple[int, int] | None
+    step: int
+    epoch: int
+    name: str
+
+    @property
+    def joined(self) -> bool:
+        """This replica joined a job already training: its state came from a peer, not a checkpoint."""
+        return self._elastic is not None and self._elastic.membership.joiner
+
+    def is_membership_change(self, exc: BaseException) -> bool:
+        """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""
+        return self._elastic is not None and is_collective_failure(exc)
+
+    def recover(self, failed_at: float, *, switch: bool = False) -> None:
+        """Go on after a change of membership, from the state the members hold in memory.
+
+        Drop the group, join the next round, put DDP on the new group, then heal model,
+        optimizer, step, data position and loss scale from the member with the most
+        committed steps (nothing, where every member committed the same step). The caller
+        iterates its data again: the step that failed is redone, split over the new count. Below ``--elastic MIN`` the
+        round raises ``BelowMinimum`` and the job falls back to a restart. ``switch``: no
+        collective failed; a joiner asked for the new round (:class:`MembershipSwitch`).
+        """
+        if self._elastic is None:
+            raise RuntimeError("recover() is for --elastic jobs")
+        self._release_model()
+        round_ = self._elastic.next_round(self.step, failed_at, failed=not switch)
+        self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
+        self._rebuild_model(round_)
+        self._heal()
+
+    def _heal(self) -> None:
+        elastic = self._elastic
+        assert elastic is not None and elastic.round is not None
+        round_ = elastic.round
+        if round_.in_step:  # the same committed step everywhere: the same state (every member decides alike)
+            self._resplit(round_, self._committed_position)
+            return
+        values = heal(elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
+                      rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
+                      load_optimizer_state=self._load_optimizer_state, device=self._collective_device,
+                      values={"step": self.step, "position": list(self._committed_position),
+                              "scaler": self._step.scaler_state()})
+        self.step = int(values["step"])
+        self._step.load_scaler_state(values["scaler"])
+        self._resplit(round_, (int(values["position"][0]), int(values["position"][1])))
+
+    def _resplit(self, round_: Any, position: tuple[int, int]) -> None:
+        """The same global batches over the new count, from ``position`` (the committed one)."""
+        self._healed_position = self._committed_position = position
+        if self._dataset is not None:
+            self._dataset.reshard(round_.world_size, round_.rank, redo_last=False)
+            self._dataset.seek(*position)
+            self.epoch = position[0]
+
+    def _committed(self) -> None:
+        assert self._elastic is not None
+        if self._dataset is not None:
+            self._committed_position = self._dataset.position
+        change = self._elastic.committed(self.step)
+        if change is not None:
+            self._reporter.membership(change, report=self.is_chief)
+
+    def _release_model(self) -> None:
+        """Let go of what belongs to the old group (hook state), before it is dropped."""
+        raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
+
+    def _rebuild_model(self, round_: Any) -> None:
+        """Wrap the model again over ``round_``'s group (after ``_release_model``)."""
+        raise NotImplementedError(f"--elastic: the {self.name} strategy cannot change membership")
