@@ -12,10 +12,16 @@ from pathlib import Path, PurePosixPath
 from distrun.client._links import HostLink
 
 
-def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path) -> Path | None:
-    """Copy the newest checkpoint ``job_id`` wrote on this host into ``dest``; None if it wrote none."""
-    artifacts = link.call("artifacts", job=job_id)
-    remote_path = artifacts.get("checkpoint")
+def artifacts(link: HostLink, job_id: str) -> dict:
+    """What ``job_id`` left on this host: its newest checkpoint and its ``--tensorboard`` files (one call)."""
+    return link.call("artifacts", job=job_id)
+
+
+def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> Path | None:
+    """Copy the newest checkpoint ``job_id`` wrote on this host into ``dest``; None if it wrote none.
+    ``found``: the host's ``artifacts`` answer, where the caller already has it."""
+    answer = found if found is not None else artifacts(link, job_id)
+    remote_path = answer.get("checkpoint")
     if not remote_path:
         return None
     data = link.remote.read_bytes(remote_path)
@@ -28,9 +34,10 @@ def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path) -> Path | N
     return target
 
 
-def fetch_tensorboard(link: HostLink, job_id: str, dest: Path) -> list[Path]:
-    """Copy the ``--tensorboard`` event files ``job_id`` wrote on this host into ``dest`` (same layout)."""
-    board = link.call("artifacts", job=job_id).get("tensorboard") or {}
+def fetch_tensorboard(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> list[Path]:
+    """Copy the ``--tensorboard`` event files ``job_id`` wrote on this host into ``dest`` (same layout).
+    ``found``: the host's ``artifacts`` answer, where the caller already has it."""
+    board = (found if found is not None else artifacts(link, job_id)).get("tensorboard") or {}
     fetched = []
     for name in board.get("files", ()):
         relative = PurePosixPath(name)

@@ -29,7 +29,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._links import HostLink, Placement, holders_of, open_all
-from distrun.client._results import fetch_newest_checkpoint, fetch_tensorboard
+from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_tensorboard
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
@@ -400,11 +400,12 @@ class ClusterJob(ElasticHosts):
         dest = dest.resolve()
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        checkpoint = fetch_newest_checkpoint(self._links[0], self.attempt_id, dest)
+        found = artifacts(self._links[0], self.attempt_id)  # one call for the checkpoint and the board
+        checkpoint = fetch_newest_checkpoint(self._links[0], self.attempt_id, dest, found)
         board = None
         if self.spec is not None and self.spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
             board = Path(self.spec.tensorboard_dir)
-            fetch_tensorboard(self._links[0], self.attempt_id, board)
+            fetch_tensorboard(self._links[0], self.attempt_id, board, found)
         return {"type": "results", "job": self.job_id, "dir": str(dest),
                 "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.client._links import HostLink, holders_of, open_all
-from distrun.client._results import fetch_newest_checkpoint, fetch_tensorboard
+from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_tensorboard
 from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
@@ -113,10 +113,11 @@ def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
     """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it, and any
     ``--tensorboard`` files into ``dest``/tensorboard."""
     with _job_hosts(cluster, job_id) as holders:
+        found = {link.label: artifacts(link, job_id) for link in holders}  # one call per host for both
         for link in holders:
-            fetch_tensorboard(link, job_id, dest / "tensorboard")
+            fetch_tensorboard(link, job_id, dest / "tensorboard", found[link.label])
         for link in holders:
-            fetched = fetch_newest_checkpoint(link, job_id, dest)
+            fetched = fetch_newest_checkpoint(link, job_id, dest, found[link.label])
             if fetched is not None:
                 return fetched
         return None
