@@ -6,7 +6,10 @@ so it measures the very process groups a job gets. Rank 0 prints one JSON line.
 1. **Links.** For each pair of hosts, one pair at a time (so no two streams share a
    link), the lower host's first rank streams raw TCP (plain sockets, no torch) to the
    higher host's first rank for ``--link-s`` seconds. The receiver counts the bytes
-   between the first and the last, which is the link's rate in that direction.
+   between the first and the last, which is the link's rate in that direction. Its
+   listener binds its host's cluster address, and it counts only a sender that proved
+   the job secret (the control plane's handshake, kind ``link-probe``): anyone else who
+   connects is named once and turned away, so no one can fake a rate.
 2. **All-reduce.** For each size, ``flat`` (one ``all_reduce`` over every rank, DDP's
    path) and ``hierarchical`` (distrun's reduce inside each host, all-reduce across
    leaders, broadcast inside each host) each run one untimed operation, then
@@ -31,9 +34,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from distrun.protocol.environment import CHIEF_ADDR_VAR
+from distrun.protocol.secret import job_secret_from
+from distrun.protocol.wire import WireError, client_handshake, server_handshake
 from distrun.strategies._hierarchical import HierarchicalAllReduce, host_groups
 
 _CHUNK = 1 << 20
+PROBE_KIND = "link-probe"
+_HANDSHAKE_S = 5.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,8 +61,8 @@ def _gather_ints(values: list[int], device: torch.device) -> list[list[int]]:
 
 
 def _own_address() -> bytes:
-    """The address other hosts reach this one at: the source address of the route to the master."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    """The address other hosts reach this one at: the source address of the route to the chief."""
+    master = os.environ.get(CHIEF_ADDR_VAR) or os.environ.get("MASTER_ADDR", "127.0.0.1")
     family = socket.AF_INET6 if ":" in master else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((master, 9))  # UDP: no packet is sent; the kernel only picks a route
@@ -67,9 +75,23 @@ def _decode_address(raw: list[int]) -> str:
     return socket.inet_ntop(family, bytes(raw[:16] if family == socket.AF_INET6 else raw[:4]))
 
 
-def _receive(listener: socket.socket) -> float:
-    """Bytes per second between the first and the last byte of one stream."""
-    conn, _ = listener.accept()
+def _receive(listener: socket.socket, secret: bytes) -> float:
+    """Bytes per second between the first and the last byte of one stream, from the first
+    connection that proves the job secret."""
+    refused: set[str] = set()
+    while True:
+        conn, peer = listener.accept()  # the listener's timeout bounds the wait
+        conn.settimeout(_HANDSHAKE_S)
+        try:
+            server_handshake(conn, secret, kind=PROBE_KIND)
+            break
+        except (WireError, OSError):
+            if peer[0] not in refused:
+                refused.add(peer[0])
+                print(f"[distrun] refused a link-probe connection from {peer[0]}: it did not prove the job secret",
+                      file=sys.stderr, flush=True)
+            conn.close()
+    conn.settimeout(60)
     with conn:
         first = conn.recv(_CHUNK)
         start, received = time.perf_counter(), 0
@@ -81,9 +103,10 @@ def _receive(listener: socket.socket) -> float:
         return received / max(time.perf_counter() - start, 1e-9)
 
 
-def _send(address: str, port: int, seconds: float) -> None:
+def _send(address: str, port: int, seconds: float, secret: bytes) -> None:
     payload = b"\0" * _CHUNK
     with socket.create_connection((address, port), timeout=60) as conn:
+        client_handshake(conn, secret, kind=PROBE_KIND)
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             conn.sendall(payload)
@@ -92,6 +115,7 @@ def _send(address: str, port: int, seconds: float) -> None:
 def measure_links(rank: int, leaders: list[int], addresses: list[str], seconds: float,
                   device: torch.device) -> list[dict[str, object]]:
     """Each pair of hosts' rate (lower host sending), one pair at a time; every rank takes part."""
+    secret = job_secret_from(os.environ)
     links = []
     for i, sender in enumerate(leaders):
         for j in range(i + 1, len(leaders)):
@@ -101,17 +125,17 @@ def measure_links(rank: int, leaders: list[int], addresses: list[str], seconds: 
             if rank == receiver:
                 family = socket.AF_INET6 if ":" in addresses[receiver] else socket.AF_INET
                 listener = socket.socket(family, socket.SOCK_STREAM)
-                listener.bind(("", 0))
+                listener.bind((addresses[receiver], 0))  # its cluster address, never every interface
                 listener.listen(1)
                 listener.settimeout(60)  # a sender that cannot connect ends the benchmark, not hangs it
                 port[0] = listener.getsockname()[1]
             dist.broadcast(port, src=receiver)
             rate = torch.zeros(1, dtype=torch.float64, device=device)
             if rank == sender:
-                _send(addresses[receiver], int(port.item()), seconds)
+                _send(addresses[receiver], int(port.item()), seconds, secret)
             elif listener is not None:
                 with listener:
-                    rate[0] = _receive(listener)
+                    rate[0] = _receive(listener, secret)
             dist.broadcast(rate, src=receiver)
             links.append({"from_host": i, "to_host": j, "MBps": float(rate.item()) / 1e6})
     return links

@@ -27,8 +27,10 @@ from distrun.config import JobSpec
 from distrun.errors import TrainingError, UsageError
 from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
 from distrun.protocol import Event, event_to_dict
-from distrun.protocol.environment import JOB_SPEC_VAR
+from distrun.protocol.environment import JOB_SECRET_VAR, JOB_SPEC_VAR
+from distrun.protocol.secret import parse_job_secret
 from distrun.server._bundle import unpack
+from distrun.server._net import address_to_bind
 
 
 @app.command(hidden=False)
@@ -57,18 +59,23 @@ def node(
     spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
     hosts = tuple((node_host.format(index=i) if node_host else master_addr) for i in range(nnodes)
                   for _ in range(nproc_per_node))
+    secret = os.environ.get(JOB_SECRET_VAR, "")
+    parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
     listener = None
-    if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does, on its own address
+        address = address_to_bind(master_addr)
+        if address is None:
+            raise UsageError(f"--master-addr {master_addr!r}: not an address of this node, nor one it can route to")
+        listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", master_port))
+        listener.bind((address, master_port))
         listener.listen(1024)
     worker = WorkerSpec(
         argv=(sys.executable, "-m", "distrun.runtime"), local_world_size=nproc_per_node,
         world_size=nnodes * nproc_per_node, rank_offset=index * nproc_per_node, node_rank=index,
         master_addr=master_addr, master_port=None if index == 0 else master_port,
         env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}, cwd=str(root), rank_hosts=hosts, run_id=run_id,
-        elastic=spec.elastic, respawns=3 if spec.elastic else 0,
+        elastic=spec.elastic, respawns=3 if spec.elastic else 0, job_secret=secret,
     )
 
     def emit(event: Event) -> None:

@@ -22,6 +22,7 @@ from distrun.client._links import HostLink
 from distrun.config import JobSpec
 from distrun.errors import HostError
 from distrun.protocol import EVALUATOR_RANK, Eval, Failed, Output, decode_event
+from distrun.protocol.secret import new_job_secret
 
 #: At the end of training, how long the client waits for the last checkpoint's evaluation.
 FINAL_EVAL_WAIT_S = 120.0
@@ -78,7 +79,8 @@ class EvaluatorRelay:
         spec = dataclasses.replace(self.spec, resume=False)
         self.evaluator.call("submit", job=eval_id, bundle=self.bundle.sha256, recipe=self.bundle.recipe,
                             spec=spec.to_json(), eval_checkpoint=relative, detach=True,
-                            rank_hosts=self.rank_hosts, evaluator_hosts=[self.evaluator.host.address])
+                            rank_hosts=self.rank_hosts, evaluator_hosts=[self.evaluator.host.address],
+                            secret=new_job_secret())
         with self.evaluator.client() as client:
             for item in client.stream("follow", job=eval_id, offset=0, silence_s=30.0):
                 for raw in item.get("events", ()):

@@ -37,6 +37,7 @@ from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, fa
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
 from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
 from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement"]
 
@@ -95,6 +96,7 @@ class ClusterJob(ElasticHosts):
         self._saw_checkpoint = False
         self.bundle_sent_to: tuple[str, ...] = ()
         self._port: int | None = None  # the current attempt's rendezvous port
+        self._secret = ""  # the current attempt's data-plane secret (hex; protocol/secret)
         self.spec: JobSpec | None = None
         self._refused_hosts: set[str] = set()  # --elastic: added hosts that cannot join (their slots differ)
 
@@ -215,7 +217,9 @@ class ClusterJob(ElasticHosts):
     def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]
         port_range = list(self.cluster.network.port_range) if self.cluster.network.port_range else None
-        self._port = rank0.call("rendezvous", job=attempt_id, port_range=port_range)["port"]
+        self._secret = new_job_secret()  # each attempt its own: a restarted job's old ranks cannot reach the new
+        self._port = rank0.call("rendezvous", job=attempt_id, port_range=port_range, address=self.rank_hosts[0],
+                                interface=self.cluster.network.interface, secret=self._secret)["port"]
         for link, placement in zip(self._links, self.placements):
             self._submit_to(link, placement, attempt_id, spec)
         self.attempt_id = attempt_id
@@ -230,7 +234,7 @@ class ClusterJob(ElasticHosts):
                   rank_hosts=self.rank_hosts, detach=self._detach,
                   evaluator_hosts=[link.host.address for link in self._evaluators],
                   num_ps=spec.ps_tasks, independent_ranks=sorted(independent_ranks(spec)),
-                  respawns=ELASTIC_RESPAWNS if spec.elastic else self.max_restarts, join=join)
+                  respawns=ELASTIC_RESPAWNS if spec.elastic else self.max_restarts, join=join, secret=self._secret)
 
     def _start_following(self) -> None:
         self._supervisor = threading.Thread(target=self._supervise, name="job-supervisor", daemon=True)

@@ -19,6 +19,7 @@ GPUs than the cluster file's ``gpus:``.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -73,7 +74,8 @@ def run_doctor(cluster: ClusterSpec) -> list[DoctorRow]:
     try:
         link.open()
         port_range = list(cluster.network.port_range) if cluster.network.port_range else None
-        probe.port = int(link.call("doctor_listen", port_range=port_range)["port"])
+        probe.port = int(link.call("doctor_listen", port_range=port_range, address=chief_address,
+                                   interface=cluster.network.interface)["port"])
     except HostError as exc:
         probe.chief_problem = exc.reason
     finally:
@@ -112,6 +114,10 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe) -> DoctorRow:
     free = int(facts["free_bytes"])
     if free < FREE_WARN_BYTES:
         warnings.append(f"only {free / 2**30:.2f} GiB free in {link.state_dir}")
+    public = _public(facts.get("data_address"))
+    if public:
+        warnings.append(f"the data plane would use {public}, a public address: gloo and NCCL traffic is neither "
+                        "authenticated nor encrypted (docs/security.md); set network.interface to a private network")
     gpus = facts.get("gpus")
     if host.gpus and (gpus or 0) < host.gpus:
         warnings.append(f"the cluster file says gpus: {host.gpus}; torch sees {gpus or 0}")
@@ -121,6 +127,15 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe) -> DoctorRow:
         nccl=facts.get("nccl"), gpus=gpus, free_bytes=free, skew_s=skew, interface=facts.get("interface"),
         reaches_chief=None if probe.port is None else reach is None,
         problems=tuple(problems), warnings=tuple(warnings))
+
+
+def _public(address: object) -> str | None:
+    """``address`` if it is a globally routable one (not private, loopback or link-local)."""
+    try:
+        parsed = ipaddress.ip_address(str(address))
+    except ValueError:
+        return None
+    return str(parsed) if parsed.is_global else None
 
 
 def doctor_exit_code(rows: list[DoctorRow]) -> int:

@@ -7,7 +7,11 @@ pod. This writes, for a cluster file and a recipe:
   ships, so the laptop still ships the code; the image holds none) and the job spec;
 - a **headless Service**, so pod ``<job>-<i>`` is ``<job>-<i>.<job>`` in DNS;
 - an **Indexed Job**: one pod per worker host entry of the cluster file, its ``slots``
-  processes, and its ``gpus`` as ``nvidia.com/gpu``.
+  processes, and its ``gpus`` as ``nvidia.com/gpu``;
+- a **Secret** with the job's data-plane secret (never in the ConfigMap: a Secret's reads
+  are RBAC's to grant apart), given to each pod as ``DISTRUN_JOB_SECRET``;
+- a **NetworkPolicy**: only the job's own pods reach its pods (the store's front, gloo).
+  It takes effect where the cluster's network plugin enforces policies.
 
 Each pod runs ``distrun node`` (``cli/node.py``) in a standard image with distrun
 installed (its Dockerfile is in docs/kubernetes.md). ``distrun node`` starts the pod's
@@ -32,6 +36,8 @@ import yaml
 from distrun.client._bundle import Bundle
 from distrun.config import ClusterSpec, HostSpec, JobSpec
 from distrun.errors import UsageError
+from distrun.protocol.environment import JOB_SECRET_VAR
+from distrun.protocol.secret import new_job_secret
 
 __all__ = ["K8sJob", "manifests", "MASTER_PORT", "MAX_BUNDLE_BYTES"]
 
@@ -57,8 +63,9 @@ def job_name(cluster: ClusterSpec, recipe: Path) -> str:
     return name or "distrun-job"
 
 
-def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle) -> list[dict[str, Any]]:
-    """[ConfigMap, Service, Job]: the job on Kubernetes."""
+def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle, secret: str | None = None) -> list[dict[str, Any]]:
+    """[Secret, ConfigMap, Service, NetworkPolicy, Job]: the job on Kubernetes (``secret``: the
+    data plane's, hex; drawn here when None)."""
     if bundle.size_bytes > MAX_BUNDLE_BYTES:
         raise UsageError(f"export k8s: the recipe's bundle is {bundle.size_bytes / 1024:.0f} KiB; a ConfigMap holds "
                          f"{MAX_BUNDLE_BYTES // 1024} KiB of it (1 MiB after base64). Leave data out of the recipe's "
@@ -71,6 +78,18 @@ def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle) -> list[dict[str, Any]
         "metadata": {**meta, "name": f"{job.name}-bundle", "labels": dict(meta["labels"])},
         "data": {"job-spec.json": spec.to_json(), "recipe": bundle.recipe},
         "binaryData": {"bundle.tar.gz": base64.b64encode(bundle.data).decode()},
+    }
+    secret_manifest = {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {**meta, "name": f"{job.name}-secret", "labels": dict(meta["labels"])},
+        "stringData": {"job-secret": secret or new_job_secret()},
+    }
+    own_pods = {"matchLabels": {"app.kubernetes.io/instance": job.name}}
+    policy = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {**meta, "labels": dict(meta["labels"])},
+        "spec": {"podSelector": dict(own_pods), "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": dict(own_pods["matchLabels"])}}]}]},
     }
     service = {
         "apiVersion": "v1", "kind": "Service", "metadata": {**meta, "labels": dict(meta["labels"])},
@@ -95,6 +114,8 @@ def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle) -> list[dict[str, Any]
                 "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}},
             {"name": "TORCHELASTIC_RUN_ID", "value": job.name},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": JOB_SECRET_VAR, "valueFrom": {"secretKeyRef": {"name": f"{job.name}-secret",
+                                                                     "key": "job-secret"}}},
         ],
         "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT}],
         "volumeMounts": [{"name": "bundle", "mountPath": _MOUNT, "readOnly": True}],
@@ -111,7 +132,7 @@ def manifests(job: K8sJob, spec: JobSpec, bundle: Bundle) -> list[dict[str, Any]
             },
         },
     }
-    return [config_map, service, job_manifest]
+    return [secret_manifest, config_map, service, policy, job_manifest]
 
 
 def write(objects: list[dict[str, Any]], out: Path) -> list[Path]:

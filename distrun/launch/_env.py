@@ -12,9 +12,13 @@ import json
 import os
 
 from distrun.launch.api import WorkerSpec
+from distrun.protocol.environment import CHIEF_ADDR_VAR
 
 
-def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, str]:
+def rank_env(spec: WorkerSpec, local_rank: int, master_port: int, store_port: int | None = None) -> dict[str, str]:
+    """``master_port``: the job's rendezvous port (TF_CONFIG names it); ``store_port``: where this
+    host's ranks reach the store, on loopback (the store itself, or this host's relay to it;
+    ``launch/_store_relay``). None: the rendezvous port, on the chief's address."""
     world = spec.effective_world_size
     rank = spec.rank_offset + local_rank
     cpus = os.cpu_count() or 1
@@ -26,8 +30,9 @@ def rank_env(spec: WorkerSpec, local_rank: int, master_port: int) -> dict[str, s
         "GROUP_RANK": str(spec.node_rank),
         "ROLE_RANK": str(rank),
         "ROLE_WORLD_SIZE": str(world),
-        "MASTER_ADDR": spec.master_addr,
-        "MASTER_PORT": str(master_port),
+        "MASTER_ADDR": spec.master_addr if store_port is None else "127.0.0.1",
+        "MASTER_PORT": str(master_port if store_port is None else store_port),
+        CHIEF_ADDR_VAR: spec.master_addr,
         # All ranks connect to the store as clients; rank 0 hosts it on the socket
         # the launcher bound (see runtime bootstrap), exactly as torchrun's agent store.
         "TORCHELASTIC_USE_AGENT_STORE": "True",

@@ -66,6 +66,9 @@ class WorkerSpec:
     run_id: str = "local"
     restart_count: int = 0
     max_restarts: int = 0
+    #: The job's data-plane secret (hex, ``protocol/secret``): every host's launcher of one job
+    #: holds the same. Empty: this launcher draws one (a job on this machine alone).
+    job_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

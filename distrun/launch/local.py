@@ -41,16 +41,19 @@ from distrun.launch._agent import ElasticAgent
 from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
+from distrun.launch._store_relay import StoreFront, StoreRelay
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
-from distrun.protocol import Event, EventDecodeError, Exited, Failed, Output, decode_event
+from distrun.protocol import SERVER_RANK, Event, EventDecodeError, Exited, Failed, Output, decode_event
 from distrun.protocol.environment import (
     ELASTIC_JOINER_VAR,
     EVENT_FD_VAR,
     INCARNATION_VAR,
+    JOB_SECRET_VAR,
     PARENT_PID_VAR,
     STORE_FD_VAR,
     STORE_ROLE_VAR,
 )
+from distrun.protocol.secret import new_job_secret
 
 __all__ = ["LocalLauncher", "EventSink"]
 
@@ -58,6 +61,18 @@ EventSink = Callable[[Event], None]
 
 _TICK_S = 0.05
 _DRAIN_S = 2.0
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _loopback_ifname() -> str | None:
+    """The loopback interface's name ("lo" on Linux), for gloo on a job of this machine alone."""
+    try:
+        return next((name for _index, name in socket.if_nameindex() if name == "lo"), None)
+    except OSError:
+        return None
+
+
+_LOOPBACK_IFNAME = _loopback_ifname()
 
 
 @dataclass
@@ -81,9 +96,10 @@ class LocalLauncher:
 
     def __init__(self, spec: WorkerSpec, sink: EventSink, *, listener: socket.socket | None = None,
                  starter: Starter | None = None) -> None:
-        """``listener``: a rendezvous socket bound beforehand (a worker server binds it
-        when the job is planned, so hosts can be told the port before any rank starts);
-        global rank 0 hosts the store on it. The launcher closes its copy once rank 0 runs.
+        """``listener``: a rendezvous socket bound beforehand on the cluster address (a worker
+        server binds it when the job is planned, so hosts can be told the port before any rank
+        starts). The store's front answers there (``launch/_store_relay``); global rank 0 hosts
+        the store itself on a loopback socket this launcher binds.
         ``starter``: how processes start (default: a fresh interpreter each; a worker
         server passes its warm interpreter, and a cold start is the fallback)."""
         self._spec = spec
@@ -96,7 +112,11 @@ class LocalLauncher:
         self._selector = selectors.DefaultSelector()
         self._failures: list[Failed] = []
         self._respawned: dict[int, int] = {}  # rank -> times started again
-        self._port = 0
+        self._port = 0  # the job's rendezvous port (TF_CONFIG)
+        self._store_port = 0  # where this host's ranks reach the store, on loopback
+        self._secret = bytes.fromhex(spec.job_secret) if spec.job_secret else bytes.fromhex(new_job_secret())
+        self._front: StoreFront | None = None  # the store's host: other hosts come in here
+        self._relay: StoreRelay | None = None  # other hosts: this host's ranks go out here
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
         self._agent: ElasticAgent | None = None  # --elastic: hosts the store (or is its client), tells of deaths
@@ -112,6 +132,7 @@ class LocalLauncher:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
             self._stop_agent()
+            self._close_store_access()
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
         return RunResult(
@@ -150,40 +171,39 @@ class LocalLauncher:
             raise RuntimeError("a LocalLauncher runs once")
         self._started = True
         spec = self._spec
-        listener: socket.socket | None = self._listener
-        if listener is not None:
-            port = int(listener.getsockname()[1])
-        elif spec.master_port is None:
-            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((spec.master_addr, 0))
-            listener.listen(1024)
-            port = int(listener.getsockname()[1])
+        store_listener: socket.socket | None = None  # the store's own socket, on loopback
+        if self._listener is not None or spec.master_port is None:  # this launcher hosts the store
+            store_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            store_listener.bind(("127.0.0.1", 0))
+            store_listener.listen(1024)
+            self._store_port = int(store_listener.getsockname()[1])
+            self._port = int(self._listener.getsockname()[1]) if self._listener is not None else self._store_port
+            if self._listener is not None:  # other hosts reach it through the front, proving the secret
+                self._front = StoreFront(self._listener, self._secret, self._store_port, self._note_refusal)
         else:
-            port = spec.master_port
-        self._port = port
-        for_rank0 = listener  # who hosts the store on it: rank 0, or (elastic) the agent
+            self._relay = StoreRelay((spec.master_addr, spec.master_port), self._secret, self._note_refusal)
+            self._store_port, self._port = self._relay.port, spec.master_port
+        for_rank0 = store_listener  # who hosts the store on it: rank 0, or (elastic) the agent
         try:
             if spec.elastic:
-                self._start_agent(port, listener)
+                self._start_agent(store_listener)
                 for_rank0 = None
             for local_rank in range(spec.local_world_size):
-                self._procs.append(self._spawn(local_rank, port, for_rank0, joiner=spec.join))
+                self._procs.append(self._spawn(local_rank, for_rank0, joiner=spec.join))
         except BaseException:
             self._kill_all(signal.SIGKILL)
             self._reap_all()
             self._stop_agent()
+            self._close_store_access()
             raise
         finally:
-            if listener is not None:
-                listener.close()  # rank 0 (or the agent) holds its own copy of the socket now
+            if store_listener is not None:
+                store_listener.close()  # rank 0 (or the agent) holds its own copy of the socket now
 
-    def _start_agent(self, port: int, listener: socket.socket | None) -> None:
+    def _start_agent(self, listener: socket.socket | None) -> None:
         """``--elastic``: this launcher's agent process (``launch/_agent``); it hosts the store
-        when ``listener`` is the rendezvous socket."""
-        env = dict(os.environ)
-        env.update(self._spec.env)
-        env.update(rank_env(self._spec, 0, port))
+        when ``listener`` is the store's socket."""
+        env = self._environment(0)
         self._agent = ElasticAgent(self._starter, self._spec.argv, env, self._spec.cwd, listener)
         self._starter = self._agent.starter
 
@@ -191,15 +211,32 @@ class LocalLauncher:
         if self._agent is not None:
             self._agent.stop()
 
-    def _spawn(self, local_rank: int, port: int, listener: socket.socket | None, *, joiner: bool = False) -> _Proc:
+    def _close_store_access(self) -> None:
+        for access in (self._front, self._relay):
+            if access is not None:
+                access.close()
+
+    def _note_refusal(self, text: str) -> None:
+        """A data-plane peer that could not prove the job secret (named once; from any thread)."""
+        self._sink(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
+
+    def _environment(self, local_rank: int) -> dict[str, str]:
+        """A process's environment: ours, the job's, torchrun's, the job secret."""
+        env = dict(os.environ)
+        env.update(self._spec.env)
+        env.update(rank_env(self._spec, local_rank, self._port, self._store_port))
+        env[JOB_SECRET_VAR] = self._secret.hex()
+        if self._spec.master_addr in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env and _LOOPBACK_IFNAME:
+            env["GLOO_SOCKET_IFNAME"] = _LOOPBACK_IFNAME  # gloo's listeners stay on loopback too
+        return env
+
+    def _spawn(self, local_rank: int, listener: socket.socket | None, *, joiner: bool = False) -> _Proc:
         spec = self._spec
         rank = spec.rank_offset + local_rank
         event_r, event_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        env = dict(os.environ)
-        env.update(spec.env)
-        env.update(rank_env(spec, local_rank, port))
+        env = self._environment(local_rank)
         env[EVENT_FD_VAR] = str(event_w)
         env.pop(STORE_ROLE_VAR, None)
         if joiner:
@@ -340,7 +377,7 @@ class LocalLauncher:
             return
         self._respawned[proc.rank] = done + 1
         self._note(proc.rank, f"{lost}; starting it again ({done + 1}/{self._spec.respawns})")
-        self._procs.append(self._spawn(proc.local_rank, self._port, None, joiner=self._spec.elastic))
+        self._procs.append(self._spawn(proc.local_rank, None, joiner=self._spec.elastic))
 
     def _note(self, rank: int, text: str) -> None:
         self._sink(Output(rank=rank, time=time.time(), stream="stderr", line=f"[distrun] {text}"))

@@ -14,3 +14,5 @@ AGENT_FD_VAR = "DISTRUN_AGENT_FD"  # --elastic: the agent reads "lost RANK INCAR
 INCARNATION_VAR = "DISTRUN_INCARNATION"  # --elastic: how many times this rank was started before (0 first)
 ELASTIC_JOINER_VAR = "DISTRUN_ELASTIC_JOINER"  # --elastic: this rank was started again, and joins a running job
 CACHE_DIR_VAR = "DISTRUN_CACHE_DIR"  # a worker server's per-host cache folder (compiled kernels)
+JOB_SECRET_VAR = "DISTRUN_JOB_SECRET"  # the job's 256-bit secret (hex): the data plane's key (docs/security.md)
+CHIEF_ADDR_VAR = "DISTRUN_CHIEF_ADDR"  # the chief host's cluster address (MASTER_ADDR is the loopback store relay)

@@ -17,6 +17,10 @@ only: nothing on the control plane is ever unpickled.
 
 Streams are anything with ``sendall``/``recv``/``close``: a socket on the host,
 or the paramiko channel that carries it through SSH to the client.
+
+The data plane reuses the same handshake with the job's secret as the token and its own
+``kind`` in the greeting (``job-store`` for the store's front, ``link-probe``), so a peer
+that holds the secret for one purpose cannot be mistaken for another's.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ __all__ = [
     "recv_frame",
     "server_handshake",
     "client_handshake",
+    "mac",
 ]
 
 PROTOCOL_VERSION = 1
@@ -100,8 +105,15 @@ def _recv_exact(stream: Stream, size: int) -> bytes:
     return bytes(chunks)
 
 
-def _mac(token: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(token, label + first + second, hashlib.sha256).digest()
+def mac(token: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 of ``label`` and ``parts`` under ``token``: every proof on distrun's wires."""
+    return hmac.new(token, label + b"".join(parts), hashlib.sha256).digest()
+
+
+def _label(side: bytes, kind: str) -> bytes:
+    """The MAC's label: the side, and the kind where it is not the control plane's (whose
+    proofs stay as they were, so servers already running keep answering clients)."""
+    return side if kind == _SERVER_KIND else side + b"/" + kind.encode()
 
 
 def _hex_bytes(message: dict[str, Any], key: str, size: int) -> bytes:
@@ -115,10 +127,11 @@ def _hex_bytes(message: dict[str, Any], key: str, size: int) -> bytes:
     return raw
 
 
-def server_handshake(stream: Stream, token: bytes, server_info: dict[str, Any] | None = None) -> None:
+def server_handshake(stream: Stream, token: bytes, server_info: dict[str, Any] | None = None, *,
+                     kind: str = _SERVER_KIND) -> None:
     """Authenticate a new connection on the server side; raise AuthError (after telling the peer) if it fails."""
     server_nonce = os.urandom(NONCE_BYTES)
-    send_frame(stream, {"distrun": _SERVER_KIND, "protocol": PROTOCOL_VERSION, "nonce": server_nonce.hex()})
+    send_frame(stream, {"distrun": kind, "protocol": PROTOCOL_VERSION, "nonce": server_nonce.hex()})
     hello = recv_frame(stream, MAX_AUTH_FRAME_BYTES)
     if hello.get("protocol") != PROTOCOL_VERSION:
         send_frame(stream, {"ok": False, "error": f"this server speaks protocol {PROTOCOL_VERSION}"})
@@ -129,30 +142,30 @@ def server_handshake(stream: Stream, token: bytes, server_info: dict[str, Any] |
     except AuthError:
         send_frame(stream, {"ok": False, "error": "authentication failed"})
         raise
-    expected = _mac(token, b"client", server_nonce, client_nonce)
+    expected = mac(token, _label(b"client", kind), server_nonce, client_nonce)
     if not hmac.compare_digest(client_mac, expected):
         send_frame(stream, {"ok": False, "error": "authentication failed"})
         raise AuthError("wrong token")
-    send_frame(stream, {"ok": True, "mac": _mac(token, b"server", client_nonce, server_nonce).hex(),
+    send_frame(stream, {"ok": True, "mac": mac(token, _label(b"server", kind), client_nonce, server_nonce).hex(),
                         "server": server_info or {}})
 
 
-def client_handshake(stream: Stream, token: bytes) -> dict[str, Any]:
+def client_handshake(stream: Stream, token: bytes, *, kind: str = _SERVER_KIND) -> dict[str, Any]:
     """Prove the token to the server and check its proof in return; return the server's info."""
     greeting = recv_frame(stream, MAX_AUTH_FRAME_BYTES)
-    if greeting.get("distrun") != _SERVER_KIND:
-        raise AuthError("the port does not answer as a distrun worker server")
+    if greeting.get("distrun") != kind:
+        raise AuthError(f"the port does not answer as a distrun {kind}")
     if greeting.get("protocol") != PROTOCOL_VERSION:
         raise AuthError(f"the server speaks protocol {greeting.get('protocol')!r}, this client {PROTOCOL_VERSION}")
     server_nonce = _hex_bytes(greeting, "nonce", NONCE_BYTES)
     client_nonce = os.urandom(NONCE_BYTES)
     send_frame(stream, {"protocol": PROTOCOL_VERSION, "nonce": client_nonce.hex(),
-                        "mac": _mac(token, b"client", server_nonce, client_nonce).hex()})
+                        "mac": mac(token, _label(b"client", kind), server_nonce, client_nonce).hex()})
     answer = recv_frame(stream)
     if not answer.get("ok"):
         raise AuthError(f"the server refused the connection: {answer.get('error', 'no reason given')}")
     server_mac = _hex_bytes(answer, "mac", hashlib.sha256().digest_size)
-    if not hmac.compare_digest(server_mac, _mac(token, b"server", client_nonce, server_nonce)):
+    if not hmac.compare_digest(server_mac, mac(token, _label(b"server", kind), client_nonce, server_nonce)):
         raise AuthError("the server could not prove it holds the token")
     info = answer.get("server")
     return info if isinstance(info, dict) else {}

@@ -18,8 +18,10 @@ from typing import Any
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Started
+from distrun.protocol.secret import job_secret_from
 from distrun.protocol.environment import (
     CACHE_DIR_VAR,
+    CHIEF_ADDR_VAR,
     ELASTIC_JOINER_VAR,
     EVAL_CHECKPOINT_VAR,
     INCARNATION_VAR,
@@ -253,6 +255,7 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
         from distrun.runtime._ps_task import ps_wire_dtype
 
         options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
+                   "secret": job_secret_from(os.environ),
                    "partition_bytes": spec.ps_partition_bytes, "wire": ps_wire_dtype(spec)}
     replica = ReplicaInfo(rank=rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed, node_rank=launch.node_rank)
@@ -287,7 +290,7 @@ def _who(launch: LaunchEnv) -> str:
     try:
         host = json.loads(os.environ.get("TF_CONFIG", "{}"))["cluster"]["worker"][launch.rank].rsplit(":", 1)[0]
     except (KeyError, IndexError, ValueError, TypeError):
-        host = launch.master_addr
+        host = os.environ.get(CHIEF_ADDR_VAR, launch.master_addr)
     return f"rank {launch.rank} on {host}"
 
 

@@ -8,6 +8,7 @@ the job is over, sending a PsStats event about once a second for the live view.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import ModuleType
@@ -17,6 +18,7 @@ import torch
 
 from distrun.config import JobSpec
 from distrun.protocol import Done, Output
+from distrun.protocol.secret import job_secret_from
 from distrun.runtime._process import EventWriter, LaunchEnv
 from distrun.strategies._precision import PRECISION_DTYPES
 from distrun.strategies._ps_layout import Layout
@@ -56,7 +58,7 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     reporter = threading.Thread(target=reports, name="ps-stats", daemon=True)
     reporter.start()
     report()
-    serve_forever(server, store, note)
+    serve_forever(server, store, note, job_secret_from(os.environ))
     stop_reports.set()
     report()
     writer.emit(Done(rank=launch.rank, time=time.time(), steps=server.applied, final_loss=None, samples_per_s=0.0,

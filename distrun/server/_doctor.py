@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from distrun.server._net import interface_towards
+from distrun.server._net import address_to_bind, interface_towards
 
 __all__ = ["doctor_facts", "ProbeListener"]
 
@@ -40,6 +40,7 @@ def doctor_facts(state_dir: Path, chief: str | None, port: int | None) -> dict[s
     facts.update(_torch_facts())
     if chief:
         facts["interface"] = interface_towards(chief)
+        facts["data_address"] = address_to_bind(chief) if chief not in ("127.0.0.1", "localhost") else "127.0.0.1"
         facts["reaches_chief"] = _reaches(chief, port) if port else None
     return facts
 
@@ -68,15 +69,16 @@ def _reaches(host: str, port: int) -> str | None:
 class ProbeListener:
     """On the chief: a port the other hosts try, as ranks will try the rendezvous port.
 
-    It accepts and closes connections for ``lifetime_s``, then closes itself.
+    It binds ``address`` (the chief's cluster address, as the rendezvous does), accepts and
+    closes connections for ``lifetime_s`` (it reads nothing and sends nothing), then closes.
     """
 
-    def __init__(self, port_range: tuple[int, int] | None, lifetime_s: float) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    def __init__(self, address: str, port_range: tuple[int, int] | None, lifetime_s: float) -> None:
+        self._sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         for port in ([0] if port_range is None else range(port_range[0], port_range[1] + 1)):
             try:
-                self._sock.bind(("0.0.0.0", port))
+                self._sock.bind((address, port))
                 break
             except OSError:
                 continue

@@ -9,6 +9,15 @@ TCPStore on the kept socket: there is no probe-then-bind race.
 Each job's events go to ``jobs/<id>/events.ndjson`` on the host and to anyone
 following it; a follower may start from any offset, so a client can detach and
 attach again and see the whole job.
+
+The rendezvous socket binds the host's address on the cluster network, never every
+interface; the job's secret comes with ``rendezvous`` and ``submit`` (the control plane)
+and reaches the launcher and the ranks, nowhere else (``launch/_store_relay``).
+
+A server lives for weeks: it keeps the newest ``KEEP_FINISHED`` finished jobs in memory,
+for ``KEEP_FINISHED_S`` at most. An older job's log stays on disk, and ``follow`` (``distrun
+logs``, ``attach``) reads it from there. A rendezvous that no ``submit`` follows within
+``RENDEZVOUS_LEASE_S`` (its client died) is closed.
 """
 
 from __future__ import annotations
@@ -26,11 +35,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from distrun.config import JobSpec, StrategyName
+from distrun.errors import ConfigError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
-from distrun.server._net import interface_towards
+from distrun.protocol.secret import parse_job_secret
+from distrun.server._net import address_to_bind, interface_towards
 
 log = logging.getLogger("distrun.server.jobs")
 
@@ -40,6 +51,11 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 FOLLOW_HEARTBEAT_S = 1.0
 #: A job not started with --detach is cancelled when no client has followed it for this long.
 LEASE_S = 10.0
+#: A rendezvous socket waits this long for its job's submit, then closes.
+RENDEZVOUS_LEASE_S = 60.0
+#: Finished jobs kept in memory: at most this many, for at most this long (their logs stay on disk).
+KEEP_FINISHED = 64
+KEEP_FINISHED_S = 24 * 3600.0
 
 
 class JobError(ValueError):
@@ -62,6 +78,9 @@ class _Job:
     unfollowed_since: float = dataclasses.field(default_factory=time.monotonic)  # when the last follower left
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     log: BinaryIO | None = None  # events.ndjson, open while the job runs (unbuffered: each line lands at once)
+    secret: str = dataclasses.field(default="", repr=False)  # the data plane's key, from rendezvous
+    finished_at: float | None = None  # time.monotonic() at finish: forgotten KEEP_FINISHED_S later
+    rendezvous_lease: threading.Timer | None = None  # closes the rendezvous if no submit comes
 
     def record(self, event: Event) -> None:
         with self.changed:
@@ -80,6 +99,7 @@ class _Job:
     def finish(self, state: str, result: dict[str, Any]) -> None:
         with self.changed:
             self.state, self.result = state, result
+            self.finished_at = time.monotonic()
             (self.folder / "result.json").write_text(json.dumps(result))
             if self.log is not None:
                 self.log.close()
@@ -111,22 +131,47 @@ class JobManager:
                 "upload_path": str(self.bundles / f"{sha}.tar.gz")}
 
     def rendezvous(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Bind the job's rendezvous socket on this host's cluster address (``address``: this
+        host as the cluster file names it; ``interface``: the cluster's, if set)."""
+        secret = _secret(args)
+        address = address_to_bind(str(args.get("address") or "127.0.0.1"), args.get("interface"))
+        if address is None:
+            raise JobError(f"cannot tell this host's address on the cluster network from {args.get('address')!r}; "
+                           f"set network.interface in the cluster file")
         job = self._new_job(_job_id(args))
+        job.secret = secret
         low, high = _port_range(args.get("port_range"))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         for port in ([0] if low is None else range(low, high + 1)):
             try:
-                sock.bind(("0.0.0.0", port))
+                sock.bind((address, port))
                 break
             except OSError:
                 continue
         else:
             sock.close()
-            raise JobError(f"no free port in {low}-{high} for the rendezvous")
+            self._forget(job)
+            raise JobError(f"no free port in {low}-{high} on {address} for the rendezvous")
         sock.listen(1024)
         job.listener = sock
-        return {"port": int(sock.getsockname()[1])}
+        self._expire_rendezvous(job)
+        return {"port": int(sock.getsockname()[1]), "address": address}
+
+    def _expire_rendezvous(self, job: _Job) -> None:
+        """Close a rendezvous no submit followed (its client died between the two calls)."""
+        def expire() -> None:
+            with job.changed:
+                waiting = job.launcher is None and job.state == "pending"
+            if waiting and job.listener is not None:
+                job.listener.close()
+                job.record_note(f"no submit within {RENDEZVOUS_LEASE_S:.0f} s of the rendezvous: closing it")
+                job.finish("stopped", {"state": "stopped", "failure": None})
+                self._forget_old()
+
+        job.rendezvous_lease = threading.Timer(RENDEZVOUS_LEASE_S, expire)
+        job.rendezvous_lease.daemon = True
+        job.rendezvous_lease.start()
 
     def submit(self, args: dict[str, Any]) -> dict[str, Any]:
         job_id = _job_id(args)
@@ -134,8 +179,14 @@ class JobManager:
             job = self._jobs.get(job_id)
         if job is None:
             job = self._new_job(job_id)
-        if job.launcher is not None:
+        if job.launcher is not None or job.state != "pending":
             raise JobError(f"job {job_id} was already submitted here")
+        secret = _secret(args)
+        if job.secret and job.secret != secret:
+            raise JobError(f"job {job_id}: the secret differs from the rendezvous's")
+        if job.rendezvous_lease is not None:
+            job.rendezvous_lease.cancel()
+            job.rendezvous_lease = None
         sha = _sha(args)
         try:
             root = unpack(self.bundles / f"{sha}.tar.gz", sha, self.bundles / sha)
@@ -187,6 +238,7 @@ class JobManager:
             elastic=spec.elastic,
             join=bool(args.get("join", False)) and spec.elastic,
             **_torchelastic_ids(job_id, int(args.get("respawns", 0))),
+            job_secret=secret,
         )
         starter = self._starter()
         job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
@@ -257,9 +309,13 @@ class JobManager:
         job = self._get(args)
         if job.launcher is not None:
             job.launcher.stop(str(args.get("reason", "cancelled")))
-        elif job.listener is not None:
+        elif job.state == "pending" and job.listener is not None:
+            if job.rendezvous_lease is not None:
+                job.rendezvous_lease.cancel()
+                job.rendezvous_lease = None
             job.listener.close()
             job.finish("stopped", {"state": "stopped", "failure": None})
+            self._forget_old()
         return {"job": job.id, "state": job.state}
 
     def lose_rank(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -322,8 +378,44 @@ class JobManager:
         with self._lock:
             job = self._jobs.get(job_id)
         if job is None:
+            job = self._from_disk(job_id)
+        if job is None:
             raise JobError(f"no job {job_id} on this server")
         return job
+
+    def _from_disk(self, job_id: str) -> _Job | None:
+        """A finished job this server no longer keeps: its log and result, read back (not kept)."""
+        folder = self.jobs_dir / job_id
+        try:
+            result = json.loads((folder / "result.json").read_text())
+            raw = (folder / "events.ndjson").read_bytes() if (folder / "events.ndjson").is_file() else b""
+        except (OSError, ValueError):
+            return None
+        lines = []
+        for line in raw.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        job = _Job(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result)
+        job.finished_at = time.monotonic()
+        return job
+
+    def _forget(self, job: _Job) -> None:
+        with self._lock:
+            if self._jobs.get(job.id) is job:
+                del self._jobs[job.id]
+
+    def _forget_old(self) -> None:
+        """Drop finished jobs past KEEP_FINISHED (oldest first) or older than KEEP_FINISHED_S."""
+        now = time.monotonic()
+        with self._lock:
+            finished = sorted((job for job in self._jobs.values() if job.finished_at is not None),
+                              key=lambda job: job.finished_at or 0.0)
+            excess = len(finished) - KEEP_FINISHED
+            for index, job in enumerate(finished):
+                if index < excess or now - (job.finished_at or now) > KEEP_FINISHED_S:
+                    del self._jobs[job.id]
 
     def _run(self, job: _Job) -> None:
         assert job.launcher is not None
@@ -336,6 +428,9 @@ class JobManager:
         except Exception as exc:  # the launcher itself broke: the job fails, the server lives
             log.exception("job %s", job.id)
             job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})
+        finally:
+            job.launcher = None  # its processes, pipes and threads are gone; the job's record stays
+            self._forget_old()
 
 
 _ATTEMPT = re.compile(r"^(?P<run>.+?)(?:-r(?P<restart>\d+))?$")
@@ -353,6 +448,14 @@ def _job_id(args: dict[str, Any]) -> str:
     if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
         raise JobError(f"bad job id {job_id!r}")
     return job_id
+
+
+def _secret(args: dict[str, Any]) -> str:
+    try:
+        parse_job_secret(args.get("secret"), "the request's secret")
+    except ConfigError as exc:
+        raise JobError(str(exc)) from None
+    return str(args["secret"])
 
 
 def _sha(args: dict[str, Any]) -> str:

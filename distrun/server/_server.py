@@ -26,7 +26,8 @@ from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
 from distrun.server._doctor import ProbeListener, doctor_facts
 from distrun.server._hostinfo import gpu_names, host_facts
-from distrun.server._jobs import JobManager
+from distrun.server._jobs import JobError, JobManager
+from distrun.server._net import address_to_bind
 from distrun.server._warm import WarmInterpreter
 from distrun.protocol.cluster import ServerState
 from distrun.server._state import StateDir
@@ -226,7 +227,10 @@ class WorkerServer:
         """``distrun doctor`` on the chief: a port that accepts for a while, as the rendezvous will."""
         raw = args.get("port_range")
         port_range = (int(raw[0]), int(raw[1])) if isinstance(raw, list) and len(raw) == 2 else None
-        return {"port": ProbeListener(port_range, lifetime_s=30.0).port}
+        address = address_to_bind(str(args.get("address") or "127.0.0.1"), args.get("interface"))
+        if address is None:
+            raise JobError(f"cannot tell this host's cluster address from {args.get('address')!r}")
+        return {"port": ProbeListener(address, port_range, lifetime_s=30.0).port}
 
     def _shutdown(self, _args: dict[str, Any]) -> dict[str, Any]:
         # Reply first; the accept loop notices within _ACCEPT_POLL_S and exits.

@@ -12,9 +12,13 @@ the state transfer ``_heal``'s. A strategy that holds an :class:`Elastic`:
   committed step, and the global batches are split over the new count, so the step
   that failed is redone with the same samples.
 
-What counts as a change of membership, rather than the recipe's error: a collective
-that failed (torch's ``DistError``, or gloo's and NCCL's transport errors, which reach
-Python as RuntimeErrors). Anything else is the recipe's and fails the job as always.
+What counts as a change of membership, rather than the recipe's error: a joiner's switch;
+an error of the process group's own types (torch's ``DistError`` family: backend, network,
+store); or a ``RuntimeError`` (what gloo raises when a peer is gone) while the membership
+record says the round is over: a peer marked lost or silent, or another member's failed
+round (``Membership.round_over``). Never the text of an exception: a recipe's own
+``RuntimeError("... Connection refused ...")`` with every peer alive fails the job and
+names its line.
 
 Why the model is held by an :class:`ElasticModel`: the recipe (or distrun's fit loop)
 keeps the object ``prepare`` returned, while DDP must be rebuilt over each new group.
@@ -35,11 +39,6 @@ from distrun.strategies._heal import heal
 from distrun.strategies._membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
 __all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
-
-#: Fragments of the messages gloo and NCCL raise when a peer is gone (they reach Python as RuntimeError).
-_TRANSPORT_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Write error",
-                     "Timed out waiting", "NCCL communicator was aborted", "ncclRemoteError", "Broken pipe",
-                     "Socket Timeout", "connection refused", "Connection refused")
 
 
 class MembershipSwitch(RuntimeError):
@@ -70,13 +69,14 @@ class MembershipChange:
     steps_lost: int  # committed steps some member of the old group beat that the new group does not hold
 
 
-def is_collective_failure(exc: BaseException) -> bool:
-    """A collective failed because a peer is gone (or a joiner asked for a switch)."""
+def is_collective_failure(exc: BaseException, membership: Membership) -> bool:
+    """A collective failed because a peer is gone (or a joiner asked for a switch): decided
+    by the exception's type and the membership record, never by its text."""
     if isinstance(exc, MembershipSwitch):
         return True
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
-    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TRANSPORT_ERRORS)
+    return type(exc) is RuntimeError and membership.round_over()
 
 
 class Elastic:
@@ -192,7 +192,7 @@ class ElasticReplica:
 
     def is_membership_change(self, exc: BaseException) -> bool:
         """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""
-        return self._elastic is not None and is_collective_failure(exc)
+        return self._elastic is not None and is_collective_failure(exc, self._elastic.membership)
 
     def recover(self, failed_at: float, *, switch: bool = False) -> None:
         """Go on after a change of membership, from the state the members hold in memory.

@@ -138,6 +138,7 @@ class Membership:
         self._group_sockets: dict[int, str] = {}  # fd -> its socket inode: the current group's connections
         self._round_peers: tuple[int, ...] = ()  # the other members of our round (the watcher reads their beats)
         self._sockets_lock = threading.Lock()
+        self._round_over = threading.Event()  # the record says our round is over (a peer lost, a round failed)
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
         self._store.set(f"who/{member_id}", who or f"member {member_id}")
@@ -194,9 +195,11 @@ class Membership:
                     continue
                 newest = int(self._watch_store.get("generation").decode())
                 if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
+                    self._round_over.set()
                     self._break_group()  # another member's collective failed: ours is in the dead group
                     continue
                 if self._lost_peer():
+                    self._round_over.set()
                     self._break_group()  # a peer's beat stopped: fail now, not when a socket says so
             except RuntimeError:  # the store is gone: the job is ending
                 return
@@ -269,6 +272,14 @@ class Membership:
                         dup.shutdown(socket.SHUT_RDWR)
             except OSError:
                 continue
+
+    def round_over(self, wait_s: float = LOST_AFTER_S + 2.0) -> bool:
+        """Whether the membership record says this member's round is over: a peer marked lost
+        by its launcher's agent, a peer's beat stale for ``LOST_AFTER_S``, or another member's
+        failed round. Waits up to ``wait_s`` for the watcher to see it (a peer's death reaches a
+        socket before the record). False: every peer is alive, so a failure is not a change of
+        membership."""
+        return self._round_over.wait(wait_s)
 
     def drop_group(self) -> None:
         """Leave this process's default group so that peers blocked on it fail now.
@@ -389,6 +400,7 @@ class Membership:
         self._round_peers = tuple(member for member in members if member != self.member_id)
         with self._sockets_lock:  # the group's connections: what init_process_group opened
             self._group_sockets = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+            self._round_over.clear()
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
     def _wait_closed(self, key: str, deadline: float, expect: int) -> int:

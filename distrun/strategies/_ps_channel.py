@@ -15,6 +15,14 @@ Messages are a fixed header (8 int64) followed by tensors whose shapes both
 sides know from the placement, or by a JSON document sent as a uint8 tensor.
 Tensors are data; nothing on this channel is unpickled.
 
+Before either end trusts the other, the pair runs a mutual HMAC challenge keyed by the
+job secret (``prove_worker``/``check_worker``): the ps sends a nonce, the worker answers
+with its own nonce, its worker index and HMAC(secret, both nonces, the index), and the ps
+answers with its own proof. The worker index a ps serves is the authenticated one, so the
+chief-only operations (STATE, LOAD, FINISH, the step budget) are the chief's alone. Every
+length a peer sends is checked against a limit before anything is allocated
+(``check_header``, ``MAX_JSON_BYTES``).
+
 ``--compression fp16|bf16``: both ends agree on a wire dtype, and the values of a
 step (gradients pushed, parameters and rows pulled) cross in it through
 ``send_values``/``recv_values``; the ps keeps and updates fp32. Checkpoint state
@@ -23,7 +31,9 @@ step (gradients pushed, parameters and rows pulled) cross in it through
 
 from __future__ import annotations
 
+import hmac
 import json
+import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -32,8 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Channel", "Op", "HEADER_LEN", "open_worker_channels", "accept_channel", "watch_joins",
-           "describe_state", "receive_state"]
+from distrun.protocol.wire import mac
+
+__all__ = ["Channel", "Op", "HEADER_LEN", "MAX_JSON_BYTES", "CHIEF_OPS", "PeerRefused", "open_worker_channels",
+           "accept_channel", "watch_joins", "describe_state", "receive_state", "check_header", "prove_worker",
+           "check_worker"]
 
 HEADER_LEN = 8
 _FP16_MAX = 65504.0
@@ -46,18 +59,18 @@ _OP_TIMEOUT = timedelta(hours=1)
 _CONNECT_TIMEOUT = timedelta(seconds=60)
 _JOINS_KEY = "ps/joins"
 _POLL_S = 0.02
+#: The largest JSON document either end reads (a checkpoint's description of one task's
+#: optimizer state: keys, shapes and scalars; never tensors).
+MAX_JSON_BYTES = 16 * 1024 * 1024
+#: The largest tensor a peer may ask a task to receive outside the placement (a LOAD's
+#: optimizer state entry): 4 GiB.
+MAX_STATE_BYTES = 4 * 1024**3
+_NONCE = 32
+_MAC = 32
 
 
-class Op:
-    """Header word 0: what a worker asks of a ps task."""
-
-    PULL = 1  # dense parameters and the version they are at
-    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); the reply is a PULL's
-    ROWS = 3  # rows of a partitioned embedding
-    STATE = 4  # everything, for a checkpoint
-    LOAD = 5  # everything, from a checkpoint
-    FINISH = 6  # the chief: the job is over
-    BYE = 7  # a worker leaves
+class PeerRefused(RuntimeError):
+    """The peer at the other end of a pair could not prove the job secret, or broke the wire's limits."""
 
 
 class Channel:
@@ -122,8 +135,90 @@ class Channel:
 
     def recv_json(self) -> Any:
         (length, *_rest) = self.recv_header()
+        if not 0 <= length <= MAX_JSON_BYTES:
+            raise PeerRefused(f"{self.label} announced a JSON document of {length} bytes (limit {MAX_JSON_BYTES})")
         data = self.recv((length,), torch.uint8)
-        return json.loads(bytes(data.tolist()).decode())
+        try:
+            return json.loads(data.numpy().tobytes().decode())
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise PeerRefused(f"{self.label} sent a document that is not JSON") from None
+
+    def send_bytes(self, data: bytes) -> None:
+        self.send(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def recv_bytes(self, size: int) -> bytes:
+        return self.recv((size,), torch.uint8).numpy().tobytes()
+
+
+class Op:
+    """Header word 0: what a worker asks of a ps task (see ``check_header`` for each one's words)."""
+
+    PULL = 1  # dense parameters and the version they are at
+    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); the reply is a PULL's
+    ROWS = 3  # rows of a partitioned embedding
+    STATE = 4  # everything, for a checkpoint
+    LOAD = 5  # everything, from a checkpoint
+    FINISH = 6  # the chief: the job is over
+    BYE = 7  # a worker leaves
+
+
+#: What only the chief (worker 0) may ask: reading or replacing every parameter, ending the job.
+CHIEF_OPS = frozenset({Op.STATE, Op.LOAD, Op.FINISH})
+
+
+def check_header(words: list[int], *, chief: bool, sparse_slots: int, max_rows: int) -> tuple[int, ...]:
+    """A request's header, validated before anything is allocated for it: (op, *its words).
+
+    ``chief``: the authenticated peer is worker 0; ``sparse_slots``: partitioned embeddings
+    this task holds; ``max_rows``: rows in its largest. Raises PeerRefused naming what is wrong.
+    """
+    if len(words) != HEADER_LEN:
+        raise PeerRefused(f"a header has {HEADER_LEN} words. Received: {len(words)}")
+    op = words[0]
+    if op in CHIEF_OPS and not chief:
+        raise PeerRefused(f"op {op} is the chief's alone")
+    if op == Op.PUSH:
+        pulled, limit = words[1], words[2]
+        if pulled < 0 or limit < 0:
+            raise PeerRefused(f"PUSH: negative version or budget. Received: {pulled}, {limit}")
+        return (op, pulled, limit if chief else 0)  # the step budget is the chief's to set
+    if op == Op.ROWS:
+        slot, count = words[1], words[2]
+        if not 0 <= slot < sparse_slots:
+            raise PeerRefused(f"ROWS: slot {slot} of {sparse_slots}")
+        if not 0 <= count <= max_rows:
+            raise PeerRefused(f"ROWS: {count} rows asked of {max_rows}")
+        return (op, slot, count)
+    if op in (Op.PULL, Op.STATE, Op.LOAD, Op.FINISH, Op.BYE):
+        return (op,)
+    raise PeerRefused(f"unknown op {op}")
+
+
+def prove_worker(channel: Channel, secret: bytes, worker: int) -> None:
+    """The worker's side of the pair's handshake (see the module's docstring)."""
+    ps_nonce = channel.recv_bytes(_NONCE)
+    nonce = os.urandom(_NONCE)
+    index = worker.to_bytes(8, "big", signed=True)
+    channel.send_bytes(nonce + index + mac(secret, b"ps-worker", ps_nonce, nonce, index))
+    answer = channel.recv_bytes(1 + _MAC)
+    if answer[0] != 1 or not hmac.compare_digest(answer[1:], mac(secret, b"ps-task", nonce, ps_nonce)):
+        raise PeerRefused(f"{channel.label} could not prove the job secret")
+
+
+def check_worker(channel: Channel, secret: bytes) -> int:
+    """The ps side of the pair's handshake: the worker's index, once it has proven the secret."""
+    ps_nonce = os.urandom(_NONCE)
+    channel.send_bytes(ps_nonce)
+    hello = channel.recv_bytes(_NONCE + 8 + _MAC)
+    nonce, index, proof = hello[:_NONCE], hello[_NONCE:_NONCE + 8], hello[_NONCE + 8:]
+    if not hmac.compare_digest(proof, mac(secret, b"ps-worker", ps_nonce, nonce, index)):
+        channel.send_bytes(bytes(1 + _MAC))
+        raise PeerRefused("a peer could not prove the job secret")
+    channel.send_bytes(b"\x01" + mac(secret, b"ps-task", nonce, ps_nonce))
+    worker = int.from_bytes(index, "big", signed=True)
+    if worker < 0:
+        raise PeerRefused(f"worker index {worker}")
+    return worker
 
 
 def describe_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -142,16 +237,29 @@ def describe_state(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Te
 
 
 def receive_state(channel: Channel, described: dict[str, Any]) -> dict[str, Any]:
-    """The state entry ``describe_state`` described, its tensors read from ``channel``."""
+    """The state entry ``describe_state`` described, its tensors read from ``channel``
+    (each shape checked against ``MAX_STATE_BYTES`` before it is allocated)."""
+    if not isinstance(described, dict):
+        raise PeerRefused("a state entry is not a JSON object")
     state: dict[str, Any] = {}
     for key, spec in described.items():
+        if not isinstance(spec, dict):
+            raise PeerRefused(f"state entry {key!r} is not a JSON object")
         if "value" in spec:
             state[key] = spec["value"]
             continue
-        dtype = getattr(torch, str(spec["dtype"]), None)
+        dtype = getattr(torch, str(spec.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"not a torch dtype: {spec['dtype']!r}")
-        state[key] = channel.recv(tuple(spec["shape"]), dtype)
+            raise PeerRefused(f"not a torch dtype: {spec.get('dtype')!r}")
+        shape = spec.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and 0 <= n for n in shape):
+            raise PeerRefused(f"state entry {key!r}: not a shape: {shape!r}")
+        numel = 1
+        for n in shape:
+            numel *= n
+        if numel * dtype.itemsize > MAX_STATE_BYTES:
+            raise PeerRefused(f"state entry {key!r}: {numel} elements of {dtype} exceed the limit")
+        state[key] = channel.recv(tuple(shape), dtype)
     return state
 
 
@@ -160,17 +268,26 @@ def _pair(store: Any, connection: int, task: int, rank: int) -> Any:
     return dist.ProcessGroupGloo(prefix, rank, 2, _CONNECT_TIMEOUT)
 
 
-def open_worker_channels(store: Any, num_tasks: int, worker: int, wire: torch.dtype | None = None) -> list[Channel]:
-    """A worker's channels to every ps task (rank 1 of each pair; the ps is rank 0)."""
+def open_worker_channels(store: Any, num_tasks: int, worker: int, secret: bytes,
+                         wire: torch.dtype | None = None) -> list[Channel]:
+    """A worker's channels to every ps task (rank 1 of each pair; the ps is rank 0), each
+    authenticated both ways with the job ``secret``."""
     connection = int(store.add(_JOINS_KEY, 1)) - 1
-    store.set(f"ps/conn{connection}/worker", str(worker))
-    return [Channel(_pair(store, connection, task, 1), 0, f"ps{task}", wire) for task in range(num_tasks)]
+    channels = []
+    for task in range(num_tasks):
+        channel = Channel(_pair(store, connection, task, 1), 0, f"ps{task}", wire)
+        prove_worker(channel, secret, worker)
+        channels.append(channel)
+    return channels
 
 
-def accept_channel(store: Any, connection: int, task: int, wire: torch.dtype | None = None) -> tuple[Channel, int]:
-    """The ps end of connection ``connection``: (its channel, the worker's index)."""
-    worker = int(store.get(f"ps/conn{connection}/worker").decode())
-    return Channel(_pair(store, connection, task, 0), 1, f"worker{worker}", wire), worker
+def accept_channel(store: Any, connection: int, task: int, secret: bytes,
+                   wire: torch.dtype | None = None) -> tuple[Channel, int]:
+    """The ps end of connection ``connection``: (its channel, the worker's proven index)."""
+    channel = Channel(_pair(store, connection, task, 0), 1, f"connection {connection}", wire)
+    worker = check_worker(channel, secret)
+    channel.label = f"worker{worker}"
+    return channel, worker
 
 
 def watch_joins(store: Any, on_join: Callable[[int], None], stopping: Callable[[], bool]) -> None:

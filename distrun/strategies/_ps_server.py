@@ -34,7 +34,9 @@ from distrun.protocol import PsStats
 from distrun.strategies._ps_channel import (
     Channel,
     Op,
+    PeerRefused,
     accept_channel,
+    check_header,
     describe_state,
     receive_state,
     watch_joins,
@@ -108,9 +110,11 @@ class ParameterServer:
             self._workers[connection] = worker
             self._channels.append(channel)
             self._clocks[connection] = min(self._clocks.values(), default=0)
+        max_rows = max((self._tensors[i].shape[0] for i in self._sparse), default=0)
         try:
             while True:
-                op, *args = channel.recv_header()
+                op, *args = check_header(channel.recv_header(), chief=worker == 0, sparse_slots=len(self._sparse),
+                                         max_rows=max_rows)
                 if op == Op.PULL:
                     self._pull(channel, connection)
                 elif op == Op.PUSH:
@@ -125,10 +129,10 @@ class ParameterServer:
                     self.finished.set()
                     channel.send_header(1)
                     return "finished the job"
-                elif op == Op.BYE:
+                else:  # Op.BYE (check_header let no other op through)
                     return "left"
-                else:
-                    return f"sent unknown op {op}"
+        except PeerRefused as exc:  # it broke the wire's rules: the pair is dropped, the job goes on
+            return f"refused ({exc})"
         except RuntimeError as exc:  # gloo: the peer closed the connection (died) or timed out
             return f"lost ({str(exc).splitlines()[0][:120]})"
         finally:
@@ -172,10 +176,11 @@ class ParameterServer:
         for i in self._sparse:
             (count, *_rest) = channel.recv_header()
             shard = self._tensors[i]
-            ids = channel.recv((count,), torch.int64)
+            if not 0 <= count <= shard.shape[0]:
+                raise PeerRefused(f"PUSH: {count} rows for a shard of {shard.shape[0]}")
+            ids = self._local_rows(i, channel.recv((count,), torch.int64))
             rows = channel.recv_values((count, *shard.shape[1:]), shard.dtype)
-            start = self._refs[i].shard.rows[0]  # type: ignore[index]
-            grads[i] = torch.zeros_like(shard).index_add_(0, ids - start, rows)
+            grads[i] = torch.zeros_like(shard).index_add_(0, ids, rows)
         self._loaded.wait()
         with self._cond:
             if limit > 0:
@@ -233,12 +238,18 @@ class ParameterServer:
 
     def _rows(self, channel: Channel, *, slot: int, count: int) -> None:
         i = self._sparse[slot]
-        ids = channel.recv((count,), torch.int64)
-        start = self._refs[i].shard.rows[0]  # type: ignore[index]
+        ids = self._local_rows(i, channel.recv((count,), torch.int64))
         self._loaded.wait()
         with self._cond:
-            rows = self._tensors[i].detach()[ids - start]
+            rows = self._tensors[i].detach()[ids]
         channel.send_values(rows)
+
+    def _local_rows(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """Global row ids of shard ``i`` as its own indices; ids outside the shard are refused."""
+        start, end = self._refs[i].shard.rows  # type: ignore[misc]
+        if ids.numel() and (int(ids.min()) < start or int(ids.max()) >= end):
+            raise PeerRefused(f"rows outside {start}:{end} asked of {self._refs[i].name}")
+        return ids - start
 
     # -- checkpoints: shards and optimizer state, described in JSON, sent as tensors
 
@@ -257,10 +268,13 @@ class ParameterServer:
 
     def _load_state(self, channel: Channel) -> None:
         doc = channel.recv_json()
+        if (not isinstance(doc, dict) or not isinstance(doc.get("applied"), int) or not isinstance(doc.get("shards"), list)
+                or len(doc["shards"]) != len(self._tensors) or not all(isinstance(s, dict) for s in doc["shards"])):
+            raise PeerRefused(f"LOAD: not a description of this task's {len(self._tensors)} shard(s)")
         with self._cond:
             for tensor, shard in zip(self._tensors, doc["shards"]):
                 channel.recv_into(tensor.data)
-                state = receive_state(channel, shard["state"])
+                state = receive_state(channel, shard.get("state", {}))
                 if self._optimizer is not None and state:
                     self._optimizer.state[tensor] = state
             self.applied = int(doc["applied"])
@@ -269,15 +283,18 @@ class ParameterServer:
         channel.send_header(1)
 
 
-def serve_forever(server: ParameterServer, store: Any, on_event: Callable[[str], None],
+def serve_forever(server: ParameterServer, store: Any, on_event: Callable[[str], None], secret: bytes,
                   linger_s: float = 120.0) -> None:
-    """Accept workers (numbered through ``store``, the job's TCPStore) until the chief says
-    FINISH, then wait (bounded) for the rest to leave."""
+    """Accept workers (numbered through ``store``, the job's TCPStore; each proves ``secret``,
+    the job's) until the chief says FINISH, then wait (bounded) for the rest to leave."""
     stopping = threading.Event()
 
     def handle(connection: int) -> None:
         try:
-            channel, worker = accept_channel(store, connection, server.task, server.wire)
+            channel, worker = accept_channel(store, connection, server.task, secret, server.wire)
+        except PeerRefused as exc:
+            on_event(f"refused connection {connection}: {exc}")
+            return
         except RuntimeError as exc:
             on_event(f"connection {connection} never opened: {str(exc).splitlines()[0][:120]}")
             return

@@ -85,12 +85,14 @@ class ParameterServerStrategy(Strategy):
     name = "parameter-server"
     _unscale_in_step = False  # fp16: embedding rows' gradients are not in param.grad; _push unscales
 
-    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, sync: bool = False,
-                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), wire: torch.dtype | None = None,
-                 **kwargs: Any) -> None:
-        """``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``); the ps keeps fp32."""
+    def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, store: Any, num_ps: int, secret: bytes,
+                 sync: bool = False, partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20),
+                 wire: torch.dtype | None = None, **kwargs: Any) -> None:
+        """``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``); the ps keeps fp32.
+        ``secret``: the job's, which every ps task checks this worker proves (``_ps_channel``)."""
         super().__init__(replica, reporter, **kwargs)
         self._wire = wire
+        self._secret = secret
         self._store = store
         self._num_ps = num_ps
         self._sync = sync
@@ -134,7 +136,7 @@ class ParameterServerStrategy(Strategy):
         if self.is_chief:
             for line in self._layout.describe():
                 print(f"[placement] {line}", flush=True)
-        self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id, self._wire)
+        self._channels = open_worker_channels(self._store, self._num_ps, self.replica_id, self._secret, self._wire)
         # Evaluation (and any forward outside ``run``) sees the current parameters too.
         model.register_forward_pre_hook(lambda module, args: self._pull() if self._stale else None)
         modules = dict(model.named_modules())

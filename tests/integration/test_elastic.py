@@ -39,7 +39,9 @@ def test_a_lost_replica_costs_no_step_and_rejoins(tmp_path, one_device):
     recipe.write_text(ELASTIC)
     result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "2:3", "--steps", str(STEPS),
                     "--checkpoint-dir", str(tmp_path / "ck"), "--",
-                    "--die-rank", "2", "--die-at", "10", "--once", str(tmp_path / "once"), "--sleep-s", "0.05")
+                    # Slow enough steps that the restarted rank (a cold interpreter: ~2 s, ~4 s on a
+                    # busy 2-core machine) arrives before the job's last step.
+                    "--die-rank", "2", "--die-at", "10", "--once", str(tmp_path / "once"), "--sleep-s", "0.2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.json_lines()
     changes = [line for line in lines if line["type"] == "membership"]
@@ -105,13 +107,27 @@ def test_a_recipe_error_still_fails_an_elastic_job(write_recipe, tmp_path):
     assert_no_processes(str(tmp_path))
 
 
+def test_a_recipe_error_that_reads_like_a_lost_peer_still_fails_the_job(write_recipe, tmp_path):
+    """The decision comes from the membership record, never from an exception's text: a
+    RuntimeError saying "Connection refused" while every peer is alive is the recipe's."""
+    recipe = RAISES_IN_RANK_1.replace('raise ValueError("boom at step 3")',
+                                      'raise RuntimeError("Connection refused by the feature store at step 3")')
+    result = _train(write_recipe(recipe), "--strategy", "mirrored", "--replicas", "2", "--elastic", "1:2",
+                    "--steps", "20")
+    assert result.returncode != 0, result.stdout[-2000:]
+    assert "Connection refused by the feature store at step 3" in result.stderr
+    assert ".py:" in result.stderr.splitlines()[-1], result.stderr[-500:]  # it names the recipe's line
+    assert not [line for line in result.json_lines() if line["type"] == "membership"]
+    assert_no_processes(str(tmp_path))
+
+
 def test_a_lost_replica_with_compressed_gradients(tmp_path):
     """With a comm hook (bf16 on the wire), DDP is rebuilt for the new group and the hook attached anew."""
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)
     result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "2:3", "--compression", "bf16",
                     "--steps", str(STEPS), "--", "--die-rank", "2", "--die-at", "10", "--once", str(tmp_path / "once"),
-                    "--sleep-s", "0.05")
+                    "--sleep-s", "0.2")  # the restarted rank arrives before the last step (see above)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [c["world_size"] for c in result.json_lines() if c["type"] == "membership"] == [2, 3]
     assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0

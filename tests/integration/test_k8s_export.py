@@ -49,7 +49,7 @@ def test_manifests_are_valid_and_say_the_cluster_files_job(tmp_path):
     objects = _export(tmp_path, "  - {address: 10.0.0.1, roles: [chief, worker], slots: 4, gpus: 4}\n"
                                 "  - {address: 10.0.0.2, slots: 4, gpus: 4}\n"
                                 "  - {address: 10.0.0.3, roles: [evaluator]}\n")
-    assert sorted(objects) == ["ConfigMap", "Job", "Service"]
+    assert sorted(objects) == ["ConfigMap", "Job", "NetworkPolicy", "Secret", "Service"]
     job = objects["Job"]["spec"]
     assert job["completionMode"] == "Indexed" and job["completions"] == job["parallelism"] == 2  # worker hosts only
     pod = job["template"]["spec"]
@@ -62,6 +62,18 @@ def test_manifests_are_valid_and_say_the_cluster_files_job(tmp_path):
     assert env["WORLD_SIZE"] == "8" and env["MASTER_ADDR"] == "lab-equiv-0.lab-equiv" and env["GROUP_WORLD_SIZE"] == "2"
     spec = json.loads(objects["ConfigMap"]["data"]["job-spec.json"])
     assert spec["strategy"] == "multi-worker" and spec["replicas"] == 8 and spec["device"] == "cuda"
+    # The data plane's secret is a Secret, handed to the pods by reference, never in the ConfigMap.
+    secret = objects["Secret"]["stringData"]["job-secret"]
+    assert len(secret) == 64 and secret not in yaml.safe_dump(objects["ConfigMap"]) and secret not in str(container)
+    by_name = {item["name"]: item for item in container["env"]}
+    assert by_name["DISTRUN_JOB_SECRET"]["valueFrom"]["secretKeyRef"] == {"name": objects["Secret"]["metadata"]["name"],
+                                                                         "key": "job-secret"}
+    # Only the job's own pods reach its pods: the policy selects them, and admits only them.
+    policy = objects["NetworkPolicy"]["spec"]
+    pod_labels = objects["Job"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert [peer["podSelector"] for rule in policy["ingress"] for peer in rule["from"]] == [policy["podSelector"]]
     bundle = base64.b64decode(objects["ConfigMap"]["binaryData"]["bundle.tar.gz"])
     with tarfile.open(fileobj=io.BytesIO(bundle)) as tar:
         assert "equiv.py" in tar.getnames()  # the laptop still ships the code: the image holds none
@@ -79,8 +91,10 @@ def test_the_pods_command_trains_the_job_over_two_nodes(tmp_path):
     here = {"/distrun/bundle.tar.gz": str(mounted / "bundle.tar.gz"), "/distrun/job-spec.json": str(mounted / "job-spec.json"),
             "lab-equiv-0.lab-equiv": "127.0.0.1", "lab-equiv-{index}.lab-equiv": "127.0.0.1", "29500": port}
     argv = [sys.executable, "-m", "distrun", *[here.get(arg, arg) for arg in command[1:]]]
+    secret = objects["Secret"]["stringData"]["job-secret"]  # what the secretKeyRef gives each pod
     pods = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "JOB_COMPLETION_INDEX": str(index)}) for index in (0, 1)]
+                             env={**os.environ, "JOB_COMPLETION_INDEX": str(index), "DISTRUN_JOB_SECRET": secret})
+            for index in (0, 1)]
     outs = [pod.communicate(timeout=180) for pod in pods]
     for pod, (out, err) in zip(pods, outs):
         assert pod.returncode == 0, err[-2000:]

@@ -1,0 +1,272 @@
+"""The job's store behind an authenticating front: no one without the job secret reaches it.
+
+torch's TCPStore authenticates nothing, and in torch 2.13 it lists its keys to any client
+(``TCPStore.list_keys``), so hiding a job's keys under a secret prefix hides nothing (tried:
+a bare client listed ``secret/k``). What protects the store is where it can be reached from:
+
+- On the store's host, the store binds 127.0.0.1 (the launcher binds the socket and hands
+  it to the store's process). The host's own ranks connect to it there.
+- A :class:`StoreFront` listens on the cluster address in its place (the rendezvous port).
+  A connection is served only after the peer proves the job secret with the control
+  plane's mutual HMAC handshake (``protocol/wire``, kind ``job-store``); then its bytes are
+  spliced to the loopback store. A refused peer is named once in the job's log.
+- On every other host, a :class:`StoreRelay` listens on 127.0.0.1 for the host's ranks
+  (their MASTER_ADDR/MASTER_PORT), takes only connections from processes of the launcher's
+  own user (the kernel's socket table says who owns the peer), and carries each to the
+  front, proving the secret on the way.
+
+The relay was chosen over a secret key prefix by the measurement above, and over nothing
+by what the issue's attacker did: joined a parameter-server job through the store and
+rewrote its parameters. Its cost per store round trip is in docs/security.md. What stays
+open (gloo's and NCCL's own sockets, the store's loopback port to other users of the
+store's host) is said there too.
+
+torch is never imported here: the launcher runs in the control plane.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Callable
+
+from distrun.protocol.wire import WireError, client_handshake, server_handshake
+
+__all__ = ["STORE_KIND", "StoreFront", "StoreRelay", "RefusalNotes", "peer_uid"]
+
+STORE_KIND = "job-store"
+#: How long a peer may take to prove the secret; a silent peer must not hold a slot for longer.
+HANDSHAKE_S = 5.0
+#: Handshakes in progress at once; connections past this are closed unanswered.
+_MAX_PENDING = 64
+_CHUNK = 65536
+_ACCEPT_POLL_S = 0.5
+
+Note = Callable[[str], None]
+
+
+class RefusalNotes:
+    """Names each refused peer once in the job's log (an attacker scanning must not flood it)."""
+
+    def __init__(self, note: Note, what: str) -> None:
+        self._note = note
+        self._what = what
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def refused(self, peer: str, why: str) -> None:
+        with self._lock:
+            if peer in self._seen:
+                return
+            self._seen.add(peer)
+        self._note(f"refused a {self._what} connection from {peer}: {why}")
+
+
+class _Splices:
+    """Open spliced connection pairs, so that closing the front or relay ends them all."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[socket.socket, socket.socket], int] = {}  # pair -> directions finished
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def splice(self, a: socket.socket, b: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                a.close()
+                b.close()
+                return
+            self._open[(a, b)] = 0
+        for src, dst in ((a, b), (b, a)):
+            threading.Thread(target=self._copy, args=((a, b), src, dst), name="store-splice", daemon=True).start()
+
+    def _copy(self, pair: tuple[socket.socket, socket.socket], src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(_CHUNK)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        try:
+            dst.shutdown(socket.SHUT_WR)  # the other direction may still be answering
+        except OSError:
+            pass
+        with self._lock:
+            finished = self._open.get(pair)
+            if finished is None:
+                return  # close() took it
+            if finished == 0:
+                self._open[pair] = 1
+                return
+            del self._open[pair]
+        for sock in pair:
+            sock.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pairs, self._open = list(self._open), {}
+        for pair in pairs:
+            for sock in pair:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+
+class _Acceptor:
+    """An accept loop on its own thread; each connection is handled on a thread of its own,
+    at most ``_MAX_PENDING`` handshakes at once."""
+
+    def __init__(self, listener: socket.socket, handle: Callable[[socket.socket, str], None], name: str) -> None:
+        self.listener = listener
+        self._handle = handle
+        self._slots = threading.BoundedSemaphore(_MAX_PENDING)
+        self._stopped = threading.Event()
+        self.splices = _Splices()
+        listener.settimeout(_ACCEPT_POLL_S)
+        self._thread = threading.Thread(target=self._accept, name=name, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, peer = self.listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return  # closed
+            if not self._slots.acquire(blocking=False):
+                conn.close()
+                continue
+            threading.Thread(target=self._run, args=(conn, str(peer[0])), name="store-handshake", daemon=True).start()
+
+    def _run(self, conn: socket.socket, peer: str) -> None:
+        try:
+            self._handle(conn, peer)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        self._stopped.set()
+        self.listener.close()
+        self._thread.join(timeout=2 * _ACCEPT_POLL_S)
+        self.splices.close()
+
+
+class StoreFront:
+    """On the store's host: the rendezvous port, where other hosts' relays prove the secret."""
+
+    def __init__(self, listener: socket.socket, secret: bytes, store_port: int, note: Note) -> None:
+        """``listener``: bound to the cluster address and listening; ``store_port``: the store's
+        loopback port on this host."""
+        self._secret = secret
+        self._store_port = store_port
+        self._refusals = RefusalNotes(note, "store")
+        self.address = listener.getsockname()[:2]
+        self._acceptor = _Acceptor(listener, self._serve, "store-front")
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        conn.settimeout(HANDSHAKE_S)
+        try:
+            server_handshake(conn, self._secret, kind=STORE_KIND)
+        except (WireError, OSError) as exc:
+            self._refusals.refused(peer, _why(exc))
+            conn.close()
+            return
+        try:
+            store = socket.create_connection(("127.0.0.1", self._store_port), timeout=HANDSHAKE_S)
+        except OSError:
+            conn.close()  # the store is gone: the job is ending
+            return
+        conn.settimeout(None)
+        store.settimeout(None)
+        _no_delay(conn, store)
+        self._acceptor.splices.splice(conn, store)
+
+    def close(self) -> None:
+        self._acceptor.close()
+
+
+class StoreRelay:
+    """On a host without the store: a loopback port for this host's ranks, carried to the front."""
+
+    def __init__(self, front: tuple[str, int], secret: bytes, note: Note) -> None:
+        self._front = front
+        self._secret = secret
+        self._refusals = RefusalNotes(note, "store relay")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        self.port = int(listener.getsockname()[1])
+        self._uid = os.getuid()
+        self._acceptor = _Acceptor(listener, self._serve, "store-relay")
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        owner = peer_uid(conn)
+        if owner != self._uid:
+            self._refusals.refused(f"{peer} (uid {owner})", f"not a process of uid {self._uid}")
+            conn.close()
+            return
+        try:
+            front = socket.create_connection(self._front, timeout=HANDSHAKE_S)
+        except OSError:
+            conn.close()  # the rank's store client reports the failure (it retries first)
+            return
+        try:
+            client_handshake(front, self._secret, kind=STORE_KIND)
+        except (WireError, OSError) as exc:
+            self._refusals.refused(f"{self._front[0]}:{self._front[1]}", f"the front failed the handshake ({_why(exc)})")
+            front.close()
+            conn.close()
+            return
+        front.settimeout(None)
+        _no_delay(conn, front)
+        self._acceptor.splices.splice(conn, front)
+
+    def close(self) -> None:
+        self._acceptor.close()
+
+
+def peer_uid(conn: socket.socket) -> int | None:
+    """The uid owning the other end of a loopback TCP connection (None if the kernel's
+    table does not show it: then the peer is refused)."""
+    try:
+        peer_host, peer_port = conn.getpeername()[:2]
+        _, local_port = conn.getsockname()[:2]
+    except OSError:
+        return None
+    if peer_host != "127.0.0.1":
+        return None
+    # torch's store client opens an IPv6 socket and connects v4-mapped: its row is in tcp6.
+    for table_path, loopback in (("/proc/net/tcp", "0100007F"), ("/proc/net/tcp6", "0000000000000000FFFF00000100007F")):
+        wanted = (f"{loopback}:{peer_port:04X}", f"{loopback}:{local_port:04X}")
+        try:
+            with open(table_path, encoding="ascii") as table:
+                next(table, None)
+                for line in table:
+                    fields = line.split()
+                    if len(fields) > 7 and (fields[1], fields[2]) == wanted:
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return f"it did not prove the job secret within {HANDSHAKE_S:.0f} s"
+    text = str(exc) or type(exc).__name__
+    return "it did not prove the job secret" if "token" in text else text
+
+
+def _no_delay(*sockets: socket.socket) -> None:
+    for sock in sockets:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass

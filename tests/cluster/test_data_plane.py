@@ -1,0 +1,182 @@
+"""A stranger on the cluster network, during a parameter-server job and an elastic multi-worker job.
+
+The attacker is a process in its own namespace on the lab's bridge, with torch installed. It
+knows the hosts' addresses, scans every port of each, and at each open one tries what the
+issue's attacker did: torch's store client (get the ps join counter, list the keys, add
+itself), and raw bytes. It must read nothing, and each job must end with exactly the
+parameters of the same job run without it. While the jobs run, every listening socket on
+every host is checked: none binds every interface.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab
+from tests.conftest import REPO, run_cli
+from tests.integration._recipes import ELASTIC
+
+ATTACKER = r'''
+import datetime, json, socket, sys, time
+import torch.distributed as dist
+
+hosts, until = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2])
+report = {"open": set(), "store_reads": [], "bytes_read": {}, "tries": 0}
+
+def scan(host):
+    found = []
+    for port in range(1024, 65536):
+        with socket.socket() as s:
+            s.settimeout(0.2)
+            if s.connect_ex((host, port)) == 0:
+                found.append(port)
+    return found
+
+def try_store(host, port):
+    try:
+        store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=1))
+    except Exception:
+        return
+    for attempt in (lambda: store.list_keys(), lambda: store.get("ps/joins"), lambda: store.add("ps/joins", 1),
+                    lambda: store.get("elastic//generation"), lambda: store.num_keys()):
+        try:
+            report["store_reads"].append(f"{host}:{port} {attempt()!r}"[:200])
+        except Exception:
+            pass
+
+def try_raw(host, port):
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"\x00" * 64 + b"GET / HTTP/1.0\r\n\r\n")
+            s.settimeout(1)
+            data = b""
+            try:
+                while chunk := s.recv(65536):
+                    data += chunk
+            except OSError:
+                pass
+    except OSError:
+        return
+    if data:
+        report["bytes_read"][f"{host}:{port}"] = data[:300].decode("latin-1")
+
+while time.monotonic() < until:
+    for host in hosts:
+        for port in scan(host):
+            if port == 22:
+                continue  # the hosts' sshd: not the job's
+            report["open"].add(f"{host}:{port}")
+            report["tries"] += 1
+            try_store(host, port)
+            try_raw(host, port)
+report["open"] = sorted(report["open"])
+print(json.dumps(report))
+'''
+
+
+@pytest.fixture(scope="module")
+def data_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, str]]:
+    tmp_path = tmp_path_factory.mktemp("data-plane")
+    with shaped_lab(tmp_path, ("h1", "h2")) as lab:
+        attacker_ns, _address = lab.netns.add_node("x", 30)
+        (lab.root / "attacker.py").write_text(ATTACKER)
+        yield lab, attacker_ns
+
+
+def _listeners(ns: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+
+def _run_attacked(lab: Lab, attacker_ns: str, argv: list[str]) -> tuple[subprocess.CompletedProcess, dict, dict]:
+    """Train with the attacker scanning throughout; meanwhile read every host's listening sockets."""
+    hosts = ",".join(address for _ns, address in lab.hosts.values())
+    attacker = subprocess.Popen(["ip", "netns", "exec", attacker_ns, sys.executable, str(lab.root / "attacker.py"),
+                                 hosts, "45"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    job = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *argv],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
+    seen: dict[str, set[str]] = {name: set() for name in lab.hosts}
+    while job.poll() is None:
+        for name, (ns, _address) in lab.hosts.items():
+            seen[name].update(_listeners(ns))
+        time.sleep(0.5)
+    out, err = job.communicate()
+    report_out, report_err = attacker.communicate(timeout=240)
+    assert attacker.returncode == 0, report_err[-2000:]
+    return (subprocess.CompletedProcess(job.args, job.returncode, out, err), json.loads(report_out.splitlines()[-1]),
+            {name: sorted(found) for name, found in seen.items()})
+
+
+def _check(lab: Lab, run: subprocess.CompletedProcess, report: dict, listeners: dict[str, list[str]]) -> None:
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert report["tries"] > 0 and report["open"], "the attacker found the job's ports"
+    assert report["store_reads"] == [], report["store_reads"]
+    for where, data in report["bytes_read"].items():  # a front or probe says who it is and asks for proof, no more
+        assert data.startswith("\x00\x00\x00") and '"nonce"' in data and "ps/" not in data, (where, data)
+    # Every listener binds loopback or the host's own address: none listens on every interface.
+    for name, found in listeners.items():
+        address = lab.hosts[name][1]
+        for entry in found:
+            host = entry.rsplit(":", 1)[0].strip("[]")
+            assert host in ("127.0.0.1", address), f"{name} listens on {entry}: {found}"
+    rendezvous = [entry for entry in listeners["h1"] if entry.startswith(lab.hosts["h1"][1] + ":")
+                  and not entry.endswith(":22")]
+    assert rendezvous, f"the store's front on h1's address: {listeners['h1']}"
+    # The job's log names the attacker's refused connections, each at most once.
+    lines = json_lines(run)
+    refused = [line["line"] for line in lines if line.get("type") == "output" and "refused a" in line["line"]]
+    assert refused, "the refused connections are named"
+    assert len(refused) == len(set(refused)), refused
+    assert all("10.199.0.30" in line for line in refused), refused
+
+
+def test_a_parameter_server_job_under_attack_ends_with_its_own_parameters(data_lab, tmp_path: Path) -> None:
+    lab, attacker_ns = data_lab
+    code = tmp_path / "code"
+    code.mkdir()
+    recipe = code / "embedding.py"
+    recipe.write_text((REPO / "recipes" / "embedding.py").read_text())
+    roles = {"h1": {"roles": "[chief, worker]", "slots": "1"}, "h2": {"roles": "[ps]"}}
+    with brought_up(lab, roles, "psx") as cluster:
+        run, report, listeners = _run_attacked(lab, attacker_ns, [
+            "train", str(recipe), "--cluster", str(cluster), "--strategy", "ps", "--ps-sync", "--steps", "40",
+            "--json", "--checkpoint-dir", str(tmp_path / "ps")])
+    _check(lab, run, report, listeners)
+    local = run_cli("train", str(recipe), "--steps", "40", "--json", "--checkpoint-dir", str(tmp_path / "one"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    home = lab.root / "distrun-results" / json_lines(run)[0]["job"]
+    attacked = torch.load(latest_checkpoint(home), weights_only=True)["model"]
+    alone = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)["model"]
+    for key, tensor in alone.items():
+        assert torch.equal(attacked[key], tensor), key
+
+
+def test_an_elastic_multi_worker_job_under_attack_ends_with_its_own_parameters(data_lab, tmp_path: Path) -> None:
+    lab, attacker_ns = data_lab
+    code = tmp_path / "code"
+    code.mkdir()
+    recipe = code / "elastic.py"
+    recipe.write_text(ELASTIC)
+    roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
+    with brought_up(lab, roles, "elx") as cluster:
+        run, report, listeners = _run_attacked(lab, attacker_ns, [
+            "train", str(recipe), "--cluster", str(cluster), "--elastic", "1:2", "--steps", "40", "--json",
+            "--checkpoint-dir", str(tmp_path / "el"), "--", "--sleep-s", "0.3"])
+    _check(lab, run, report, listeners)
+    local = run_cli("train", str(recipe), "--strategy", "mirrored", "--replicas", "2", "--steps", "40", "--json",
+                    "--checkpoint-dir", str(tmp_path / "two"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    home = lab.root / "distrun-results" / json_lines(run)[0]["job"]
+    attacked = torch.load(latest_checkpoint(home), weights_only=True)["model"]
+    alone = torch.load(latest_checkpoint(tmp_path / "two"), weights_only=True)["model"]
+    for key, tensor in alone.items():
+        assert torch.equal(attacked[key], tensor), key

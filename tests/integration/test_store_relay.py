@@ -1,0 +1,136 @@
+"""The job store behind its front and relays: torch's own TCPStore, real sockets, a real second user.
+
+A stranger with torch's public store client reads and writes nothing: not through the front
+(it cannot prove the secret), not through a host's relay (it is another user), and the
+store itself is on loopback. A rank of the job, through its relay, sees the store as always.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from distrun.launch._store_relay import StoreFront, StoreRelay, peer_uid
+
+pytestmark = pytest.mark.integration
+
+SECRET = bytes(range(32))
+
+
+class _Job:
+    """A store on loopback, its front on another loopback socket (the cluster address's stand-in), one relay."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        store_socket = socket.socket()
+        store_socket.bind(("127.0.0.1", 0))
+        store_socket.listen(64)
+        self.store_port = store_socket.getsockname()[1]
+        self.store = dist.TCPStore("127.0.0.1", self.store_port, None, True, timedelta(seconds=10),
+                                   wait_for_workers=False, master_listen_fd=store_socket.fileno())
+        self._store_socket = store_socket
+        listener = socket.socket()
+        listener.bind(("127.0.0.2", 0))
+        listener.listen(64)
+        self.front = StoreFront(listener, SECRET, self.store_port, self.notes.append)
+        self.relay = StoreRelay(self.front.address, SECRET, self.notes.append)
+
+    def close(self) -> None:
+        self.relay.close()
+        self.front.close()
+        self._store_socket.close()
+
+
+@pytest.fixture(scope="module")
+def job() -> Any:
+    made = _Job()
+    made.store.set("ps/params", "secret weights")
+    yield made
+    made.close()
+
+
+def _client(port: int, timeout_s: float = 10.0) -> Any:
+    return dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=timeout_s))
+
+
+def test_a_rank_through_its_relay_sees_the_store(job: _Job) -> None:
+    client = _client(job.relay.port)
+    assert client.get("ps/params") == b"secret weights"
+    client.set("from/rank", "1")
+    assert job.store.get("from/rank") == b"1"
+    assert client.add("counter", 5) == 5 and job.store.add("counter", 0) == 5
+    client.wait(["ps/params"])
+
+
+def test_a_stranger_at_the_front_reads_nothing_and_is_named_once(job: _Job) -> None:
+    host, port = job.front.address
+    for _ in range(2):
+        with pytest.raises(dist.DistNetworkError):
+            dist.TCPStore(host, port, None, False, timedelta(seconds=2))
+    # Raw bytes: a store request, then junk, then a frame announcing 4 GiB.
+    for payload in (b"\x00" * 64, b"GET ps/params\r\n", b"\xff\xff\xff\xffxx"):
+        with socket.create_connection((host, port), timeout=5) as raw:
+            raw.sendall(payload)
+            raw.settimeout(6)
+            received = b""
+            try:
+                while chunk := raw.recv(65536):
+                    received += chunk
+            except OSError:
+                pass
+            assert b"secret weights" not in received
+    assert job.store.get("ps/params") == b"secret weights"
+    refused = [note for note in job.notes if note.startswith("refused a store connection from 127.0.0.1")]
+    assert len(refused) == 1, job.notes
+
+
+def test_a_relay_without_the_secret_is_refused(job: _Job) -> None:
+    notes: list[str] = []
+    wrong = StoreRelay(job.front.address, b"w" * 32, notes.append)
+    try:
+        with pytest.raises(dist.DistNetworkError):
+            _client(wrong.port, timeout_s=2)
+    finally:
+        wrong.close()
+    assert any("the front failed the handshake" in note for note in notes), notes
+
+
+def test_another_user_on_the_host_is_refused_by_the_relay(job: _Job) -> None:
+    if os.getuid() != 0:
+        pytest.fail("this test runs as root, to connect as another user (nobody)")
+    read_r, read_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: a plain socket is all the relay sees of a client
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.create_connection(("127.0.0.1", job.relay.port), timeout=5) as conn:
+                conn.sendall(b"\x00" * 16)
+                conn.settimeout(5)
+                got = conn.recv(65536)
+            os.write(read_w, b"READ " + got if got else b"CLOSED")
+        except OSError as exc:
+            os.write(read_w, f"REFUSED {exc}".encode())
+        finally:
+            os._exit(0)
+    os.close(read_w)
+    os.waitpid(pid, 0)
+    said = os.read(read_r, 65536).decode("latin-1")
+    os.close(read_r)
+    assert said == "CLOSED" or said.startswith("REFUSED"), said
+    assert any("(uid 65534)" in note and "not a process of uid 0" in note for note in job.notes), job.notes
+
+
+def test_the_peer_uid_is_read_from_the_kernels_socket_table() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        with socket.create_connection(listener.getsockname()):
+            conn, _ = listener.accept()
+            with conn:
+                assert peer_uid(conn) == os.getuid()
