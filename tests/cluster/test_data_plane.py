@@ -139,6 +139,17 @@ def _check(lab: Lab, run: subprocess.CompletedProcess, report: dict, listeners: 
     assert all("10.199.0.30" in line for line in refused), refused
 
 
+def _same_parameters(lab: Lab, run: subprocess.CompletedProcess, recipe: Path, folder: Path, *flags: str) -> None:
+    """The attacked job's checkpoint (brought home) equals the same job's, run here without the attacker."""
+    local = run_cli("train", str(recipe), *flags, "--json", "--checkpoint-dir", str(folder))
+    assert local.returncode == 0, local.stderr[-2000:]
+    home = lab.root / "distrun-results" / json_lines(run)[0]["job"]
+    attacked = torch.load(latest_checkpoint(home), weights_only=True)["model"]
+    alone = torch.load(latest_checkpoint(folder), weights_only=True)["model"]
+    for key, tensor in alone.items():
+        assert torch.equal(attacked[key], tensor), key
+
+
 def test_a_parameter_server_job_under_attack_ends_with_its_own_parameters(data_lab, tmp_path: Path) -> None:
     lab, attacker_ns = data_lab
     code = tmp_path / "code"
@@ -151,13 +162,7 @@ def test_a_parameter_server_job_under_attack_ends_with_its_own_parameters(data_l
             "train", str(recipe), "--cluster", str(cluster), "--strategy", "ps", "--ps-sync", "--steps", "40",
             "--json", "--checkpoint-dir", str(tmp_path / "ps")])
     _check(lab, run, report, listeners)
-    local = run_cli("train", str(recipe), "--steps", "40", "--json", "--checkpoint-dir", str(tmp_path / "one"))
-    assert local.returncode == 0, local.stderr[-2000:]
-    home = lab.root / "distrun-results" / json_lines(run)[0]["job"]
-    attacked = torch.load(latest_checkpoint(home), weights_only=True)["model"]
-    alone = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)["model"]
-    for key, tensor in alone.items():
-        assert torch.equal(attacked[key], tensor), key
+    _same_parameters(lab, run, recipe, tmp_path / "one", "--steps", "40")
 
 
 def test_an_elastic_multi_worker_job_under_attack_ends_with_its_own_parameters(data_lab, tmp_path: Path) -> None:
@@ -172,11 +177,4 @@ def test_an_elastic_multi_worker_job_under_attack_ends_with_its_own_parameters(d
             "train", str(recipe), "--cluster", str(cluster), "--elastic", "1:2", "--steps", "40", "--json",
             "--checkpoint-dir", str(tmp_path / "el"), "--", "--sleep-s", "0.3"])
     _check(lab, run, report, listeners)
-    local = run_cli("train", str(recipe), "--strategy", "mirrored", "--replicas", "2", "--steps", "40", "--json",
-                    "--checkpoint-dir", str(tmp_path / "two"))
-    assert local.returncode == 0, local.stderr[-2000:]
-    home = lab.root / "distrun-results" / json_lines(run)[0]["job"]
-    attacked = torch.load(latest_checkpoint(home), weights_only=True)["model"]
-    alone = torch.load(latest_checkpoint(tmp_path / "two"), weights_only=True)["model"]
-    for key, tensor in alone.items():
-        assert torch.equal(attacked[key], tensor), key
+    _same_parameters(lab, run, recipe, tmp_path / "two", "--strategy", "mirrored", "--replicas", "2", "--steps", "40")

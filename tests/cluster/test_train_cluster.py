@@ -65,7 +65,8 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     (code / "helper.py").write_text("GREETING = 'first'\n")
     script = code / "script.py"
     script.write_text((REPO / "recipes" / "torchrun_script.py").read_text().replace(
-        "    print(f\"rank {rank}", "    import helper, json\n    print(helper.GREETING, os.environ['MASTER_ADDR'])\n"
+        "    print(f\"rank {rank}", "    import helper, json\n"
+                                  "    print(helper.GREETING, os.environ['MASTER_ADDR'], os.environ['DISTRUN_CHIEF_ADDR'])\n"
                                   "    print('tf', json.dumps(json.loads(os.environ['TF_CONFIG'])['cluster']))\n"
                                   "    print(f\"rank {rank}"))
     first = lab_cli(lab, "train", str(script), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
@@ -73,7 +74,8 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     output = [line["line"] for line in json_lines(first) if line.get("type") == "output"]
     assert {line.split(":")[0] for line in output if line.startswith("rank ")} == {"rank 0 of 2", "rank 1 of 2"}
-    assert output.count(f"first {lab.hosts['h1'][1]}") == 2  # both hosts reach the chief's address
+    # Both hosts reach the store on loopback (the chief's own port, or a relay to it) and know the chief.
+    assert output.count(f"first 127.0.0.1 {lab.hosts['h1'][1]}") == 2
     tf = {line for line in output if line.startswith("tf ")}
     assert len(tf) == 1  # every rank sees the same cluster: TensorFlow's view of the job
     workers = json.loads(tf.pop()[3:])["worker"]
@@ -86,7 +88,8 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     lines = json_lines(second)
     assert lines[-1]["strategy"] == "multi-worker" and lines[-1]["replicas"] == 2
     assert len(lines[0]["bundle_sent_to"]) == 2  # changed content, new bundle
-    assert [line["line"] for line in lines if line.get("type") == "output"].count(f"second {lab.hosts['h1'][1]}") == 2
+    assert [line["line"] for line in lines if line.get("type") == "output"].count(
+        f"second 127.0.0.1 {lab.hosts['h1'][1]}") == 2
 
 
 def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tmp_path: Path) -> None:

@@ -74,3 +74,4 @@ def test_the_rendezvous_binds_the_hosts_address_and_needs_a_secret(tmp_path: Pat
         manager.rendezvous({"job": "j2", "secret": "short", "address": "127.0.0.1"})
     with pytest.raises(JobError, match="the secret differs"):
         manager.submit({"job": "j1", "secret": new_job_secret(), "bundle": "0" * 64})
+
