@@ -37,7 +37,7 @@ import torch.distributed as dist
 from distrun.protocol.environment import CHIEF_ADDR_VAR
 from distrun.protocol.secret import job_secret_from
 from distrun.protocol.wire import WireError, client_handshake, server_handshake
-from distrun.strategies._hierarchical import HierarchicalAllReduce, host_groups
+from distrun.strategies.communication.hierarchical import HierarchicalAllReduce, host_groups
 
 _CHUNK = 1 << 20
 PROBE_KIND = "link-probe"

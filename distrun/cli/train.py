@@ -144,7 +144,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
                              "all-reduce across two or more worker hosts")
         if elastic is not None:
-            spec = dataclasses.replace(spec, **job.elastic_range(elastic))
+            spec = dataclasses.replace(spec, **job.elastic.elastic_range(elastic))
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s)
     except BaseException:

@@ -1,7 +1,10 @@
 """A cluster job's hosts under ``--elastic``: lost hosts rejoin, added hosts join, hung ranks go.
 
-``ClusterJob`` takes these from :class:`ElasticHosts`. They are the client's part of
-elastic training (docs/elastic.md); the ranks' part is ``strategies/_elastic``.
+A ``ClusterJob`` holds one :class:`ElasticHosts`, which acts on the job through the
+:class:`ElasticJob` protocol: the members it reads and the calls it makes. So this module
+never imports ``cluster_job`` (the two imported each other while this was a mixin). These
+are the client's part of elastic training (docs/elastic.md); the ranks' part is
+``strategies/elastic/replica.py``.
 
 - ``--elastic MIN[:MAX]`` counts worker hosts, as torchrun's ``--nnodes`` does.
 - A lost worker host (its server killed, the host down): the others go on; once its
@@ -16,129 +19,156 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from distrun.client._links import HostLink, Placement
 from distrun.client.cluster import slots_for
-from distrun.config import Role, load_cluster, parse_elastic
+from distrun.client._bundle import Bundle
+from distrun.config import ClusterSpec, JobSpec, Role, load_cluster, parse_elastic
 from distrun.errors import DistrunError, HostError, UsageError
 from distrun.protocol import Hung
 
-if TYPE_CHECKING:
-    from distrun.client.cluster_job import ClusterJob
-
-__all__ = ["ElasticHosts", "WATCH_S"]
+__all__ = ["ElasticHosts", "ElasticJob", "WATCH_S"]
 
 #: How often a running elastic job reads its cluster file again for added worker hosts.
 WATCH_S = 2.0
 
 
-class ElasticHosts:
-    """The elastic part of :class:`~distrun.client.cluster_job.ClusterJob` (a mixin: it uses its state)."""
+class ElasticJob(Protocol):
+    """What :class:`ElasticHosts` reads and calls of the cluster job it serves."""
 
-    def elastic_range(self: ClusterJob, text: str) -> dict[str, int]:
+    cluster: ClusterSpec
+    spec: JobSpec | None
+    placements: tuple[Placement, ...]
+    attempt_id: str
+    _links: list[HostLink]
+    _results: dict[str, dict[str, Any]]
+    _followers: list[threading.Thread]
+    _cancelled: threading.Event
+    _detaching: bool
+    _bundle: Bundle | None
+
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    def _note(self, text: str) -> None: ...
+    def _ship(self, link: HostLink, bundle: Bundle) -> bool: ...
+    def _submit_to(self, link: HostLink, placement: Placement, attempt_id: str, spec: JobSpec, *,
+                   join: bool = False) -> None: ...
+    def _follow(self, link: HostLink, attempt_id: str) -> None: ...
+
+
+class ElasticHosts:
+    """The elastic part of a cluster job: its lost, added and hung hosts."""
+
+    def __init__(self, job: ElasticJob) -> None:
+        self._job = job
+        self._refused_hosts: set[str] = set()  # added hosts that cannot join (their slots differ)
+
+    def elastic_range(self, text: str) -> dict[str, int]:
         """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas."""
-        slots = sorted({p.slots for p in self.placements})
+        slots = sorted({p.slots for p in self._job.placements})
         if len(slots) != 1:
-            where = self.cluster.source or "the cluster"
+            where = self._job.cluster.source or "the cluster"
             raise UsageError(f"--elastic counts worker hosts, so every worker host of {where} needs the same "
                              f"slots: they have {', '.join(map(str, slots))}")
-        low, high = parse_elastic(text, len(self.placements), unit="worker host", scale=slots[0])
+        low, high = parse_elastic(text, len(self._job.placements), unit="worker host", scale=slots[0])
         return {"elastic_min": low, "elastic_max": high}
 
-    def _lost_host(self: ClusterJob, link: HostLink, attempt_id: str, reason: str) -> None:
+    def lost_host(self, link: HostLink, attempt_id: str, reason: str) -> None:
         """``--elastic``: a worker host (not the chief's, which holds the store) was lost.
 
         Its ranks died with its server; the others form a new group on their own. When its
         server is back (``distrun up``), its ranks join the running job, healed by a peer.
         """
-        self._results[link.label] = {"state": "lost", "failure": None, "error": reason}
-        self._note(f"[distrun] lost {link.label} ({reason}): the job goes on without it (--elastic); "
+        self._job._results[link.label] = {"state": "lost", "failure": None, "error": reason}
+        self._job._note(f"[distrun] lost {link.label} ({reason}): the job goes on without it (--elastic); "
                    "it rejoins once its server is back (`distrun up`)")
-        others = [other.label for other in self._links if other is not link]
+        others = [other.label for other in self._job._links if other is not link]
 
         def job_over() -> bool:
-            return self._cancelled.is_set() or self._detaching or all(label in self._results for label in others)
+            return self._job._cancelled.is_set() or self._job._detaching or all(label in self._job._results for label in others)
 
         if not link.wait_for_server(job_over):
             return
-        placement = self.placements[self._links.index(link)]
+        placement = self._job.placements[self._job._links.index(link)]
         try:
-            self._ship(link, self._bundle)
-            self._submit_to(link, placement, attempt_id, self.spec, join=True)
+            self._job._ship(link, self._job._bundle)
+            self._job._submit_to(link, placement, attempt_id, self._job.spec, join=True)
         except HostError as exc:
-            self._note(f"[distrun] {link.label} is back but could not rejoin: {exc.reason}")
+            self._job._note(f"[distrun] {link.label} is back but could not rejoin: {exc.reason}")
             return
-        self._note(f"[distrun] {link.label} is back: its ranks join the job")
-        del self._results[link.label]
-        self._follow(link, attempt_id)
+        self._job._note(f"[distrun] {link.label} is back: its ranks join the job")
+        del self._job._results[link.label]
+        self._job._follow(link, attempt_id)
 
-    def _lose_hung(self: ClusterJob, hang: Hung) -> None:
+    def lose_hung(self, hang: Hung) -> None:
         """``--elastic``: a stuck rank is treated as lost: its host's server kills it, it rejoins."""
         if hang.rank < 0:
             return
-        for link, placement in zip(self._links, self.placements):
+        for link, placement in zip(self._job._links, self._job.placements):
             if placement.rank_offset <= hang.rank < placement.rank_offset + placement.slots:
                 try:
-                    link.call("lose_rank", job=self.attempt_id, rank=hang.rank,
+                    link.call("lose_rank", job=self._job.attempt_id, rank=hang.rank,
                               why=f"hung for {hang.stalled_s:.0f} s {hang.where}")
                 except HostError as exc:
-                    self._note(f"[distrun] could not stop hung rank {hang.rank} on {link.label}: {exc.reason}")
+                    self._job._note(f"[distrun] could not stop hung rank {hang.rank} on {link.label}: {exc.reason}")
 
 
-    def _watch_for_hosts(self: ClusterJob) -> None:
+    def watch_for_hosts(self) -> None:
         """Start the thread that lets added worker hosts join (only while below MAX hosts)."""
-        assert self.spec is not None
-        slots = self.placements[0].slots
-        if self.cluster.source is None or self.spec.elastic_max <= self.replicas or slots < 1:
+        assert self._job.spec is not None
+        slots = self._job.placements[0].slots
+        if self._job.cluster.source is None or self._job.spec.elastic_max <= self._job.replicas or slots < 1:
             return
         threading.Thread(target=self._add_hosts, name="elastic-hosts", daemon=True).start()
 
-    def _add_hosts(self: ClusterJob) -> None:
-        assert self.spec is not None and self.cluster.source is not None
-        while not self._attempt_over():
+    def _add_hosts(self) -> None:
+        assert self._job.spec is not None and self._job.cluster.source is not None
+        while not self.attempt_over():
             time.sleep(WATCH_S)
-            if self.replicas >= self.spec.elastic_max:
+            if self._job.replicas >= self._job.spec.elastic_max:
                 continue
             try:
-                cluster = load_cluster(Path(self.cluster.source))
+                cluster = load_cluster(Path(self._job.cluster.source))
             except DistrunError:
                 continue  # being edited: read it at the next turn
-            known = {link.label for link in self._links} | self._refused_hosts
+            known = {link.label for link in self._job._links} | self._refused_hosts
             for host in cluster.hosts:
-                if Role.WORKER in host.roles and host.label not in known and self.replicas < self.spec.elastic_max:
+                if Role.WORKER in host.roles and host.label not in known and self._job.replicas < self._job.spec.elastic_max:
                     self._add_host(cluster, host)
 
-    def _add_host(self: ClusterJob, cluster: Any, host: Any) -> None:
+    def _add_host(self, cluster: Any, host: Any) -> None:
         """Submit ``host``'s ranks as joiners once its server answers; follow them like the others."""
         link = HostLink(cluster, host)
         try:
             link.open()
             slots, gpus = slots_for(host, link.info)  # type: ignore[arg-type]
-            if slots != self.placements[0].slots:
-                self._note(f"[distrun] {link.label} cannot join: it has {slots} slot(s), the job's hosts "
-                           f"{self.placements[0].slots} (--elastic counts hosts of the same slots)")
+            if slots != self._job.placements[0].slots:
+                self._job._note(f"[distrun] {link.label} cannot join: it has {slots} slot(s), the job's hosts "
+                           f"{self._job.placements[0].slots} (--elastic counts hosts of the same slots)")
                 self._refused_hosts.add(link.label)
                 link.close()
                 return
-            placement = Placement(host, slots, self.world_size, len(self.placements), gpus)
-            self._ship(link, self._bundle)
-            before = self.placements
-            self.placements = (*before, placement)  # the submit's world size and TF_CONFIG include it
+            placement = Placement(host, slots, self._job.world_size, len(self._job.placements), gpus)
+            self._job._ship(link, self._job._bundle)
+            before = self._job.placements
+            self._job.placements = (*before, placement)  # the submit's world size and TF_CONFIG include it
             try:
-                self._submit_to(link, placement, self.attempt_id, self.spec, join=True)  # type: ignore[arg-type]
+                self._job._submit_to(link, placement, self._job.attempt_id, self._job.spec, join=True)  # type: ignore[arg-type]
             except HostError:
-                self.placements = before
+                self._job.placements = before
                 raise
-            self._links.append(link)
+            self._job._links.append(link)
         except HostError:
             link.close()  # not up yet: the next turn tries again
             return
-        self._note(f"[distrun] {link.label} was added to {self.cluster.source}: its ranks join the job")
-        follower = threading.Thread(target=self._follow, args=(link, self.attempt_id), name=f"follow-{link.label}",
+        self._job._note(f"[distrun] {link.label} was added to {self._job.cluster.source}: its ranks join the job")
+        follower = threading.Thread(target=self._job._follow, args=(link, self._job.attempt_id), name=f"follow-{link.label}",
                                     daemon=True)
-        self._followers.append(follower)
+        self._job._followers.append(follower)
         follower.start()
 
-    def _attempt_over(self: ClusterJob) -> bool:
-        return self._cancelled.is_set() or self._detaching or len(self._results) >= len(self._links)
+    def attempt_over(self) -> bool:
+        return self._job._cancelled.is_set() or self._job._detaching or len(self._job._results) >= len(self._job._links)

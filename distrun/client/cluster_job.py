@@ -65,7 +65,7 @@ def ps_hosts(cluster: ClusterSpec) -> tuple[HostSpec, ...]:
     return hosts
 
 
-class ClusterJob(ElasticHosts):
+class ClusterJob:
     """``plan()`` a new job (learns the world size), then ``start(spec, bundle)``; or ``attach()`` to one."""
 
     def __init__(self, cluster: ClusterSpec, job_id: str, links: list[HostLink],
@@ -98,7 +98,7 @@ class ClusterJob(ElasticHosts):
         self._port: int | None = None  # the current attempt's rendezvous port
         self._secret = ""  # the current attempt's data-plane secret (hex; protocol/secret)
         self.spec: JobSpec | None = None
-        self._refused_hosts: set[str] = set()  # --elastic: added hosts that cannot join (their slots differ)
+        self.elastic = ElasticHosts(self)  # --elastic: lost hosts rejoin, added hosts join, hung ranks go
 
     @classmethod
     def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
@@ -200,7 +200,7 @@ class ClusterJob(ElasticHosts):
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
                                           host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
                                           **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s, on_hang=self._lose_hung if spec.elastic else None)
+                               hang_timeout_s=hang_timeout_s, on_hang=self.elastic.lose_hung if spec.elastic else None)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
@@ -212,7 +212,7 @@ class ClusterJob(ElasticHosts):
         if not detach:
             self._start_following()
             if spec.elastic:
-                self._watch_for_hosts()
+                self.elastic.watch_for_hosts()
 
     def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]
@@ -315,7 +315,7 @@ class ClusterJob(ElasticHosts):
                 return
             if self.spec is not None and self.spec.elastic:
                 if link is not self._links[0]:
-                    self._lost_host(link, attempt_id, exc.reason)
+                    self.elastic.lost_host(link, attempt_id, exc.reason)
                     return
                 self._note(f"[distrun] lost the chief host {link.label} ({exc.reason}): it holds the job's store "
                            "and rank 0, so an elastic job cannot go on without it; --max-restarts restarts every "

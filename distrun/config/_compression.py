@@ -1,6 +1,6 @@
 """``--compression``: what a replica sends when gradients meet, as a frozen value.
 
-Parsed here (the control plane), applied in ``strategies/_compression.py`` (the
+Parsed here (the control plane), applied in ``strategies/communication/compression.py`` (the
 training processes): ``none``, ``fp16``, ``bf16`` or ``powersgd[:RANK]``.
 """
 

@@ -10,7 +10,7 @@ it can be; the launcher itself never imports torch):
 - On every launcher, it is a client of that store. When the launcher sees one of its ranks
   die, it writes ``lost RANK INCARNATION`` on the agent's pipe, and the agent sets
   ``elastic/lost/RANK/INCARNATION``. The survivors' round then closes at once instead of
-  waiting for the dead rank's beat to go stale (``strategies/_membership``): the launcher
+  waiting for the dead rank's beat to go stale (``strategies/elastic/membership.py``): the launcher
   sees a death within one tick (50 ms); a stale beat takes a second to be sure of.
 """
 

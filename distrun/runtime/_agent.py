@@ -18,7 +18,7 @@ from datetime import timedelta
 
 from distrun.protocol.environment import AGENT_FD_VAR, STORE_FD_VAR
 from distrun.runtime._process import LaunchEnv, die_with_parent
-from distrun.strategies._membership import STORE_PREFIX
+from distrun.strategies.elastic.membership import STORE_PREFIX
 
 #: How long a client's call may wait on a key (the same bound the ranks use).
 _TIMEOUT = timedelta(seconds=300)
@@ -35,7 +35,7 @@ def serve_agent() -> None:
                               master_listen_fd=int(listen_fd))
     else:
         store = dist.TCPStore(launch.master_addr, launch.master_port, None, False, _TIMEOUT)
-    marks = dist.PrefixStore(STORE_PREFIX, store)  # the membership's keys (strategies/_membership)
+    marks = dist.PrefixStore(STORE_PREFIX, store)  # the membership's keys (strategies/elastic/membership.py)
     with os.fdopen(int(os.environ[AGENT_FD_VAR]), "rb") as lines:
         for line in lines:
             parts = line.split(maxsplit=3)

@@ -232,7 +232,7 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     from distrun.strategies import ReplicaInfo, StepSettings, make_strategy
 
     if spec.compile:
-        from distrun.strategies._compile import use_cache_dir
+        from distrun.strategies.step.compile import use_cache_dir
 
         use_cache_dir(os.environ.get(CACHE_DIR_VAR))
     options: dict[str, Any] = {}
@@ -268,8 +268,8 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
 
     The store is hosted by the launcher's agent process, not by rank 0: it outlives any rank.
     """
-    from distrun.strategies._elastic import Elastic
-    from distrun.strategies._membership import Membership
+    from distrun.strategies.elastic.replica import Elastic
+    from distrun.strategies.elastic.membership import Membership
 
     joiner = os.environ.get(ELASTIC_JOINER_VAR) == "1"
     membership = Membership(lambda: _store_client(launch), None if joiner else launch.rank, timeout=_STORE_TIMEOUT,

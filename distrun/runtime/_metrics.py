@@ -19,7 +19,7 @@ from torchmetrics import MeanMetric, Metric
 
 from distrun.runtime._move import batch_len, to_device
 from distrun.strategies import Strategy
-from distrun.strategies._data import is_map_style
+from distrun.strategies.data.plan import is_map_style
 
 
 def evaluate(

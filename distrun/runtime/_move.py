@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from distrun.strategies._data import batch_len
+from distrun.strategies.data.plan import batch_len
 
 __all__ = ["to_device", "batch_len"]
 

@@ -20,9 +20,9 @@ from distrun.config import JobSpec
 from distrun.protocol import Done, Output
 from distrun.protocol.secret import job_secret_from
 from distrun.runtime._process import EventWriter, LaunchEnv
-from distrun.strategies._precision import PRECISION_DTYPES
-from distrun.strategies._ps_layout import Layout
-from distrun.strategies._ps_server import ParameterServer, serve_forever
+from distrun.strategies.step.precision import PRECISION_DTYPES
+from distrun.strategies.ps.layout import Layout
+from distrun.strategies.ps.server import ParameterServer, serve_forever
 
 _STATS_INTERVAL_S = 1.0
 

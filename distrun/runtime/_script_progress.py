@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data import dataloader
 
 from distrun.runtime._reporter import EventReporter
-from distrun.strategies._data import batch_len
+from distrun.strategies.data.plan import batch_len
 
 __all__ = ["ScriptProgress"]
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from distrun.strategies._context import InputContext
-from distrun.strategies._data import DistributedDataset, GlobalBatchPlan, Share
-from distrun.strategies._elastic import MembershipSwitch
+from distrun.strategies.data.context import InputContext
+from distrun.strategies.data.plan import DistributedDataset, GlobalBatchPlan, Share
+from distrun.strategies.elastic.replica import MembershipSwitch
 from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, StepSettings, Strategy
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint

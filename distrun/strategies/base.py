@@ -27,11 +27,11 @@ from torch import nn
 
 from distrun.errors import CheckpointError, ConfigError
 from distrun.strategies import checkpoint as ckpt
-from distrun.strategies._compile import CompileStats, plain_module
-from distrun.strategies._data import DistributedDataset
-from distrun.strategies._elastic import Elastic, ElasticReplica, MembershipSwitch
-from distrun.strategies._precision import all_reduce_max
-from distrun.strategies._step import ReplicaStep, StepSettings
+from distrun.strategies.step.compile import CompileStats, plain_module
+from distrun.strategies.data.plan import DistributedDataset
+from distrun.strategies.elastic.replica import Elastic, ElasticReplica, MembershipSwitch
+from distrun.strategies.step.precision import all_reduce_max
+from distrun.strategies.step.settings import ReplicaStep, StepSettings
 
 __all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
 
@@ -319,6 +319,10 @@ class Strategy(ElasticReplica, ABC):
 
     # -- checkpoints ----------------------------------------------------------
 
+    #: Whether every replica takes part in ``_checkpoint_state`` (a sharded model is gathered
+    #: by a collective); otherwise only the chief builds it.
+    _gathers_state = False
+
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
 
@@ -326,6 +330,9 @@ class Strategy(ElasticReplica, ABC):
         """(model state_dict on the CPU, optimizer state_dict): what a checkpoint stores."""
         model = self.unwrap()
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}, self._optimizer_state()
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        self.unwrap().load_state_dict(state)
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         if self._optimizer is not None and state:
@@ -343,9 +350,11 @@ class Strategy(ElasticReplica, ABC):
         """The chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
         path = None
         comm = self._comm_state()
+        states = self._checkpoint_state() if self.is_chief or self._gathers_state else None
         if self.is_chief:
+            assert states is not None
             position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
-            model_state, optimizer_state = self._checkpoint_state()
+            model_state, optimizer_state = states
             state = {
                 "model": model_state,
                 "optimizer": optimizer_state,
@@ -383,7 +392,7 @@ class Strategy(ElasticReplica, ABC):
                 f"{path}: written with global batch size {saved_gbs}, resumed with {self._global_batch_size}; "
                 "the data position only carries over with the same global batch size"
             )
-        self.unwrap().load_state_dict(data["model"])
+        self._load_model_state(data["model"])
         self._load_optimizer_state(data.get("optimizer") or {})
         self.step = int(data["step"])
         self.epoch = int(data.get("epoch", 0))

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from distrun.strategies._compile import plain_module
+from distrun.strategies.step.compile import plain_module
 from distrun.strategies.base import Strategy, zero_grads
 
 _CHIEF = 0

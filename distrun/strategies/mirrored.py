@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
-from distrun.strategies._allreduce_auto import ddp_bucket_bytes, known_choice, probe, probe_sizes
-from distrun.strategies._compression import CommCompression
-from distrun.strategies._elastic import ElasticModel
-from distrun.strategies._hierarchical import HierarchicalAllReduce
-from distrun.strategies._precision import PRECISION_DTYPES
+from distrun.strategies.communication.allreduce_auto import ddp_bucket_bytes, known_choice, probe, probe_sizes
+from distrun.strategies.communication.compression import CommCompression
+from distrun.strategies.elastic.replica import ElasticModel
+from distrun.strategies.communication.hierarchical import HierarchicalAllReduce
+from distrun.strategies.step.precision import PRECISION_DTYPES
 from distrun.strategies.base import Strategy
 
 

@@ -34,8 +34,8 @@ from torch import nn
 
 from distrun.config import DEFAULT_PS_PARTITION_MB
 from distrun.errors import TrainingError
-from distrun.strategies._ps_channel import Channel, Op, describe_state, open_worker_channels, receive_state
-from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
+from distrun.strategies.ps.channel import Channel, Op, describe_state, open_worker_channels, receive_state
+from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
@@ -89,7 +89,7 @@ class ParameterServerStrategy(Strategy):
                  sync: bool = False, partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20),
                  wire: torch.dtype | None = None, **kwargs: Any) -> None:
         """``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``); the ps keeps fp32.
-        ``secret``: the job's, which every ps task checks this worker proves (``_ps_channel``)."""
+        ``secret``: the job's, which every ps task checks this worker proves (``ps/channel.py``)."""
         super().__init__(replica, reporter, **kwargs)
         self._wire = wire
         self._secret = secret

@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distrun.strategies._membership import Membership
+from distrun.strategies.elastic.membership import Membership
 
 
 def main() -> None:

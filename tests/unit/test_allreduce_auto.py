@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distrun.strategies._allreduce_auto import MIN_GAIN, PROBE_MAX_BYTES, known_choice, probe, probe_sizes
+from distrun.strategies.communication.allreduce_auto import MIN_GAIN, PROBE_MAX_BYTES, known_choice, probe, probe_sizes
 from tests._sshd import free_port
 
 

@@ -84,7 +84,7 @@ def test_models_are_built_on_the_cpu_for_any_device_so_the_seed_gives_the_same_i
 
 
 def _replicas(num_replicas, dataset, seen):
-    from distrun.strategies._data import DistributedDataset
+    from distrun.strategies.data.plan import DistributedDataset
 
     return [DistributedDataset(dataset, 16, num_replicas=num_replicas, replica_id=r, seed=3,
                                on_batch=lambda n, w, r=r: seen.append((r, n, w)), any_exhausted=lambda _: False)
@@ -117,7 +117,7 @@ def test_a_reshard_splits_the_same_global_batches_over_the_survivors():
 
 
 def test_an_iterable_dataset_cannot_be_resharded():
-    from distrun.strategies._data import DistributedDataset
+    from distrun.strategies.data.plan import DistributedDataset
 
     stream = DistributedDataset(iter(range(10)), 4, num_replicas=2, replica_id=0, seed=0,
                                 on_batch=lambda n, w: None, any_exhausted=lambda _: False)

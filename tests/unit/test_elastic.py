@@ -12,7 +12,7 @@ from distrun.client._tracker import JobTracker
 from distrun.config import JobSpec, StrategyName, parse_elastic
 from distrun.errors import ConfigError
 from distrun.protocol import MembershipChanged, Started, decode_event, encode_event
-from distrun.strategies._heal import _describe, _optimizer_state
+from distrun.strategies.elastic.heal import _describe, _optimizer_state
 from distrun.ui import render_progress, render_summary
 
 

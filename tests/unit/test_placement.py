@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from distrun.strategies._placement import ParamInfo, place
+from distrun.strategies.ps.placement import ParamInfo, place
 
 
 def test_whole_parameters_are_balanced_greedily_and_deterministically():

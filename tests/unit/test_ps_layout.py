@@ -6,7 +6,7 @@ from torch import nn
 
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import ConfigError
-from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
+from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
 
 
 class Tower(nn.Module):

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distrun.strategies._ps_channel import (
+from distrun.strategies.ps.channel import (
     CHIEF_OPS,
     HEADER_LEN,
     MAX_JSON_BYTES,

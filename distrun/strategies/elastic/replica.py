@@ -1,7 +1,7 @@
 """``--elastic MIN[:MAX]``: a synchronous job that loses a replica, or gains one, loses no step.
 
-The strategy side of elastic training; the rounds themselves are ``_membership``'s and
-the state transfer ``_heal``'s. A strategy that holds an :class:`Elastic`:
+The strategy side of elastic training; the rounds themselves are ``membership``'s and
+the state transfer ``heal``'s. A strategy that holds an :class:`Elastic`:
 
 - raises :class:`MembershipSwitch` at a step boundary when a joiner waits for a round
   (``switch_due``), before the step starts;
@@ -35,8 +35,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from distrun.strategies._heal import heal
-from distrun.strategies._membership import BEAT_S, JobFinished, LateForRound, Membership, Round
+from distrun.strategies.elastic.heal import heal
+from distrun.strategies.elastic.membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
 __all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
 

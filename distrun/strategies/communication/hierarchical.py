@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrun.strategies._bucket_queue import OrderedBucketHook
+from distrun.strategies.communication.bucket_queue import OrderedBucketHook
 
 __all__ = ["CHUNK_BYTES", "HierarchicalAllReduce", "host_groups"]
 

@@ -1,6 +1,6 @@
 """A ps task: holds its shards of the parameters and their optimizer state, applies pushes.
 
-Each worker connection is served by its own thread (see ``_ps_channel``); one
+Each worker connection is served by its own thread (see ``ps.channel``); one
 condition variable orders everything that reads or changes the shards, so an
 update is applied whole, in the order pushes complete: asynchronous SGD, as in
 TensorFlow's ParameterServerStrategy. Two options change when a reply goes out:
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from distrun.protocol import PsStats
-from distrun.strategies._ps_channel import (
+from distrun.strategies.ps.channel import (
     Channel,
     Op,
     PeerRefused,
@@ -41,7 +41,7 @@ from distrun.strategies._ps_channel import (
     receive_state,
     watch_joins,
 )
-from distrun.strategies._ps_layout import Layout, flat_specs, pack, unpack_into
+from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
 
 __all__ = ["ParameterServer", "serve_forever"]
 

@@ -71,7 +71,7 @@ def plain_module(model: nn.Module) -> nn.Module:
     """The recipe's module under every wrapper: torch.compile's, DDP's, ``CompileRoot``, ``ElasticModel``."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from distrun.strategies._elastic import ElasticModel
+    from distrun.strategies.elastic.replica import ElasticModel
 
     while True:
         if hasattr(model, "_orig_mod"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distrun.strategies._placement import ParamInfo, Placement, Shard, place
+from distrun.strategies.ps.placement import ParamInfo, Placement, Shard, place
 
 __all__ = ["Layout", "ShardRef", "pack", "flat_specs", "unpack_into"]
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from distrun.strategies._compile import CompileRoot, CompileStats, CompileWatch, compile_model
-from distrun.strategies._precision import LossScaler, ScaledOptimizer, attach_output_scaling, autocast
+from distrun.strategies.step.compile import CompileRoot, CompileStats, CompileWatch, compile_model
+from distrun.strategies.step.precision import LossScaler, ScaledOptimizer, attach_output_scaling, autocast
 
 __all__ = ["StepSettings", "ReplicaStep"]
 

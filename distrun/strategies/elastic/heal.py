@@ -1,6 +1,6 @@
 """Healing a replica from a live peer: model, optimizer state and progress, by broadcast.
 
-After a membership round (``_membership``) members may hold different states: a
+After a membership round (``membership``) members may hold different states: a
 survivor that finished the step in flight, one that did not, a joiner that holds only
 the recipe's initial parameters. The round names a source (the highest committed
 step), and this module makes every member's state the source's.

@@ -33,8 +33,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 from torch.nn.parallel import DistributedDataParallel
 
 from distrun.config._compression import Compression
-from distrun.strategies._bucket_queue import OrderedBucketHook
-from distrun.strategies._precision import PRECISION_DTYPES
+from distrun.strategies.communication.bucket_queue import OrderedBucketHook
+from distrun.strategies.step.precision import PRECISION_DTYPES
 
 __all__ = ["CommCompression", "cast_compress_hook"]
 
