@@ -45,7 +45,7 @@ DEFAULT_GLOBAL_BATCH_SIZE = 64
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps). Default: one-device here, multi-worker with --cluster."),
+    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
@@ -66,6 +66,9 @@ def train(
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
+    reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
+    shard_within: str = typer.Option("all", "--shard-within", help="sharded: all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
+    offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
     allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
@@ -92,7 +95,8 @@ def train(
         sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
-        allreduce=allreduce, on_nonfinite=on_nonfinite,
+        allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
+        shard_within=shard_within, offload=offload,
         tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:

@@ -44,15 +44,16 @@ __all__ = ["ClusterJob", "Placement"]
 
 
 def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
-    """Hosts that run ranks: every worker for multi-worker; one host (rank 0's) otherwise;
-    for parameter-server every worker host, then every ps host (one ps task each)."""
+    """Hosts that run ranks: every worker for multi-worker and sharded; one host (rank 0's)
+    otherwise; for parameter-server every worker host, then every ps host (one ps task each)."""
     workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
     workers.sort(key=lambda host: not host.is_chief)  # the chief, when it trains, holds rank 0
     if not workers:
         cluster.require_strategy(strategy.value)
     if strategy is StrategyName.PARAMETER_SERVER:
         return tuple(workers) + ps_hosts(cluster)
-    return tuple(workers) if strategy is StrategyName.MULTI_WORKER else tuple(workers[:1])
+    every_worker = strategy in (StrategyName.MULTI_WORKER, StrategyName.SHARDED)
+    return tuple(workers) if every_worker else tuple(workers[:1])
 
 
 def ps_hosts(cluster: ClusterSpec) -> tuple[HostSpec, ...]:

@@ -38,13 +38,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")
 
 
 class StrategyName(str, Enum):
-    """The strategies, by the name ``--strategy`` takes (``ps`` is parameter-server's alias)."""
+    """The strategies, by the name ``--strategy`` takes (``ps`` is parameter-server's alias,
+    ``fsdp`` sharded's)."""
 
     ONE_DEVICE = "one-device"
     MIRRORED = "mirrored"
     MULTI_WORKER = "multi-worker"
     CENTRAL_STORAGE = "central-storage"
     PARAMETER_SERVER = "parameter-server"
+    SHARDED = "sharded"
 
     @classmethod
     def parse(cls, value: str) -> StrategyName:
@@ -68,7 +70,7 @@ class StrategyName(str, Enum):
         return self.distributed and self is not StrategyName.PARAMETER_SERVER
 
 
-_ALIASES = {"ps": StrategyName.PARAMETER_SERVER.value}
+_ALIASES = {"ps": StrategyName.PARAMETER_SERVER.value, "fsdp": StrategyName.SHARDED.value}
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class JobSpec:
     #: ``--tensorboard DIR``: rank 0 (and each ps task) write event files there; on a cluster
     #: the chief host's server points it at the job's folder, and the client brings them home.
     tensorboard_dir: str | None = None
+    #: sharded only: free each unit's gathered parameters after its forward (FSDP's
+    #: reshard_after_forward); shard over every rank or inside each host (HSDP); keep the
+    #: shards and the optimizer's state in host memory (``cpu``: FSDP's CPUOffloadPolicy).
+    reshard_after_forward: bool = True
+    shard_within: str = "all"
+    offload: str = "none"
 
     @property
     def elastic(self) -> bool:
@@ -201,6 +209,7 @@ def _validate(spec: JobSpec) -> None:
     _validate_compression(spec)
     _validate_allreduce(spec)
     _validate_elastic(spec)
+    _validate_sharded(spec)
     if spec.on_nonfinite not in ("stop", "skip", "warn"):
         raise ConfigError(f"--on-nonfinite: expected stop, skip or warn. Received: {spec.on_nonfinite!r}"
                           f"{did_you_mean(str(spec.on_nonfinite), ('stop', 'skip', 'warn'))}")
@@ -262,6 +271,10 @@ def _validate_compression(spec: JobSpec) -> None:
             raise ConfigError("--compression powersgd: compresses gradients that replicas all-reduce (mirrored, "
                               "multi-worker); parameter-server pushes take --compression fp16|bf16")
         return
+    if compression.active and spec.strategy is StrategyName.SHARDED:
+        raise ConfigError(f"--compression {compression} with --strategy sharded: FSDP reduce-scatters gradients in "
+                          "its own collectives, where a DDP hook cannot go; --precision bf16 gathers parameters in "
+                          "bf16 and reduces gradients in fp32")
     if compression.active and spec.strategy not in _COMPRESSIBLE:
         raise ConfigError(f"--compression {compression}: applies where replicas exchange gradients (mirrored, "
                           f"multi-worker, parameter-server); --strategy {spec.strategy.value} has no such exchange")
@@ -284,6 +297,35 @@ def _validate_allreduce(spec: JobSpec) -> None:
     if spec.compression_spec.kind == "powersgd":
         raise ConfigError("--allreduce hierarchical with --compression powersgd: PowerSGD runs its own "
                           "all-reduces; use --allreduce flat, or --compression fp16|bf16")
+
+
+SHARD_WITHIN = ("all", "host")
+OFFLOAD = ("none", "cpu")
+
+
+def _validate_sharded(spec: JobSpec) -> None:
+    """``--strategy sharded`` and its flags; what does not combine with it yet, in one line each."""
+    if spec.shard_within not in SHARD_WITHIN:
+        raise ConfigError(f"--shard-within: expected {' or '.join(SHARD_WITHIN)}. Received: {spec.shard_within!r}")
+    if spec.offload not in OFFLOAD:
+        raise ConfigError(f"--offload: expected {' or '.join(OFFLOAD)}. Received: {spec.offload!r}")
+    if spec.strategy is not StrategyName.SHARDED:
+        used = [flag for flag, on in (("--shard-within", spec.shard_within != "all"),
+                                      ("--offload", spec.offload != "none"),
+                                      ("--no-reshard-after-forward", not spec.reshard_after_forward)) if on]
+        if used:
+            raise ConfigError(f"{used[0]} is for --strategy sharded. Received: --strategy {spec.strategy.value}")
+        return
+    refused = [(flag, why) for flag, why, on in (
+        ("--precision fp16", "its loss scaler does not yet unscale sharded gradients; use --precision bf16",
+         spec.precision == "fp16"),
+        ("--compile", "compiling each sharded block is not built yet", spec.compile),
+        ("--sync-batch-norm", "sharded keeps no replica-wide BatchNorm statistics", spec.sync_batch_norm),
+        ("--offload cpu", "it moves shards off a GPU into host memory, and a CPU job holds them there already",
+         spec.offload == "cpu" and spec.device != "cuda"),
+    ) if on]
+    if refused:
+        raise ConfigError(f"{refused[0][0]} with --strategy sharded: {refused[0][1]}")
 
 
 def _validate_elastic(spec: JobSpec) -> None:

@@ -91,6 +91,8 @@ def main() -> None:
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
         module = load_module(spec.recipe)
+        if hasattr(strategy, "units_from"):  # sharded: the recipe may name the blocks it shards
+            strategy.units_from = getattr(module, "shard_units", None)
         phase = "train"
 
         def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
@@ -250,6 +252,9 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     if spec.strategy.value in ("mirrored", "multi-worker"):
         options |= {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
                    "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
+    if spec.strategy is StrategyName.SHARDED:
+        options |= {"reshard_after_forward": spec.reshard_after_forward, "shard_within": spec.shard_within,
+                    "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1"))}
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype

@@ -31,7 +31,6 @@ def evaluate(
     metrics: dict[str, Metric],
     per_replica_batch_size: int,
 ) -> dict[str, float]:
-    model = strategy.compute_model()
     device = strategy.device
     mean_loss = MeanMetric().to(device)
     named = {name: m.to(device) for name, m in metrics.items()}
@@ -43,9 +42,10 @@ def evaluate(
         batches: Any = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_replica_batch_size)
     else:
         batches = dataset
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
+    with strategy.evaluating() as model, torch.no_grad():
+        was_training = model.training
+        model.eval()
+        forwards, last = 0, None
         for batch in batches:
             batch = to_device(batch, device)
             outputs = forward(model, batch)
@@ -54,7 +54,13 @@ def evaluate(
             target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
             for m in named.values():
                 m.update(outputs, target)
-    model.train(was_training)
+            forwards, last = forwards + 1, batch
+        extra = strategy.eval_forwards_to_match(forwards)
+        if extra and last is None:  # this replica's share was empty: any sample makes a forward
+            last = to_device(next(iter(DataLoader(torch.utils.data.Subset(dataset, [0]), batch_size=1))), device)
+        for _ in range(extra):  # counted nowhere: they only keep a collective forward in step
+            forward(model, last)
+        model.train(was_training)
     result = {"loss": float(mean_loss.compute())}
     result.update({name: float(m.compute()) for name, m in named.items()})
     return result

@@ -17,6 +17,7 @@ from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, l
 from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from distrun.strategies.one_device import OneDeviceStrategy
 from distrun.strategies.parameter_server import ParameterServerStrategy
+from distrun.strategies.sharded import ShardedStrategy
 
 __all__ = [
     "Strategy",
@@ -25,6 +26,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "CentralStorageStrategy",
     "ParameterServerStrategy",
+    "ShardedStrategy",
     "InputContext",
     "ReplicaInfo",
     "StepSettings",
@@ -43,7 +45,7 @@ __all__ = [
 _BY_NAME: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy,
-                ParameterServerStrategy)
+                ParameterServerStrategy, ShardedStrategy)
 }
 
 

@@ -178,6 +178,17 @@ class Strategy(ElasticReplica, ABC):
         """
         return self.unwrap()
 
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[nn.Module]:
+        """The module evaluation runs (``compute_model``), around the whole evaluation: a
+        strategy may restore its training layout after (sharded frees gathered blocks)."""
+        yield self.compute_model()
+
+    def eval_forwards_to_match(self, forwards: int) -> int:
+        """Extra forwards this replica must run after its ``forwards`` evaluation batches, so
+        that every replica runs as many (0 unless the strategy's forward is a collective)."""
+        return 0
+
     def _skipped(self, scale: float) -> None:
         """fp16: this step's update was skipped (inf/NaN gradients on some replica); said as a log."""
         self._reporter.log(self.step + 1, {"fp16_skipped_step": 1.0, "loss_scale": scale})

@@ -11,7 +11,7 @@ import torch
 
 from distrun.strategies import latest_checkpoint
 from tests._sshd import cluster_yaml
-from tests.cluster.conftest import Lab, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
+from tests.cluster.conftest import Lab, brought_up, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV
 
@@ -158,3 +158,30 @@ def test_an_evaluator_host_evaluates_each_new_checkpoint(lab: Lab, tmp_path: Pat
     for key, tensor in base["model"].items():
         torch.testing.assert_close(mirrored["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
     lab_cli(lab, "down", str(path))
+
+
+def test_sharded_on_two_hosts_hsdp_and_flat_match_one_device(lab: Lab, tmp_path: Path) -> None:
+    """Two ranks on each of two hosts: HSDP (a 2x2 mesh: shard in a host, replicate across) and
+    sharding over all four both end with one-device's parameters."""
+    recipe = tmp_path / "code" / "equiv.py"
+    recipe.parent.mkdir()
+    recipe.write_text(EQUIV)
+    flags = ("--epochs", "2", "--json", "--", "--samples", "99")
+    local = run_cli("train", str(recipe), "--checkpoint-dir", str(tmp_path / "one"), *flags)
+    assert local.returncode == 0, local.stderr[-2000:]
+    base = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    roles = {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[worker]", "slots": "2"}}
+    with brought_up(lab, roles, "sharded") as cluster:
+        for within, says in (("host", "HSDP: sharded over 2 rank(s) in each host, replicated over 2 hosts"),
+                             ("all", "sharded over all 4 rank(s)")):
+            remote = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "sharded",
+                             "--shard-within", within, "--checkpoint-dir", str(tmp_path / within), *flags)
+            assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
+            lines = json_lines(remote)
+            assert lines[0]["world_size"] == 4 and lines[-1]["strategy"] == "sharded"
+            said = [line["line"] for line in lines if line.get("type") == "output" and "[sharded]" in line["line"]]
+            assert len(said) == 1 and says in said[0], said
+            sharded = torch.load(latest_checkpoint(tmp_path / within), weights_only=True)
+            assert sharded["step"] == base["step"] == 14
+            for key, tensor in base["model"].items():
+                torch.testing.assert_close(sharded["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{within}: {key}")

@@ -1,0 +1,120 @@
+"""ShardedStrategy (``--strategy sharded``, alias ``fsdp``): FSDP2, for models too big for one device.
+
+Mirrored keeps the whole model, its gradients and its optimizer state on every device.
+Sharded keeps 1/N of each per rank: each unit's parameters are all-gathered just before
+its forward and backward and freed after, and gradients are reduce-scattered, so each
+rank steps the optimizer on its own shard. The data plan is mirrored's (each rank its
+share of every global batch), and gradients are averaged over the ranks as DDP averages
+them, so a sharded job ends with one-device's parameters to float tolerance.
+
+``shard_within``: ``all`` shards over every rank; ``host`` is HSDP, sharding inside each
+host and replicating across hosts on a 2-D mesh (gradients all-reduced across hosts), for
+when the model fits a host and the network between hosts is the slow part.
+
+``--precision bf16`` is FSDP's MixedPrecisionPolicy: fp32 master weights, shards gathered
+and computed in bf16, gradients reduced in fp32; no autocast on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from distrun.config.job import SHARD_WITHIN
+from distrun.errors import ConfigError
+from distrun.strategies.base import Strategy
+from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
+from distrun.strategies.sharding.state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from distrun.strategies.sharding.units import pick_units
+from distrun.strategies.step.precision import PRECISION_DTYPES
+
+__all__ = ["ShardedStrategy"]
+
+
+class ShardedStrategy(Strategy):
+    name = "sharded"
+    _gathers_state = True
+
+    def __init__(self, *args: Any, reshard_after_forward: bool = True, shard_within: str = "all",
+                 offload: bool = False, hosts: int = 1, **kwargs: Any) -> None:
+        """``hosts``: how many hosts the ranks are on, in rank order (HSDP's replica count)."""
+        super().__init__(*args, **kwargs)
+        if shard_within not in SHARD_WITHIN:
+            raise ConfigError(f"--shard-within: expected {' or '.join(SHARD_WITHIN)}. Received: {shard_within!r}")
+        self._reshard = reshard_after_forward
+        self._shard_within = shard_within
+        self._offload = offload
+        self._hosts = hosts
+        #: The recipe's ``shard_units(model)``, when it defines one (the runtime sets it).
+        self.units_from: Callable[[nn.Module], Iterable[nn.Module]] | None = None
+        self.mesh: DeviceMesh | None = None
+
+    def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        if not self._offload:
+            model = model.to(self.device)
+        self.mesh = self._make_mesh()
+        units = pick_units(model, self.units_from)
+        if self.is_chief:
+            print(f"[sharded] {units.description}; {self._describe_mesh()}", flush=True)
+        names = parameter_names(model)
+        apply_fsdp(model, units.modules, self.mesh, param_dtype=PRECISION_DTYPES.get(self.precision),
+                   reshard_after_forward=self._reshard, offload=self._offload)
+        return model, rebuild_optimizer(optimizer, model, names) if optimizer is not None else None
+
+    def _make_mesh(self) -> DeviceMesh:
+        device_type = self.device.type
+        world = self.num_replicas
+        if self._shard_within == "host" and self._hosts > 1:
+            if world % self._hosts:
+                raise ConfigError(f"--shard-within host: {world} ranks do not split evenly over {self._hosts} hosts")
+            return init_device_mesh(device_type, (self._hosts, world // self._hosts),
+                                    mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+    def _describe_mesh(self) -> str:
+        assert self.mesh is not None
+        if self.mesh.ndim == 2:
+            return (f"HSDP: sharded over {self.mesh.size(1)} rank(s) in each host, replicated over "
+                    f"{self.mesh.size(0)} hosts")
+        return f"sharded over all {self.mesh.size()} rank(s)"
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[nn.Module]:
+        try:
+            yield self.compute_model()
+        finally:
+            reshard_all(self.unwrap())
+
+    def eval_forwards_to_match(self, forwards: int) -> int:
+        """Each forward all-gathers every unit with every rank: a rank with fewer evaluation
+        batches (an eval set that does not split evenly) runs the difference again."""
+        return int(self.reduce("max", float(forwards))) - forwards
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """No autocast: the mixed-precision policy casts what FSDP gathers."""
+        return contextlib.nullcontext()
+
+    # -- checkpoints: the plain format, gathered on rank 0 (sharding/state.py)
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        model = self.unwrap()
+        reshard_all(model)  # a custom loop may save after a forward without backward
+        optimizer = full_optimizer_state(model, self._optimizer) if self._optimizer is not None else {}
+        return full_model_state(model), optimizer
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        load_full_model_state(self.unwrap(), state)
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self._optimizer is not None and state:
+            load_full_optimizer_state(self.unwrap(), self._optimizer, state)

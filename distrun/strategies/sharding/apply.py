@@ -1,0 +1,75 @@
+"""FSDP2 over a model's units, then its root; the recipe's optimizer rebuilt on the shards.
+
+After torchtitan's ``apply_fsdp``: ``fully_shard`` each unit, then the root, on one mesh
+with one mixed-precision policy. The last unit is not resharded after forward: backward
+needs it at once, so freeing and gathering it again would be wasted work.
+
+``fully_shard`` replaces each parameter with a sharded one (a DTensor) under the same
+name. An optimizer built before holds the old tensors, so it is rebuilt: the same class,
+the same groups and hyperparameters, each group's parameters found again by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from distrun.errors import RecipeError
+
+__all__ = ["apply_fsdp", "rebuild_optimizer", "parameter_names", "reshard_all"]
+
+
+def apply_fsdp(model: nn.Module, units: tuple[nn.Module, ...], mesh: DeviceMesh, *,
+               param_dtype: torch.dtype | None, reshard_after_forward: bool, offload: bool) -> nn.Module:
+    """Shard ``units`` one by one, then the root. ``param_dtype``: what parameters are gathered
+    and computed in (None: their own); gradients are always reduced in fp32."""
+    def policy(output_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, output_dtype=output_dtype)
+
+    options: dict[str, Any] = {"mesh": mesh}
+    if offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for index, unit in enumerate(units):  # a unit's output stays in param_dtype, for the next layer
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and index < len(units) - 1,
+                    mp_policy=policy(None), **options)
+    # The model's output reaches the recipe's loss in fp32, as autocast would leave a loss.
+    fully_shard(model, reshard_after_forward=reshard_after_forward,
+                mp_policy=policy(torch.float32 if param_dtype is not None else None), **options)
+    return model
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every gathered unit. A forward without backward (evaluation) leaves the units that
+    do not reshard after forward gathered: their parameters are then whole tensors, not the
+    shards the optimizer steps, until the next backward. Checkpoints and training need the shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its name, taken before sharding replaces the tensors."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str]) -> Any:
+    """``optimizer``'s class, groups and hyperparameters over ``model``'s sharded parameters."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise RecipeError(f"--strategy sharded rebuilds the optimizer on the sharded parameters, so it must be a "
+                          f"torch.optim.Optimizer. Received: {type(optimizer).__name__}")
+    if any(optimizer.state.values()):
+        raise RecipeError("--strategy sharded: the optimizer already has state; build it, then prepare, then step")
+    sharded = dict(model.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            params = [sharded[names[id(param)]] for param in group["params"]]
+        except KeyError:
+            raise RecipeError("--strategy sharded: the optimizer holds a tensor that is not one of the model's "
+                              "parameters") from None
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return type(optimizer)(groups, **optimizer.defaults)
