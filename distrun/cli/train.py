@@ -66,6 +66,7 @@ def train(
     compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
+    clip_grad_norm: float | None = typer.Option(None, "--clip-grad-norm", metavar="MAX", help="Clip the gradients' global norm to MAX before each optimizer step (every synchronous strategy; over the shards under sharded)."),
     reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
     shard_within: str = typer.Option("all", "--shard-within", help="sharded: all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
     offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
@@ -96,7 +97,7 @@ def train(
         ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
         allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
-        shard_within=shard_within, offload=offload,
+        shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
         tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
@@ -204,7 +205,8 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
     if info.kind is RecipeKind.SCRIPT:
         step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
                                               ("--precision", rest.get("precision", "fp32") != "fp32"),
-                                              ("--compression", rest.get("compression", "none") != "none")) if used]
+                                              ("--compression", rest.get("compression", "none") != "none"),
+                                              ("--clip-grad-norm", rest.get("clip_grad_norm") is not None)) if used]
         if step_flags:
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
                              "a plain script owns its model and loop: call torch.compile / torch.autocast / "

@@ -90,6 +90,7 @@ class JobTracker:
             row = dataclasses.replace(
                 row, step=event.step, epoch=event.epoch, loss=event.loss, samples_per_s=event.samples_per_s,
                 mem_mb=event.mem_mb, gpu_util=event.gpu_util, status=ReplicaStatus.RUNNING,
+                peak_mem_mb=max(row.peak_mem_mb, event.peak_mem_mb or 0.0),
             )
             if event.pushes is not None:
                 row = dataclasses.replace(row, staleness=event.staleness,
@@ -122,7 +123,8 @@ class JobTracker:
             self._changes.append(event)
         elif isinstance(event, Done):
             self._done[event.rank] = event
-            row = dataclasses.replace(row, status=ReplicaStatus.DONE)
+            row = dataclasses.replace(row, status=ReplicaStatus.DONE,
+                                      peak_mem_mb=max(row.peak_mem_mb, event.peak_mem_mb or 0.0))
         elif isinstance(event, Failed):
             row = dataclasses.replace(row, status=ReplicaStatus.FAILED)
         elif isinstance(event, Exited):
@@ -212,6 +214,8 @@ class JobTracker:
             steps_lost=self._steps_lost,
             recovery_s=max((c.recovery_s for c in self._changes), default=None),
             world_size=self._changes[-1].world_size if self._changes else None,
+            peak_mem_mb={str(rank): round(row.peak_mem_mb, 1) for rank, row in sorted(self._rows.items())
+                         if row.peak_mem_mb > 0},
         )
 
     def _compile_summary(self) -> dict[str, object] | None:

@@ -125,6 +125,8 @@ class JobSpec:
     reshard_after_forward: bool = True
     shard_within: str = "all"
     offload: str = "none"
+    #: ``--clip-grad-norm MAX``: the gradients' global norm clipped to MAX before each step.
+    clip_grad_norm: float | None = None
 
     @property
     def elastic(self) -> bool:
@@ -244,6 +246,13 @@ def _validate_step(spec: JobSpec) -> None:
                           f"{did_you_mean(str(spec.compile_mode), COMPILE_MODES)}")
     if spec.compile_mode != "default" and not spec.compile:
         raise ConfigError(f"--compile-mode {spec.compile_mode} needs --compile")
+    if spec.clip_grad_norm is not None:
+        value = spec.clip_grad_norm
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ConfigError(f"--clip-grad-norm: expected a positive norm. Received: {value!r}")
+        if spec.strategy is StrategyName.PARAMETER_SERVER:
+            raise ConfigError("--clip-grad-norm with --strategy parameter-server: the ps tasks step each push "
+                              "alone, so no step sees the gradients' global norm; clip in the recipe's loss")
     if spec.strategy is StrategyName.PARAMETER_SERVER:
         if spec.compile:
             raise ConfigError("--compile: parameter-server workers pull parameters in forward hooks and swap "

@@ -97,6 +97,8 @@ class Step(Event):
     staleness: int | None = None
     #: GPU ranks with NVML (the ``gpu`` extra): the device's utilisation, in percent.
     gpu_util: float | None = None
+    #: The rank's peak memory so far: CUDA's max allocated, else the process's peak RSS (VmHWM).
+    peak_mem_mb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class Done(Event):
     final_loss: float | None
     samples_per_s: float
     first_step_time: float | None
+    peak_mem_mb: float | None = None  # as Step's, at the end
 
 
 @dataclass(frozen=True)

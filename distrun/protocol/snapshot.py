@@ -33,6 +33,7 @@ class ReplicaRow:
     loss: float | None = None
     samples_per_s: float = 0.0
     mem_mb: float = 0.0
+    peak_mem_mb: float = 0.0  # the rank's peak so far (CUDA max allocated, or peak RSS)
     last_seen_s: float = 0.0
     status: ReplicaStatus = ReplicaStatus.STARTING
     host: str | None = None  # on a cluster: the host the rank runs on
@@ -122,6 +123,8 @@ class JobSummary:
     recovery_s: float | None = None
     #: --elastic: the replicas training at the end (or now), where it differs from ``replicas``.
     world_size: int | None = None
+    #: Each rank's peak memory in MB ("rank": MB): CUDA's max allocated, or the process's peak RSS.
+    peak_mem_mb: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

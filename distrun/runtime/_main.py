@@ -73,7 +73,7 @@ def main() -> None:
             reporter.flush()
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=reporter.current_step,
                              final_loss=to_float(reporter.last_loss), samples_per_s=reporter.samples_per_s,
-                             first_step_time=reporter.first_step_time))
+                             first_step_time=reporter.first_step_time, peak_mem_mb=reporter.peak_mem_mb()))
             _leave_together(launch, store)
             _exit(0)
         if ps_task:
@@ -117,7 +117,8 @@ def main() -> None:
         reporter.flush()
         writer.emit(
             Done(rank=launch.rank, time=time.time(), steps=steps, final_loss=final_loss,
-                 samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time)
+                 samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time,
+                 peak_mem_mb=reporter.peak_mem_mb())
         )
         strategy.close()
         if spec.strategy.collective:
@@ -264,7 +265,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                    "partition_bytes": spec.ps_partition_bytes, "wire": ps_wire_dtype(spec)}
     replica = ReplicaInfo(rank=rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed, node_rank=launch.node_rank)
-    step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode)
+    step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode,
+                        clip_grad_norm=spec.clip_grad_norm)
     return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
 
 

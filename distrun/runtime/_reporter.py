@@ -119,6 +119,7 @@ class EventReporter:
         rate = self._window_samples / span if span > 0 else 0.0
         self._window_start, self._window_samples, self._last_emit = now, 0, now
         gpu_util, mem_mb = self._device_figures()
+        peak = self.peak_mem_mb()
         self._writer.emit(
             Step(
                 rank=self._rank,
@@ -132,8 +133,18 @@ class EventReporter:
                 total_steps=self.total_steps,
                 pushes=self._pushes,
                 staleness=self._staleness,
+                peak_mem_mb=peak,
             )
         )
+
+    def peak_mem_mb(self) -> float | None:
+        """This rank's peak memory: CUDA's max allocated on a GPU rank, else the process's peak
+        resident set (VmHWM: for a rank forked warm, counted from its fork)."""
+        if self._cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated() / 2**20
+        return peak_rss_mb()
 
     def _device_figures(self) -> tuple[float | None, float]:
         """(GPU utilisation % or None, memory MB): NVML on a GPU rank, else the process's RSS."""
@@ -146,6 +157,17 @@ class EventReporter:
 
             self._gpu = GpuProbe(torch.cuda.current_device())
         return self._gpu.sample()
+
+
+def peak_rss_mb() -> float | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def to_float(value: Any) -> float | None:

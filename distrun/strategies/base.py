@@ -30,6 +30,7 @@ from distrun.strategies import checkpoint as ckpt
 from distrun.strategies.step.compile import CompileStats, plain_module
 from distrun.strategies.data.plan import DistributedDataset
 from distrun.strategies.elastic.replica import Elastic, ElasticReplica, MembershipSwitch
+from distrun.strategies.step.clipping import clip_before_step
 from distrun.strategies.step.precision import all_reduce_max
 from distrun.strategies.step.settings import ReplicaStep, StepSettings
 
@@ -156,12 +157,20 @@ class Strategy(ElasticReplica, ABC):
         if self._elastic is not None and self._elastic.round is None:  # a joiner, its model built: join now
             round_ = self._elastic.first_round()
             self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
-        model, optimizer = self._step.finish(*self._wrap(self._step.root(model), optimizer),
-                                             unscale_in_step=self._unscale_in_step)
+        model, optimizer = self._wrap(self._step.root(model), optimizer)
+        stepping = self._stepping_optimizer(optimizer)
+        if self._step.settings.clip_grad_norm and stepping is not None:
+            clip_before_step(stepping, self._step.settings.clip_grad_norm)
+        model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step)
         self._model, self._optimizer = model, optimizer
         if self.joined and self._healed_position is None:
             self._heal()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
+
+    def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        """The torch optimizer that really steps this replica's parameters (what --clip-grad-norm
+        hooks), in what ``_wrap`` returned; None where this replica steps none."""
+        return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The plain module under any wrapper, torch.compile's and DDP's (what checkpoints store)."""

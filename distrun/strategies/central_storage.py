@@ -104,6 +104,10 @@ class CentralStorageStrategy(Strategy):
         wrapped._broadcast_central()  # every replica starts from the chief's parameters
         return compute_model, wrapped
 
+    def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        """The chief's optimizer, on the central parameters and the averaged gradients."""
+        return optimizer._inner if isinstance(optimizer, _CentralOptimizer) else None
+
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         if model is None and getattr(self, "_central_model", None) is not None:
             return plain_module(self._central_model)

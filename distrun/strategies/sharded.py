@@ -11,6 +11,13 @@ them, so a sharded job ends with one-device's parameters to float tolerance.
 host and replicating across hosts on a 2-D mesh (gradients all-reduced across hosts), for
 when the model fits a host and the network between hosts is the slow part.
 
+**No rank but one holds the whole model.** Inside ``scope()`` rank 0 builds the recipe's model
+on the CPU from the seeded generator, as every strategy does, and every other rank builds it
+on the meta device (no memory). After sharding, the other ranks allocate only their shards
+(``to_empty``), and rank 0's values reach them by broadcast (``set_model_state_dict`` with
+``broadcast_from_rank0``), buffers too. So a model bigger than one device starts, and its
+initial parameters are still one-device's.
+
 ``--precision bf16`` is FSDP's MixedPrecisionPolicy: fp32 master weights, shards gathered
 and computed in bf16, gradients reduced in fp32; no autocast on top.
 """
@@ -28,8 +35,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from distrun.config.job import SHARD_WITHIN
 from distrun.errors import ConfigError
 from distrun.strategies.base import Strategy
+from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
 from distrun.strategies.sharding.state import (
+    broadcast_from_rank0,
     full_model_state,
     full_optimizer_state,
     load_full_model_state,
@@ -39,6 +48,14 @@ from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.precision import PRECISION_DTYPES
 
 __all__ = ["ShardedStrategy"]
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 class ShardedStrategy(Strategy):
@@ -58,10 +75,18 @@ class ShardedStrategy(Strategy):
         #: The recipe's ``shard_units(model)``, when it defines one (the runtime sets it).
         self.units_from: Callable[[nn.Module], Iterable[nn.Module]] | None = None
         self.mesh: DeviceMesh | None = None
+        if self.device.type == "cpu":  # gathered buffers come and go each step: keep them off the heap
+            fix_mmap_threshold()
+
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Rank 0 builds the model on the CPU (the seeded values); the others on the meta device."""
+        return torch.device("cpu") if self.is_chief else torch.device("meta")
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        if not self._offload:
-            model = model.to(self.device)
+        initial = _on_cpu(model.state_dict()) if self.is_chief else {}  # rank 0's values, for everyone
+        home = torch.device("cpu") if self._offload else self.device
+        if not _on_meta(model):
+            model = model.to(home)
         self.mesh = self._make_mesh()
         units = pick_units(model, self.units_from)
         if self.is_chief:
@@ -69,6 +94,10 @@ class ShardedStrategy(Strategy):
         names = parameter_names(model)
         apply_fsdp(model, units.modules, self.mesh, param_dtype=PRECISION_DTYPES.get(self.precision),
                    reshard_after_forward=self._reshard, offload=self._offload)
+        if _on_meta(model):
+            model.to_empty(device=home)  # only this rank's shards (and the buffers) are allocated
+        broadcast_from_rank0(model, initial, self._collective_device)
+        del initial
         return model, rebuild_optimizer(optimizer, model, names) if optimizer is not None else None
 
     def _make_mesh(self) -> DeviceMesh:

@@ -103,13 +103,13 @@ def _replica_table(snapshot: JobSnapshot) -> Table:
     table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
     gpu = any(row.gpu_util is not None for row in snapshot.rows)  # NVML figures: a GPU % column
-    names = ("host", "rank", "device", "step", "loss", "samples/s", *(("GPU %",) if gpu else ()), "mem MB", "seen",
-             "status")
+    names = ("host", "rank", "device", "step", "loss", "samples/s", *(("GPU %",) if gpu else ()), "mem MB",
+             "peak MB", "seen", "status")
     _columns(table, names, hosts, _host_width(snapshot))
     for row in snapshot.rows:
         util = (("-" if row.gpu_util is None else f"{row.gpu_util:.0f}"),) if gpu else ()
         _add_row(table, row, hosts, row.device, str(row.step), fmt_loss(row.loss), fmt_rate(row.samples_per_s),
-                 *util, f"{row.mem_mb:.0f}")
+                 *util, f"{row.mem_mb:.0f}", f"{row.peak_mem_mb:.0f}" if row.peak_mem_mb else "-")
     return table
 
 
@@ -123,6 +123,10 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("steps", str(summary.steps))
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s", fmt_rate(summary.samples_per_s))
+    if summary.peak_mem_mb:
+        peaks = summary.peak_mem_mb
+        table.add_row("peak memory", ", ".join(f"rank {rank} {mb:.0f} MB" for rank, mb in list(peaks.items())[:8])
+                      + (f", ... (max {max(peaks.values()):.0f} MB)" if len(peaks) > 8 else ""))
     start = "warm (forked from a warm interpreter)" if summary.warm else "cold (fresh interpreters)"
     table.add_row("time to first step", f"{fmt_seconds(summary.time_to_first_step_s)}, {start}")
     if summary.precision != "fp32":

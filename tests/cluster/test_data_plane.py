@@ -1,7 +1,7 @@
 """A stranger on the cluster network, during a parameter-server job and an elastic multi-worker job.
 
 The attacker is a process in its own namespace on the lab's bridge, with torch installed. It
-knows the hosts' addresses, scans every port of each, and at each open one tries what the
+knows the hosts' addresses, scans every port of each for as long as the job runs, and at each open one tries what the
 issue's attacker did: torch's store client (get the ps join counter, list the keys, add
 itself), and raw bytes. It must read nothing, and each job must end with exactly the
 parameters of the same job run without it. While the jobs run, every listening socket on
@@ -26,10 +26,10 @@ from tests.conftest import REPO, run_cli
 from tests.integration._recipes import ELASTIC
 
 ATTACKER = r'''
-import datetime, json, socket, sys, time
+import datetime, json, os, socket, sys, time
 import torch.distributed as dist
 
-hosts, until = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2])
+hosts, until, stop = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2]), sys.argv[3]
 report = {"open": set(), "store_reads": [], "bytes_read": {}, "tries": 0}
 
 def scan(host):
@@ -69,7 +69,7 @@ def try_raw(host, port):
     if data:
         report["bytes_read"][f"{host}:{port}"] = data[:300].decode("latin-1")
 
-while time.monotonic() < until:
+while time.monotonic() < until and not os.path.exists(stop):  # the test says stop once the job is over
     for host in hosts:
         for port in scan(host):
             if port == 22:
@@ -100,8 +100,10 @@ def _listeners(ns: str) -> list[str]:
 def _run_attacked(lab: Lab, attacker_ns: str, argv: list[str]) -> tuple[subprocess.CompletedProcess, dict, dict]:
     """Train with the attacker scanning throughout; meanwhile read every host's listening sockets."""
     hosts = ",".join(address for _ns, address in lab.hosts.values())
+    stop = lab.root / f"stop-{time.monotonic_ns()}"
     attacker = subprocess.Popen(["ip", "netns", "exec", attacker_ns, sys.executable, str(lab.root / "attacker.py"),
-                                 hosts, "45"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                                 hosts, "120", str(stop)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=REPO)
     job = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *argv],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
     seen: dict[str, set[str]] = {name: set() for name in lab.hosts}
@@ -110,6 +112,7 @@ def _run_attacked(lab: Lab, attacker_ns: str, argv: list[str]) -> tuple[subproce
             seen[name].update(_listeners(ns))
         time.sleep(0.5)
     out, err = job.communicate()
+    stop.touch()
     report_out, report_err = attacker.communicate(timeout=240)
     assert attacker.returncode == 0, report_err[-2000:]
     return (subprocess.CompletedProcess(job.args, job.returncode, out, err), json.loads(report_out.splitlines()[-1]),

@@ -36,6 +36,9 @@ def test_sharded_ends_with_one_devices_parameters(write_recipe, tmp_path, replic
     _close(sharded["model"], one["model"], "sharded vs one-device")
     assert result.summary["final_loss"] == pytest.approx(base.summary["final_loss"], rel=1e-4)
     assert result.summary["eval_metrics"]["accuracy"] == pytest.approx(base.summary["eval_metrics"]["accuracy"])
+    # Each rank's peak memory (the process's peak RSS on CPU) reaches the summary.
+    peaks = result.summary["peak_mem_mb"]
+    assert sorted(peaks) == [str(rank) for rank in range(int(replicas))] and all(mb > 50 for mb in peaks.values())
     # What it sharded, said once: the Sequential's two Linear blocks, then the root.
     picked = [line for line in result.json_lines() if line["type"] == "output" and "[sharded]" in line["line"]]
     assert len(picked) == 1 and "2 Linear block(s)" in picked[0]["line"], picked
@@ -94,3 +97,35 @@ def test_what_does_not_combine_is_refused_in_one_line(write_recipe, flags, says)
 def test_sharded_flags_belong_to_sharded(write_recipe):
     result = run_cli("train", str(write_recipe(EQUIV)), "-s", "mirrored", "--shard-within", "host")
     assert result.returncode == 2 and "--shard-within is for --strategy sharded" in result.stderr
+
+
+BIG = """
+import torch
+from torch import nn
+
+from distrun.runtime._reporter import peak_rss_mb
+
+
+def main(strategy):
+    with strategy.scope():  # three 4096 x 4096 layers: 50M parameters, 200 MB in fp32
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(3)])
+    built_on = next(model.parameters()).device.type
+    model, _ = strategy.prepare(model)
+    local = sum(p.to_local().numel() for p in model.parameters())
+    print(f"rank {strategy.replica_id}: built on {built_on}, holds {local} values, peak {peak_rss_mb():.0f} MB",
+          flush=True)
+"""
+
+
+def test_only_rank_0_ever_holds_the_whole_model(write_recipe):
+    """The others build it on the meta device and allocate only their shards: their peak stays
+    below rank 0's by about the model's size (200 MB), which rank 0 alone built whole."""
+    result = run_cli("train", str(write_recipe(BIG)), "-s", "sharded", "--replicas", "2", "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = {int(line["line"].split(":")[0].split()[1]): line["line"] for line in result.json_lines()
+            if line["type"] == "output" and line["line"].startswith("rank ")}
+    assert "built on cpu" in said[0] and "built on meta" in said[1], said
+    half = (3 * (4096 * 4096 + 4096)) // 2
+    assert all(f"holds {half} values" in line for line in said.values()), said
+    peak = {rank: float(line.rsplit("peak ", 1)[1].split()[0]) for rank, line in said.items()}
+    assert peak[0] - peak[1] > 120, peak

@@ -64,6 +64,6 @@ def test_table_output_shows_rows_summary_and_rank_prefixed_prints():
     assert result.returncode == 0, result.stderr[-2000:]
     text = result.stdout + result.stderr
     assert "[rank 0] epoch 2: mean loss" in text
-    for header in ("rank", "device", "step", "loss", "samples/s", "mem MB", "status"):
+    for header in ("rank", "device", "step", "loss", "samples/s", "mem MB", "peak MB", "status"):
         assert header in text
     assert "summary" in text and "succeeded" in text and "mirrored × 2" in text

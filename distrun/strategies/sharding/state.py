@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -20,10 +22,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["full_model_state", "full_optimizer_state", "load_full_model_state", "load_full_optimizer_state"]
+__all__ = ["broadcast_from_rank0", "full_model_state", "full_optimizer_state", "load_full_model_state",
+           "load_full_optimizer_state"]
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _SCATTER = StateDictOptions(full_state_dict=True)
+
+
+def broadcast_from_rank0(model: nn.Module, state: dict[str, Any], device: torch.device) -> None:
+    """Rank 0's ``state`` (its full state_dict; ``{}`` elsewhere) into every rank's shards, and
+    every buffer (persistent or not: a state_dict leaves some out) from rank 0's."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for buffer in model.buffers():
+            staged = buffer.detach().to(device)
+            dist.broadcast(staged, src=0)
+            if staged is not buffer:
+                buffer.copy_(staged)
 
 
 def full_model_state(model: nn.Module) -> dict[str, Any]:

@@ -30,6 +30,7 @@ class StepSettings:
     precision: str = "fp32"
     compile: bool = False
     compile_mode: str = "default"
+    clip_grad_norm: float | None = None  # --clip-grad-norm: the gradients' global norm, at most
 
 
 class ReplicaStep:

@@ -1,0 +1,75 @@
+"""`distrun checkpoint ls DIR` and `distrun checkpoint export DIR -o model.pt` (docs/checkpoints.md).
+
+torch is asked of a short-lived interpreter (``runtime/_checkpoint_tool``): the CLI itself
+never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from distrun.cli._app import app, stderr
+from distrun.errors import CheckpointError, UsageError
+
+checkpoint_app = typer.Typer(help="List checkpoints, or export a model's plain state_dict.", no_args_is_help=True)
+app.add_typer(checkpoint_app, name="checkpoint")
+
+
+def _tool(*args: str) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-m", "distrun.runtime._checkpoint_tool", *args],  # noqa: S603
+                          capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if done.returncode != 0 or "error" in answer or not answer:
+        why = answer.get("error") or (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CheckpointError(f"{args[1]}: {why}")
+    return answer
+
+
+@checkpoint_app.command("ls")
+def ls(
+    folder: Path = typer.Argument(..., metavar="DIR", help="A --checkpoint-dir."),
+    json_output: bool = typer.Option(False, "--json", help="One JSON object per checkpoint."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Each checkpoint in DIR: its step, the strategy and world size that wrote it, its size."""
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: not a folder")
+    rows = _tool("ls", str(folder))["checkpoints"]
+    if json_output:
+        for row in rows:
+            typer.echo(json.dumps(row))
+        return
+    table = Table(title=str(folder), title_justify="left")
+    for name in ("step", "strategy", "world size", "parameters", "size MB", "file"):
+        table.add_column(name, justify="right" if name in ("step", "world size", "parameters", "size MB") else "left")
+    for row in rows:
+        table.add_row(str(row["step"]), str(row["strategy"]), str(row["world_size"]), f"{row['parameters']:,}",
+                      f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name)
+    Console(highlight=False).print(table)
+
+
+@checkpoint_app.command("export")
+def export(
+    source: Path = typer.Argument(..., metavar="DIR", help="A --checkpoint-dir (its newest checkpoint) or one ckpt file."),
+    out: Path = typer.Option(..., "-o", "--out", help="Where to write the plain state_dict (.pt)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Write the model's plain state_dict: `torch.load(OUT, weights_only=True)` reads it without distrun."""
+    if not source.exists():
+        raise UsageError(f"{source}: no such file or folder")
+    done = _tool("export", str(source), str(out))
+    typer.echo(done["out"])
+    stderr.print(f"note: step {done['step']}, {done['tensors']} tensors, {done['parameters']:,} parameters "
+                 f"from {done['source']}", markup=False)
