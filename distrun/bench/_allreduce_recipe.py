@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from distrun.protocol.environment import CHIEF_ADDR_VAR
 from distrun.protocol.secret import job_secret_from
+from distrun.launch._store_relay import deadline
 from distrun.protocol.wire import WireError, client_handshake, server_handshake
 from distrun.strategies.communication.hierarchical import HierarchicalAllReduce, host_groups
 
@@ -83,7 +84,8 @@ def _receive(listener: socket.socket, secret: bytes) -> float:
         conn, peer = listener.accept()  # the listener's timeout bounds the wait
         conn.settimeout(_HANDSHAKE_S)
         try:
-            server_handshake(conn, secret, kind=PROBE_KIND)
+            with deadline(conn, _HANDSHAKE_S):  # in all, not per recv
+                server_handshake(conn, secret, kind=PROBE_KIND)
             break
         except (WireError, OSError):
             if peer[0] not in refused:

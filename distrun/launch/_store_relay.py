@@ -26,14 +26,15 @@ torch is never imported here: the launcher runs in the control plane.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from distrun.protocol.wire import WireError, client_handshake, server_handshake
 
-__all__ = ["STORE_KIND", "StoreFront", "StoreRelay", "RefusalNotes", "peer_uid"]
+__all__ = ["STORE_KIND", "StoreFront", "StoreRelay", "RefusalNotes", "peer_uid", "deadline"]
 
 STORE_KIND = "job-store"
 #: How long a peer may take to prove the secret; a silent peer must not hold a slot for longer.
@@ -63,6 +64,26 @@ class RefusalNotes:
         self._note(f"refused a {self._what} connection from {peer}: {why}")
 
 
+@contextlib.contextmanager
+def deadline(conn: socket.socket, seconds: float) -> Iterator[None]:
+    """Shut ``conn`` down if the block takes longer than ``seconds`` in all (a socket timeout
+    bounds one ``recv``; a peer sending a byte at a time would pass every one of them)."""
+    timer = threading.Timer(seconds, _shut, args=(conn,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _shut(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 class _Splices:
     """Open spliced connection pairs, so that closing the front or relay ends them all."""
 
@@ -88,8 +109,9 @@ class _Splices:
                 if not data:
                     break
                 dst.sendall(data)
-        except OSError:
-            pass
+        except OSError:  # a broken side: end both directions, so the other thread's recv returns too
+            _shut(src)
+            _shut(dst)
         try:
             dst.shutdown(socket.SHUT_WR)  # the other direction may still be answering
         except OSError:
@@ -173,7 +195,8 @@ class StoreFront:
     def _serve(self, conn: socket.socket, peer: str) -> None:
         conn.settimeout(HANDSHAKE_S)
         try:
-            server_handshake(conn, self._secret, kind=STORE_KIND)
+            with deadline(conn, HANDSHAKE_S):  # the whole handshake, not each recv: no slow drip holds a slot
+                server_handshake(conn, self._secret, kind=STORE_KIND)
         except (WireError, OSError) as exc:
             self._refusals.refused(peer, _why(exc))
             conn.close()
@@ -265,8 +288,10 @@ def _why(exc: BaseException) -> str:
 
 
 def _no_delay(*sockets: socket.socket) -> None:
+    """No Nagle delay on store round trips; keepalive, so a host that vanished ends its splice."""
     for sock in sockets:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         except OSError:
             pass

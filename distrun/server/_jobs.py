@@ -23,6 +23,7 @@ logs``, ``attach``) reads it from there. A rendezvous that no ``submit`` follows
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import logging
 import re
@@ -161,13 +162,14 @@ class JobManager:
     def _expire_rendezvous(self, job: _Job) -> None:
         """Close a rendezvous no submit followed (its client died between the two calls)."""
         def expire() -> None:
-            with job.changed:
-                waiting = job.launcher is None and job.state == "pending"
-            if waiting and job.listener is not None:
+            with job.changed:  # a submit moves the state on under this lock: never both
+                if job.state != "pending" or job.listener is None:
+                    return
+                job.state = "stopped"
                 job.listener.close()
-                job.record_note(f"no submit within {RENDEZVOUS_LEASE_S:.0f} s of the rendezvous: closing it")
-                job.finish("stopped", {"state": "stopped", "failure": None})
-                self._forget_old()
+            job.record_note(f"no submit within {RENDEZVOUS_LEASE_S:.0f} s of the rendezvous: closing it")
+            job.finish("stopped", {"state": "stopped", "failure": None})
+            self._forget_old()
 
         job.rendezvous_lease = threading.Timer(RENDEZVOUS_LEASE_S, expire)
         job.rendezvous_lease.daemon = True
@@ -182,11 +184,8 @@ class JobManager:
         if job.launcher is not None or job.state != "pending":
             raise JobError(f"job {job_id} was already submitted here")
         secret = _secret(args)
-        if job.secret and job.secret != secret:
+        if job.secret and not hmac.compare_digest(job.secret, secret):
             raise JobError(f"job {job_id}: the secret differs from the rendezvous's")
-        if job.rendezvous_lease is not None:
-            job.rendezvous_lease.cancel()
-            job.rendezvous_lease = None
         sha = _sha(args)
         try:
             root = unpack(self.bundles / f"{sha}.tar.gz", sha, self.bundles / sha)
@@ -241,8 +240,15 @@ class JobManager:
             job_secret=secret,
         )
         starter = self._starter()
-        job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
-        job.state = "running"
+        with job.changed:  # the rendezvous lease's expiry checks the same state under this lock
+            if job.state != "pending":
+                raise JobError(f"job {job_id}: its rendezvous closed before the submit (no submit within "
+                               f"{RENDEZVOUS_LEASE_S:.0f} s)")
+            job.launcher = LocalLauncher(worker, job.record, listener=job.listener, starter=starter)
+            job.state = "running"
+        if job.rendezvous_lease is not None:  # only now: a submit that failed above leaves the lease running
+            job.rendezvous_lease.cancel()
+            job.rendezvous_lease = None
         job.detached = bool(args.get("detach", False))
         job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": worker.world_size,
                     "ps_tasks": worker.num_ps,
@@ -288,14 +294,15 @@ class JobManager:
             with job.changed:
                 orphaned = job.followers == 0 and job.state == "running" and not job.detached
                 left_s = LEASE_S - (time.monotonic() - job.unfollowed_since)
-            if not orphaned or job.launcher is None:
+            launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
+            if not orphaned or launcher is None:
                 return
             if left_s > 0:  # a follower came and went since this timer was set: wait the full lease
                 schedule(left_s)
                 return
             log.warning("job %s: no client for %.0f s, cancelling (lease expired)", job.id, LEASE_S)
             job.record_note("the client went away (lease expired): cancelling")
-            job.launcher.stop("the client went away (lease expired)")
+            launcher.stop("the client went away (lease expired)")
 
         def schedule(delay_s: float) -> None:
             timer = threading.Timer(delay_s, expire)
@@ -307,13 +314,19 @@ class JobManager:
 
     def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
         job = self._get(args)
-        if job.launcher is not None:
-            job.launcher.stop(str(args.get("reason", "cancelled")))
-        elif job.state == "pending" and job.listener is not None:
+        launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
+        if launcher is not None:
+            launcher.stop(str(args.get("reason", "cancelled")))
+            return {"job": job.id, "state": job.state}
+        with job.changed:
+            pending = job.state == "pending" and job.listener is not None
+            if pending:
+                job.state = "stopped"
+                job.listener.close()  # type: ignore[union-attr]
+        if pending:
             if job.rendezvous_lease is not None:
                 job.rendezvous_lease.cancel()
                 job.rendezvous_lease = None
-            job.listener.close()
             job.finish("stopped", {"state": "stopped", "failure": None})
             self._forget_old()
         return {"job": job.id, "state": job.state}
@@ -324,8 +337,9 @@ class JobManager:
         rank = args.get("rank")
         if not isinstance(rank, int) or isinstance(rank, bool):
             raise JobError(f"lose_rank: rank must be a whole number. Received: {rank!r}")
-        if job.launcher is not None:
-            job.launcher.lose_rank(rank, str(args.get("why", "lost"))[:200])
+        launcher = job.launcher
+        if launcher is not None:
+            launcher.lose_rank(rank, str(args.get("why", "lost"))[:200])
         return {"job": job.id}
 
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -355,8 +369,9 @@ class JobManager:
         with self._lock:
             jobs = list(self._jobs.values())
         for job in jobs:
-            if job.launcher is not None:
-                job.launcher.stop(reason)
+            launcher = job.launcher
+            if launcher is not None:
+                launcher.stop(reason)
         for job in jobs:
             with job.changed:
                 while job.state == "running":
@@ -366,9 +381,9 @@ class JobManager:
 
     def _new_job(self, job_id: str) -> _Job:
         with self._lock:
-            if job_id in self._jobs:
-                raise JobError(f"job {job_id} exists")
             folder = self.jobs_dir / job_id
+            if job_id in self._jobs or (folder / "result.json").exists():  # kept, or forgotten but on disk
+                raise JobError(f"job {job_id} exists")
             folder.mkdir(parents=True, exist_ok=True)
             job = self._jobs[job_id] = _Job(job_id, folder)
         return job

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -134,3 +135,24 @@ def test_the_peer_uid_is_read_from_the_kernels_socket_table() -> None:
             conn, _ = listener.accept()
             with conn:
                 assert peer_uid(conn) == os.getuid()
+
+
+def test_a_peer_that_drips_bytes_loses_its_slot_at_the_deadline(job: _Job) -> None:
+    """The handshake's 5 s bound is on the whole of it, not on each recv."""
+    started = time.monotonic()
+    with socket.create_connection(job.front.address, timeout=10) as slow:
+        slow.recv(65536)  # the greeting
+        slow.settimeout(1.0)
+        closed = False
+        for _ in range(12):  # a byte a second: each recv's timeout would never fire
+            try:
+                slow.sendall(b"\x00")
+                if slow.recv(1) == b"":
+                    closed = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+                break
+    assert closed and time.monotonic() - started < 9

@@ -75,3 +75,24 @@ def test_the_rendezvous_binds_the_hosts_address_and_needs_a_secret(tmp_path: Pat
     with pytest.raises(JobError, match="the secret differs"):
         manager.submit({"job": "j1", "secret": new_job_secret(), "bundle": "0" * 64})
 
+
+
+def test_a_failed_submit_leaves_the_lease_running_and_a_forgotten_id_is_not_reused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_jobs, "RENDEZVOUS_LEASE_S", 0.3)
+    manager = JobManager(tmp_path)
+    secret = new_job_secret()
+    port = manager.rendezvous({"job": "j", "secret": secret, "address": "127.0.0.1"})["port"]
+    with pytest.raises(JobError, match="was not uploaded"):  # the client then goes away
+        manager.submit({"job": "j", "secret": secret, "bundle": "0" * 64})
+    deadline = time.monotonic() + 5
+    while manager.list({})["jobs"][0]["state"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert manager.list({})["jobs"][0]["state"] == "stopped"  # the lease still closed it
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    for index in range(_jobs.KEEP_FINISHED + 1):  # "j" is forgotten, its log is on disk
+        _short_job(manager, f"other{index}")
+    assert "j" not in {job["job"] for job in manager.list({})["jobs"]}
+    with pytest.raises(JobError, match="exists"):
+        manager.rendezvous({"job": "j", "secret": new_job_secret(), "address": "127.0.0.1"})
