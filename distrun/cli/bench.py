@@ -1,7 +1,8 @@
 """`distrun bench WORKLOAD`: benchmarks that print ratios against the alternative.
 
 Workloads: ``overhead`` (distrun against torchrun + DDP), ``ttfs`` (time to
-first step, cold and warm, here or on a cluster), and the scaling report ``resnet50`` /
+first step, cold and warm, here or on a cluster), ``memory`` (each rank's bytes under
+mirrored and sharded), and the scaling report ``resnet50`` /
 ``resnet18`` / ``mlp`` (images/s and scaling efficiency, docs/benchmarks.md).
 """
 
@@ -18,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.compression import run_compression
 from distrun.bench.elastic import run_elastic
+from distrun.bench.memory import run_memory
 from distrun.bench.overhead import run_overhead
 from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.straggler import run_straggler
@@ -28,19 +30,19 @@ from distrun.config import Role, load_cluster
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_overhead, render_scaling, render_straggler, render_ttfs
+from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_memory, render_overhead, render_scaling, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | resnet50 | resnet18 | mlp"),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | resnet50 | resnet18 | mlp"),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic: the (running) cluster to measure (none: this machine)."),
-    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU: up to N (2); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
+    replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda"),
-    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); scaling, compression: timed steps (20); elastic: steps (60, a rank lost halfway)."),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory: steps (3); scaling, compression: timed steps (20); elastic: steps (60, a rank lost halfway)."),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first."),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step."),
@@ -101,6 +103,12 @@ def bench(
             report = run_elastic(cluster=cluster_file, hosts=hosts, steps=steps or 60, kill_at=(steps or 60) // 2,
                                  progress=say)
             _show(report, json_output, render_elastic)
+        elif workload == "memory":
+            most = replicas or 4
+            _positive(replicas=most, steps=steps or 3)
+            counts = tuple(n for n in (1, 2, 4, 8, 16, 32) if n < most) + (most,)
+            report = run_memory(replica_counts=counts, steps=steps or 3, progress=say)
+            _show(report, json_output, render_memory)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
                               strategy, compare, json_output, precision, compile_model)
@@ -108,7 +116,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None

@@ -56,13 +56,13 @@ def ls(
         table.add_column(name, justify="right" if name in ("step", "world size", "parameters", "size MB") else "left")
     for row in rows:
         table.add_row(str(row["step"]), str(row["strategy"]), str(row["world_size"]), f"{row['parameters']:,}",
-                      f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name)
+                      f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name + ("/" if row["format"] == "sharded" else ""))
     Console(highlight=False).print(table)
 
 
 @checkpoint_app.command("export")
 def export(
-    source: Path = typer.Argument(..., metavar="DIR", help="A --checkpoint-dir (its newest checkpoint) or one ckpt file."),
+    source: Path = typer.Argument(..., metavar="DIR", help="A --checkpoint-dir (its newest checkpoint), one ckpt-<step>.pt file or one ckpt-<step>/ folder."),
     out: Path = typer.Option(..., "-o", "--out", help="Where to write the plain state_dict (.pt)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:

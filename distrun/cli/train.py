@@ -70,6 +70,8 @@ def train(
     reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
     shard_within: str = typer.Option("all", "--shard-within", help="sharded: all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
     offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
+    data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
+    async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
     allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
     cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
@@ -98,6 +100,7 @@ def train(
         compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
         allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
         shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
+        async_checkpoint=async_checkpoint, data_workers=data_workers,
         tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:

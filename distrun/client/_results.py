@@ -7,6 +7,7 @@ Shared storage is not assumed: checkpoints are written on rank 0's host (under
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path, PurePosixPath
 
 from distrun.client._links import HostLink
@@ -24,12 +25,22 @@ def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path, found: dict
     remote_path = answer.get("checkpoint")
     if not remote_path:
         return None
-    data = link.remote.read_bytes(remote_path)
     dest = dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / PurePosixPath(remote_path).name
     tmp = target.with_name(f".{target.name}.tmp")
-    tmp.write_bytes(data)
+    parts = answer.get("checkpoint_files")
+    if parts is None:  # one file
+        tmp.write_bytes(link.remote.read_bytes(remote_path))
+    else:  # a sharded checkpoint's folder: each file, then the folder appears whole
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for name in parts:
+            if "/" in name or name in (".", ".."):  # a server names files in the folder only
+                continue
+            (tmp / name).write_bytes(link.remote.read_bytes(f"{remote_path}/{name}"))
+        if target.exists():
+            shutil.rmtree(target)
     os.replace(tmp, target)
     return target
 

@@ -13,6 +13,7 @@ from distrun.protocol import (
     AllReduceChosen,
     MembershipChanged,
     Checkpointed,
+    Workload,
     Compiled,
     Done,
     Eval,
@@ -60,6 +61,8 @@ class JobTracker:
         self._total_steps: int | None = None
         self._eval: dict[str, float] = {}
         self._checkpoint: str | None = None
+        self._checkpoint_blocked_ms: float | None = None
+        self._workload: Workload | None = None
         self._done: dict[int, Done] = {}
         self._first_step_at: float | None = None
         self._last_step_at: float | None = None
@@ -111,8 +114,11 @@ class JobTracker:
             self._beat[event.rank] = time.time()
         elif isinstance(event, Eval):
             self._eval = dict(event.metrics)
+        elif isinstance(event, Workload):
+            self._workload = event
         elif isinstance(event, Checkpointed):
             self._checkpoint = event.path
+            self._checkpoint_blocked_ms = max(self._checkpoint_blocked_ms or 0.0, event.blocked_ms)
         elif isinstance(event, Compiled):
             if event.rank == 0:
                 self._compiled = event
@@ -184,6 +190,7 @@ class JobTracker:
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
             compile_line=describe_compile(self._compiled) if self._compiled else None,
             membership_line=describe_membership(self._changes[-1], len(self._changes)) if self._changes else None,
+            **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
@@ -202,6 +209,7 @@ class JobTracker:
             wall_s=time.time() - self._t0,
             eval_metrics=dict(self._eval),
             last_checkpoint=self._checkpoint,
+            checkpoint_blocked_ms=self._checkpoint_blocked_ms,
             error=error,
             evaluator_step=self._evaluator[0] if self._evaluator else None,
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
@@ -216,7 +224,18 @@ class JobTracker:
             world_size=self._changes[-1].world_size if self._changes else None,
             peak_mem_mb={str(rank): round(row.peak_mem_mb, 1) for rank, row in sorted(self._rows.items())
                          if row.peak_mem_mb > 0},
+            **self._throughput(chief.samples_per_s if chief else 0.0),
         )
+
+    def _throughput(self, samples_per_s: float) -> dict[str, float | None]:
+        """tokens/s and MFU from samples/s, where the recipe said what a sample is worth."""
+        work = self._workload
+        if work is None or samples_per_s <= 0:
+            return {"tokens_per_s": None, "mfu": None}
+        tokens = samples_per_s * work.tokens_per_sample
+        mfu = (tokens * work.flops_per_token / (work.peak_flops * work.devices)
+               if work.flops_per_token and work.peak_flops else None)
+        return {"tokens_per_s": tokens, "mfu": mfu}
 
     def _compile_summary(self) -> dict[str, object] | None:
         if self._compile_mode is None and self._compiled is None:

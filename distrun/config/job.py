@@ -125,6 +125,11 @@ class JobSpec:
     reshard_after_forward: bool = True
     shard_within: str = "all"
     offload: str = "none"
+    #: sharded only: write each checkpoint in the background (DCP's ``async_save``): a step
+    #: waits only while the shards are copied out of the model.
+    async_checkpoint: bool = False
+    #: fit recipes: DataLoader worker processes per rank reading train_data (0: in the rank).
+    data_workers: int = 0
     #: ``--clip-grad-norm MAX``: the gradients' global norm clipped to MAX before each step.
     clip_grad_norm: float | None = None
 
@@ -189,6 +194,8 @@ def _validate(spec: JobSpec) -> None:
     _positive("--global-batch-size", spec.global_batch_size)
     _positive("--checkpoint-every", spec.checkpoint_every)
     _positive("--keep-checkpoints", spec.keep_checkpoints)
+    if spec.data_workers < 0:
+        raise ConfigError(f"--data-workers: expected 0 or more worker processes. Received: {spec.data_workers}")
     if spec.device not in ("cpu", "cuda"):
         raise ConfigError(f"device: expected 'cpu' or 'cuda'. Received: {spec.device!r}")
     if spec.steps is not None and spec.epochs is not None:
@@ -321,7 +328,8 @@ def _validate_sharded(spec: JobSpec) -> None:
     if spec.strategy is not StrategyName.SHARDED:
         used = [flag for flag, on in (("--shard-within", spec.shard_within != "all"),
                                       ("--offload", spec.offload != "none"),
-                                      ("--no-reshard-after-forward", not spec.reshard_after_forward)) if on]
+                                      ("--no-reshard-after-forward", not spec.reshard_after_forward),
+                                      ("--async-checkpoint", spec.async_checkpoint)) if on]
         if used:
             raise ConfigError(f"{used[0]} is for --strategy sharded. Received: --strategy {spec.strategy.value}")
         return
@@ -335,6 +343,8 @@ def _validate_sharded(spec: JobSpec) -> None:
     ) if on]
     if refused:
         raise ConfigError(f"{refused[0][0]} with --strategy sharded: {refused[0][1]}")
+    if spec.async_checkpoint and not spec.checkpoint_dir:
+        raise ConfigError("--async-checkpoint needs --checkpoint-dir")
 
 
 def _validate_elastic(spec: JobSpec) -> None:

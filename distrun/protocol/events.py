@@ -36,6 +36,7 @@ __all__ = [
     "Compiled",
     "AllReduceChosen",
     "MembershipChanged",
+    "Workload",
     "PEER_LOST",
     "SERVER_RANK",
     "EVALUATOR_RANK",
@@ -125,6 +126,9 @@ class Checkpointed(Event):
     type: ClassVar[str] = "checkpoint"
     step: int
     path: str
+    #: How long training waited for it: the whole write, or with --async-checkpoint the copy
+    #: of the shards out of the model.
+    blocked_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,19 @@ class Heartbeat(Event):
 
 
 @dataclass(frozen=True)
+class Workload(Event):
+    """What a sample is worth, from the chief once, when the recipe says (``tokens_per_sample``):
+    the client turns samples/s into tokens/s and, with ``flops_per_token`` and the device's
+    ``peak_flops`` (dense, at the job's precision; None off a known GPU), into MFU."""
+
+    type: ClassVar[str] = "workload"
+    tokens_per_sample: int
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    devices: int = 1
+
+
+@dataclass(frozen=True)
 class Hung(Event):
     """Made by the client, not a process: no rank has stepped for ``stalled_s``.
 
@@ -275,7 +292,7 @@ class Hung(Event):
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats,
-                Compiled, AllReduceChosen, MembershipChanged)
+                Compiled, AllReduceChosen, MembershipChanged, Workload)
 }
 
 

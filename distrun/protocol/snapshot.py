@@ -65,6 +65,8 @@ class JobSnapshot:
     evaluator_metrics: dict[str, float] = field(default_factory=dict)  # ...and its metrics
     compile_line: str | None = None  # --compile: graphs, breaks and recompilations on the chief
     membership_line: str | None = None  # --elastic: the newest change of the group
+    tokens_per_s: float | None = None  # a recipe with tokens_per_sample: samples/s times it
+    mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
 
     @property
     def samples_per_s(self) -> float:
@@ -125,6 +127,13 @@ class JobSummary:
     world_size: int | None = None
     #: Each rank's peak memory in MB ("rank": MB): CUDA's max allocated, or the process's peak RSS.
     peak_mem_mb: dict[str, float] = field(default_factory=dict)
+    #: The longest a step waited for a checkpoint, in ms (the whole write; with
+    #: --async-checkpoint, the copy out of the model). None: no checkpoint was written.
+    checkpoint_blocked_ms: float | None = None
+    #: A recipe with ``tokens_per_sample``: tokens/s over the run; with ``flops_per_token`` on a
+    #: GPU whose peak distrun knows, MFU (model FLOPs/s over the devices' dense peak, 0-1).
+    tokens_per_s: float | None = None
+    mfu: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

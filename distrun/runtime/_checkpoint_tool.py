@@ -1,8 +1,10 @@
 """``python -m distrun.runtime._checkpoint_tool ls|export``: the torch side of ``distrun checkpoint``.
 
 The CLI never imports torch (the control plane's rule), so it runs this in a short-lived
-interpreter and reads one JSON line back. Files are opened with ``mmap=True``: listing a
-folder of multi-gigabyte checkpoints reads their headers, not their tensors.
+interpreter and reads one JSON line back. Listing reads no tensors: a plain file is opened
+with ``mmap=True`` (its header), a sharded folder's sidecar and DCP index say the rest.
+Exporting a sharded checkpoint joins every rank's pieces into whole tensors in this one
+process, with no process group.
 """
 
 from __future__ import annotations
@@ -14,34 +16,41 @@ from typing import Any
 
 import torch
 
-from distrun.strategies.checkpoint import list_checkpoints
+from distrun.strategies.checkpoint import layout, list_checkpoints, load_checkpoint, shards
 
 
 def _load(path: Path) -> dict[str, Any]:
     return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
 
 
+def _row(step: int, path: Path) -> dict[str, Any]:
+    if shards.is_sharded(path):
+        sidecar, index = shards.read_sidecar(path), shards.read_index(path)
+        return {"path": str(path), "step": step, "strategy": sidecar.get("strategy"), "format": "sharded",
+                "world_size": sidecar.get("num_replicas"), "bytes": shards.size_bytes(path),
+                "parameters": sum(entry.size.numel() for key, entry in index.state_dict_metadata.items()
+                                  if key.startswith(layout.MODEL))}
+    data = _load(path)
+    return {"path": str(path), "step": step, "strategy": data.get("strategy"), "format": "plain",
+            "world_size": data.get("num_replicas"), "bytes": path.stat().st_size,
+            "parameters": sum(t.numel() for t in data.get("model", {}).values() if isinstance(t, torch.Tensor))}
+
+
 def describe(folder: Path) -> list[dict[str, Any]]:
-    rows = []
-    for step, path in list_checkpoints(folder):
-        data = _load(path)
-        rows.append({"path": str(path), "step": step, "strategy": data.get("strategy"),
-                     "world_size": data.get("num_replicas"), "bytes": path.stat().st_size,
-                     "parameters": sum(t.numel() for t in data.get("model", {}).values()
-                                       if isinstance(t, torch.Tensor))})
-    return rows
+    return [_row(step, path) for step, path in list_checkpoints(folder)]
 
 
 def export(source: Path, out: Path) -> dict[str, Any]:
     """The model's plain state_dict (tensors by name, nothing else) from a checkpoint file, or
     from a folder's newest: what ``torch.load(out, weights_only=True)`` reads with no distrun."""
-    if source.is_dir():
+    if source.is_dir() and not (source / shards.SIDECAR).is_file():  # a folder of checkpoints: its newest
         found = list_checkpoints(source)
         if not found:
-            raise FileNotFoundError(f"{source}: no checkpoint (ckpt-<step>.pt) in this folder")
+            raise FileNotFoundError(f"{source}: no checkpoint (ckpt-<step>.pt or ckpt-<step>/) in this folder")
         source = found[-1][1]
-    data = _load(source)
-    model = {name: tensor.clone() for name, tensor in data["model"].items()}  # off the mmap, contiguous
+    data = load_checkpoint(source) if shards.is_sharded(source) else _load(source)
+    model = {name: tensor.clone() for name, tensor in data["model"].items()  # off the mmap, contiguous
+             if isinstance(tensor, torch.Tensor)}
     tmp = out.with_name(out.name + ".tmp")
     torch.save(model, tmp)
     tmp.replace(out)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from distrun.config import JobSpec
+from distrun.errors import RecipeError
+from distrun.runtime._flops import peak_flops
 from distrun.runtime._move import to_device
 from distrun.runtime._nonfinite import NonFiniteGuard
 from distrun.runtime._reporter import EventReporter
@@ -33,6 +35,20 @@ def _default_forward(model: torch.nn.Module, batch: Any) -> Any:
     return model(batch[0])
 
 
+def _report_workload(recipe: ModuleType, model: torch.nn.Module, strategy: Strategy, spec: JobSpec,
+                     reporter: EventReporter) -> None:
+    """``tokens_per_sample`` (and ``flops_per_token(model)``), when the recipe defines them: the
+    live view and the summary then show tokens/s, and MFU on a GPU distrun knows."""
+    tokens = getattr(recipe, "tokens_per_sample", None)
+    if tokens is None:
+        return
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise RecipeError(f"{spec.recipe}: tokens_per_sample must be a positive int. Received: {tokens!r}")
+    count = getattr(recipe, "flops_per_token", None)
+    flops = float(count(model)) if callable(count) else None
+    reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision), strategy.num_replicas)
+
+
 def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventReporter, emit_eval: Any) -> FitResult:
     global_batch_size = spec.global_batch_size
     if global_batch_size is None:  # the CLI fills it from flags or recipe defaults
@@ -41,12 +57,18 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     with strategy.scope():
         model = recipe.model()
         optimizer = recipe.optimizer(model.parameters())
+    if strategy.is_chief:
+        _report_workload(recipe, model, strategy, spec, reporter)
     model, optimizer = strategy.prepare(model, optimizer)
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
     forward = getattr(recipe, "forward", _default_forward)
     loss_fn = recipe.loss
-    train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size)
+    # On a GPU the batches come in page-locked memory, so to_device's non-blocking copy overlaps compute.
+    train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size, num_workers=spec.data_workers,
+                                        pin_memory=strategy.device.type == "cuda")
+    if spec.checkpoint_dir:
+        strategy.check_checkpoint_dir(spec.checkpoint_dir)
     if spec.resume and spec.checkpoint_dir and not strategy.joined:  # a joiner was healed by a peer
         strategy.restore(spec.checkpoint_dir)
 
@@ -139,6 +161,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     if ckpt_dir and last_saved != strategy.step:
         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+    strategy.wait_for_checkpoint()  # --async-checkpoint: the last one is written before the summary
     final = None
     if last_loss is not None:  # weighted like the gradients: the global batch's mean loss
         final = float(strategy.reduce("mean", float(last_loss) * strategy.batch_weight))

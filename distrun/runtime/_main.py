@@ -255,7 +255,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                    "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
     if spec.strategy is StrategyName.SHARDED:
         options |= {"reshard_after_forward": spec.reshard_after_forward, "shard_within": spec.shard_within,
-                    "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1"))}
+                    "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+                    "async_checkpoint": spec.async_checkpoint}
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype

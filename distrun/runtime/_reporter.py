@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, MembershipChanged, Step
+from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, MembershipChanged, Step, Workload
 from distrun.runtime._process import EventWriter
 
 
@@ -75,8 +75,16 @@ class EventReporter:
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self._writer.emit(Log(rank=self._rank, time=time.time(), step=step, scalars=scalars))
 
-    def checkpoint(self, step: int, path: str) -> None:
-        self._writer.emit(Checkpointed(rank=self._rank, time=time.time(), step=step, path=path))
+    def workload(self, tokens_per_sample: int, flops_per_token: float | None, peak_flops: float | None,
+                 devices: int) -> None:
+        """The recipe's tokens per sample (and FLOPs per token): the client derives tokens/s and MFU."""
+        self._writer.emit(Workload(rank=self._rank, time=time.time(), tokens_per_sample=tokens_per_sample,
+                                   flops_per_token=flops_per_token, peak_flops=peak_flops, devices=devices))
+
+    def checkpoint(self, step: int, path: str, blocked_ms: float) -> None:
+        """A checkpoint is complete; ``blocked_ms``: how long the step that wrote it waited."""
+        self._writer.emit(Checkpointed(rank=self._rank, time=time.time(), step=step, path=path,
+                                       blocked_ms=round(blocked_ms, 3)))
 
     def compiled(self, stats: Any) -> None:
         """``--compile``: the compiler's figures changed (a CompileStats)."""

@@ -352,7 +352,12 @@ class JobManager:
         board = job.folder / "tensorboard"
         files = sorted(str(path.relative_to(board)) for path in board.rglob("*") if path.is_file()) \
             if board.is_dir() else []
-        return {"checkpoint": newest["path"] if newest else None, "step": newest["step"] if newest else None,
+        checkpoint = Path(newest["path"]) if newest else None
+        # A sharded checkpoint is a folder (every rank's shards, the index, the sidecar): name its files.
+        parts = sorted(entry.name for entry in checkpoint.iterdir() if entry.is_file()) \
+            if checkpoint is not None and checkpoint.is_dir() else None
+        return {"checkpoint": str(checkpoint) if checkpoint else None, "checkpoint_files": parts,
+                "step": newest["step"] if newest else None,
                 "result": job.result, "tensorboard": {"dir": str(board), "files": files}}
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:

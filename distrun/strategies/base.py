@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import random
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +27,8 @@ from torch import nn
 
 from distrun.errors import CheckpointError, ConfigError
 from distrun.strategies import checkpoint as ckpt
+from distrun.strategies.checkpoint.pending import PendingSave
+from distrun.strategies.checkpoint.rng import rng_state, set_rng_state
 from distrun.strategies.step.compile import CompileStats, plain_module
 from distrun.strategies.data.plan import DistributedDataset
 from distrun.strategies.elastic.replica import Elastic, ElasticReplica, MembershipSwitch
@@ -48,7 +50,7 @@ class Reporter(Protocol):
 
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
-    def checkpoint(self, step: int, path: str) -> None: ...
+    def checkpoint(self, step: int, path: str, blocked_ms: float) -> None: ...
 
     def compiled(self, stats: CompileStats) -> None: ...
 
@@ -220,6 +222,7 @@ class Strategy(ElasticReplica, ABC):
         shuffle: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> DistributedDataset:
         if global_batch_size % self.num_replicas and self._elastic is None:  # elastic: uneven shares, weighted
             raise ConfigError(
@@ -238,6 +241,7 @@ class Strategy(ElasticReplica, ABC):
             shuffle=shuffle,
             collate_fn=collate_fn,
             num_workers=num_workers,
+            pin_memory=pin_memory,
         )
         if self._healed_position is not None:  # a joiner: where the members it joined had got to
             self._dataset.seek(*self._healed_position)
@@ -278,6 +282,7 @@ class Strategy(ElasticReplica, ABC):
         return result
 
     def _report_step(self, result: Any) -> None:
+        self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
         self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
         stats = self._step.compile_progress()
@@ -339,15 +344,11 @@ class Strategy(ElasticReplica, ABC):
 
     # -- checkpoints ----------------------------------------------------------
 
-    #: Whether every replica takes part in ``_checkpoint_state`` (a sharded model is gathered
-    #: by a collective); otherwise only the chief builds it.
-    _gathers_state = False
-
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
 
     def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(model state_dict on the CPU, optimizer state_dict): what a checkpoint stores."""
+        """(model state_dict on the CPU, optimizer state_dict): what the chief's plain checkpoint stores."""
         model = self.unwrap()
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}, self._optimizer_state()
 
@@ -366,69 +367,103 @@ class Strategy(ElasticReplica, ABC):
     def _load_comm_state(self, saved: dict[str, Any] | None) -> None:
         """Take back ``_comm_state``'s checkpoint entry (None when the checkpoint has none)."""
 
-    def save(self, directory: str | Path, *, keep: int = 3) -> Path | None:
-        """The chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
-        path = None
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
+        """Before training: fail now rather than at the first save if ``directory`` cannot hold
+        this strategy's checkpoints. Nothing to check for the chief's one file."""
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """Everything a checkpoint keeps besides the model and the optimizer."""
+        position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
+        meta = {"step": self.step, "epoch": position[0], "batch_in_epoch": position[1], "rng": rng_state(),
+                "strategy": self.name, "num_replicas": self.num_replicas,
+                "global_batch_size": self._global_batch_size, "seed": self._replica.seed}
+        scaler = self._step.scaler_state()
+        if scaler is not None:
+            meta["scaler"] = scaler
+        return meta
+
+    def save(self, directory: str | Path, *, keep: int = 3, wait: bool = False) -> Path | None:
+        """Write this step's checkpoint into ``directory`` and keep the newest ``keep``; every
+        replica calls it. Returns its path on the chief (None elsewhere, and under
+        ``--async-checkpoint`` while it is still being written, unless ``wait``)."""
+        started = time.perf_counter()
+        self._finish_checkpoint()
         comm = self._comm_state()
-        states = self._checkpoint_state() if self.is_chief or self._gathers_state else None
+        meta = self._checkpoint_meta()
+        if comm is not None:
+            meta["comm"] = comm
+        return self._write_checkpoint(Path(directory), meta, keep=keep, started=started, wait=wait)
+
+    def _write_checkpoint(self, directory: Path, meta: dict[str, Any], *, keep: int, started: float,
+                          wait: bool) -> Path | None:
+        """The plain format: the chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
+        path = None
         if self.is_chief:
-            assert states is not None
-            position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
-            model_state, optimizer_state = states
-            state = {
-                "model": model_state,
-                "optimizer": optimizer_state,
-                "step": self.step,
-                "epoch": position[0],
-                "batch_in_epoch": position[1],
-                "rng": _rng_state(),
-                "strategy": self.name,
-                "num_replicas": self.num_replicas,
-                "global_batch_size": self._global_batch_size,
-                "seed": self._replica.seed,
-            }
-            scaler = self._step.scaler_state()
-            if scaler is not None:
-                state["scaler"] = scaler
-            if comm is not None:
-                state["comm"] = comm
-            path = ckpt.save_checkpoint(directory, self.step, state, keep=keep)
-            self._reporter.checkpoint(self.step, str(path))
+            model_state, optimizer_state = self._checkpoint_state()
+            path = ckpt.save_checkpoint(directory, self.step, {"model": model_state, "optimizer": optimizer_state,
+                                                               **meta})
+            ckpt.prune(directory, keep)
         self.barrier()
+        if path is not None:
+            self._reporter.checkpoint(self.step, str(path), (time.perf_counter() - started) * 1e3)
         return path
 
-    def restore(self, directory: str | Path) -> dict[str, Any]:
-        """Load the newest checkpoint in ``directory`` into the prepared model and optimizer.
+    #: A checkpoint still being written in the background (``--async-checkpoint``).
+    _pending_save: PendingSave | None = None
 
-        Restores step, data position and RNG too; returns the checkpoint dict.
-        """
+    def wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written in the background is written and reported."""
+        self._finish_checkpoint()
+
+    def _finish_checkpoint(self, *, block: bool = True) -> None:
+        """Report a background save once it is written (waiting for it when ``block``)."""
+        pending = self._pending_save
+        if pending is None or (not block and not pending.done()):
+            return
+        self._pending_save = None
+        path = pending.wait()
+        if path is not None:
+            self._reporter.checkpoint(pending.step, str(path), pending.blocked_ms)
+
+    def restore(self, directory: str | Path) -> dict[str, Any]:
+        """Load the newest checkpoint in ``directory`` (either format, any world size) into the
+        prepared model and optimizer. Restores step, data position and RNG too; returns the
+        checkpoint's entries (a sharded one's without its tensors)."""
         path = ckpt.latest_checkpoint(directory)
         if path is None:
-            raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt)")
-        data = ckpt.load_checkpoint(path)
+            raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt or ckpt-<step>/)")
+        data = self._read_checkpoint(path)
         saved_gbs = data.get("global_batch_size")
         if saved_gbs and self._global_batch_size and saved_gbs != self._global_batch_size:
             raise CheckpointError(
                 f"{path}: written with global batch size {saved_gbs}, resumed with {self._global_batch_size}; "
                 "the data position only carries over with the same global batch size"
             )
-        self._load_model_state(data["model"])
-        self._load_optimizer_state(data.get("optimizer") or {})
+        self._load_checkpoint(path, data)
         self.step = int(data["step"])
         self.epoch = int(data.get("epoch", 0))
         if self._dataset is not None:
             self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
-        _set_rng_state(data.get("rng") or {}, self.device)
+        set_rng_state(data.get("rng") or {}, self.device)
         self._step.load_scaler_state(data.get("scaler"))
         self._load_comm_state(data.get("comm"))
         self._after_restore()
         return data
+
+    def _read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """The checkpoint as the plain format's dict: whole tensors, whichever format it is in."""
+        return ckpt.load_checkpoint(path)
+
+    def _load_checkpoint(self, path: Path, data: dict[str, Any]) -> None:
+        self._load_model_state(data["model"])
+        self._load_optimizer_state(data.get("optimizer") or {})
 
     def _after_restore(self) -> None:
         """Hook: re-synchronise replicas after loading state."""
 
     def close(self) -> None:
         """Leave the process group together: nobody tears down while a peer still talks."""
+        self._finish_checkpoint()
         if self._distributed:
             dist.barrier()
             dist.destroy_process_group()
@@ -446,32 +481,3 @@ def zero_grads(params: list[nn.Parameter], set_to_none: bool) -> None:
             p.grad = None
         elif p.grad is not None:
             p.grad.zero_()
-
-
-def _rng_state() -> dict[str, Any]:
-    """The generators a recipe may draw from: CPU torch, Python, and CUDA's when in use.
-
-    distrun itself draws nothing on the device (data order and initial parameters come
-    from the CPU generator), so a checkpoint moves between CPU and CUDA with the same
-    next batch; the CUDA state only keeps a recipe's own device draws (dropout) going
-    where the device is the same.
-    """
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(rng: dict[str, Any], device: torch.device) -> None:
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "python" in rng:
-        random.setstate(_as_tuple(rng["python"]))
-    if "cuda" in rng and device.type == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"], device)
-
-
-def _as_tuple(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_as_tuple(v) for v in value)
-    return value

@@ -356,10 +356,10 @@ class ParameterServerStrategy(Strategy):
                 positions[by_id[id(param)]] = position
         return positions
 
-    def save(self, directory: Any, *, keep: int = 3) -> Any:
+    def save(self, directory: Any, *, keep: int = 3, wait: bool = False) -> Any:
         if not self.is_chief:
             return None  # the chief writes; the others keep training
-        return super().save(directory, keep=keep)
+        return super().save(directory, keep=keep, wait=wait)
 
     def restore(self, directory: Any) -> dict[str, Any]:
         if not self.is_chief:

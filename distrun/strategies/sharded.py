@@ -25,25 +25,32 @@ and computed in bf16, gradients reduced in fp32; no autocast on top.
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
+import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrun.config.job import SHARD_WITHIN
-from distrun.errors import ConfigError
+from distrun.errors import CheckpointError, ConfigError
+from distrun.strategies import checkpoint as ckpt
 from distrun.strategies.base import Strategy
+from distrun.strategies.checkpoint import shards
+from distrun.strategies.checkpoint.pending import PendingSave
+from distrun.strategies.checkpoint.rng import rng_to_json
 from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
-from distrun.strategies.sharding.state import (
-    broadcast_from_rank0,
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
+from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
+from distrun.strategies.sharding.state import broadcast_from_rank0, load_full_model_state, load_full_optimizer_state
 from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.precision import PRECISION_DTYPES
 
@@ -60,11 +67,11 @@ def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
 
 class ShardedStrategy(Strategy):
     name = "sharded"
-    _gathers_state = True
 
     def __init__(self, *args: Any, reshard_after_forward: bool = True, shard_within: str = "all",
-                 offload: bool = False, hosts: int = 1, **kwargs: Any) -> None:
-        """``hosts``: how many hosts the ranks are on, in rank order (HSDP's replica count)."""
+                 offload: bool = False, hosts: int = 1, async_checkpoint: bool = False, **kwargs: Any) -> None:
+        """``hosts``: how many hosts the ranks are on, in rank order (HSDP's replica count);
+        ``async_checkpoint``: write checkpoints behind training (a gloo group of their own)."""
         super().__init__(*args, **kwargs)
         if shard_within not in SHARD_WITHIN:
             raise ConfigError(f"--shard-within: expected {' or '.join(SHARD_WITHIN)}. Received: {shard_within!r}")
@@ -75,6 +82,8 @@ class ShardedStrategy(Strategy):
         #: The recipe's ``shard_units(model)``, when it defines one (the runtime sets it).
         self.units_from: Callable[[nn.Module], Iterable[nn.Module]] | None = None
         self.mesh: DeviceMesh | None = None
+        # DCP's background collectives must not interleave with training's on the same group.
+        self._checkpoint_group = dist.new_group(backend="gloo") if async_checkpoint else None
         if self.device.type == "cpu":  # gathered buffers come and go each step: keep them off the heap
             fix_mmap_threshold()
 
@@ -133,13 +142,78 @@ class ShardedStrategy(Strategy):
         """No autocast: the mixed-precision policy casts what FSDP gathers."""
         return contextlib.nullcontext()
 
-    # -- checkpoints: the plain format, gathered on rank 0 (sharding/state.py)
+    # -- checkpoints: DCP folders, each rank writing its own shards (checkpoint/shards.py)
 
-    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
+        """Before training: every rank must see the folder rank 0 writes to (a sharded checkpoint
+        is one folder of every rank's files), else name a host that does not, in one line."""
+        folder = Path(directory)
+        probe = folder / f".distrun-probe-{self._shared_token()}"
+        if self.is_chief:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe.touch()
+            except OSError as exc:
+                raise CheckpointError(f"--checkpoint-dir {folder}: cannot write: {exc.strerror}") from None
+        self.barrier()
+        sees = probe.exists()
+        everyone = not self._any_true(not sees)
+        self.barrier()
+        if self.is_chief:
+            probe.unlink(missing_ok=True)
+        if not everyone:
+            raise CheckpointError(f"--checkpoint-dir {folder}: not shared by every host ({socket.gethostname()} "
+                                  f"{'sees' if sees else 'does not see'} rank 0's files); a sharded checkpoint is "
+                                  "one folder of every rank's shards, so it needs storage all hosts mount")
+
+    def _shared_token(self) -> str:
+        """A name every rank agrees on and no other job uses: rank 0's pid and a random draw, broadcast."""
+        token = torch.tensor([os.getpid() if self.is_chief else 0, secrets.randbits(31) if self.is_chief else 0])
+        if self._distributed:
+            dist.broadcast(token, src=0)
+        return f"{int(token[0])}-{int(token[1])}"
+
+    def _write_checkpoint(self, directory: Path, meta: dict[str, Any], *, keep: int, started: float,
+                          wait: bool) -> Path | None:
         model = self.unwrap()
         reshard_all(model)  # a custom loop may save after a forward without backward
-        optimizer = full_optimizer_state(model, self._optimizer) if self._optimizer is not None else {}
-        return full_model_state(model), optimizer
+        tensors, rest = sharded_state(model, self._optimizer)
+        sidecar = {**meta, "rng": rng_to_json(meta["rng"]), **rest}
+        step = self.step
+        if self.is_chief:
+            shards.prepare(directory, step)
+        self.barrier()
+        writer = FileSystemWriter(shards.temporary_path(directory, step))
+
+        def publish() -> Path | None:
+            if not self.is_chief:
+                return None
+            path = shards.commit(directory, step, sidecar)
+            ckpt.prune(directory, keep)
+            return path
+
+        if self._checkpoint_group is not None:  # --async-checkpoint: copy the shards, write them behind
+            written = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group)
+            self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3)
+            if wait:
+                self._finish_checkpoint()
+            return None
+        dcp.save(tensors, storage_writer=writer)
+        path = publish()
+        self.barrier()
+        if path is not None:
+            self._reporter.checkpoint(step, str(path), (time.perf_counter() - started) * 1e3)
+        return path
+
+    def _read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """A sharded checkpoint's entries without its tensors (they load straight into the shards)."""
+        return ckpt.read_entries(path) if shards.is_sharded(path) else super()._read_checkpoint(path)
+
+    def _load_checkpoint(self, path: Path, data: dict[str, Any]) -> None:
+        if shards.is_sharded(path):
+            load_sharded(path, self.unwrap(), self._optimizer, data)
+        else:  # a plain file, whole: each rank keeps its shards of it
+            super()._load_checkpoint(path, data)
 
     def _load_model_state(self, state: dict[str, Any]) -> None:
         load_full_model_state(self.unwrap(), state)

@@ -118,3 +118,24 @@ def render_elastic(report: Mapping[str, Any]) -> Table:
     if report.get("speedup"):
         table.add_row("restart / elastic", f"{report['speedup']:.2f}x", f"{report['speedup_back']:.2f}x", "", "")
     return table
+
+
+def render_memory(report: Mapping[str, Any]) -> Table:
+    title = (f"MB per rank: {report['parameters']:,} parameters ({report['layers']} x Linear({report['width']})), "
+             f"{report['optimizer']}, {report['steps']} steps on the CPU")
+    table = _contenders(title, "state: the parameters, gradients and optimizer state a rank holds (its shards under "
+                        "sharded); +peak: peak RSS over RSS before the model was built, on rank 0 (sharded's builds "
+                        "the seeded model whole once) and the most on any other rank. ratio: sharded / mirrored.",
+                        ("strategy", "ranks", "params", "grads", "optim", "state", "+peak r0", "+peak others"))
+    ratios = {ratio["replicas"]: ratio for ratio in report["ratios"]}
+    for row in report["rows"]:
+        first = row["ranks"][0]
+        others = "-" if row["added_mb_others"] is None else f"{row['added_mb_others']:.0f}"
+        table.add_row(row["strategy"], str(row["replicas"]), f"{first['params_mb']:.0f}", f"{first['grads_mb']:.0f}",
+                      f"{first['optimizer_mb']:.0f}", f"{row['state_mb']:.0f}", f"{row['added_mb_rank0']:.0f}", others)
+        if row["strategy"] == "sharded":
+            ratio = ratios[row["replicas"]]
+            others_ratio = f"{ratio['added_others']:.2f}x" if "added_others" in ratio else "-"
+            table.add_row("ratio", "", "", "", "", f"{ratio['state']:.2f}x",
+                          f"{ratio['added_rank0']:.2f}x", others_ratio, end_section=True)
+    return table

@@ -29,6 +29,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
     line = Text.assemble(
         f" step {snapshot.step}/{total if total else '?'}",
         f"  {fmt_rate(snapshot.samples_per_s)} samples/s",
+        f"  {fmt_rate(snapshot.tokens_per_s)} tokens/s" if snapshot.tokens_per_s is not None else "",
+        f"  MFU {snapshot.mfu:.1%}" if snapshot.mfu is not None else "",
         f"  elapsed {fmt_seconds(snapshot.elapsed_s)}",
         f"  ETA {fmt_seconds(snapshot.eta_s)}",
     )
@@ -123,6 +125,9 @@ def render_summary(summary: JobSummary) -> RenderableType:
     table.add_row("steps", str(summary.steps))
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s", fmt_rate(summary.samples_per_s))
+    if summary.tokens_per_s is not None:
+        table.add_row("tokens/s", fmt_rate(summary.tokens_per_s)
+                      + (f" (MFU {summary.mfu:.1%})" if summary.mfu is not None else ""))
     if summary.peak_mem_mb:
         peaks = summary.peak_mem_mb
         table.add_row("peak memory", ", ".join(f"rank {rank} {mb:.0f} MB" for rank, mb in list(peaks.items())[:8])
@@ -154,5 +159,7 @@ def render_summary(summary: JobSummary) -> RenderableType:
         for key, value in summary.evaluator_metrics.items():
             table.add_row(f"evaluator {key}", f"{value:.4g} (step {summary.evaluator_step})")
     if summary.last_checkpoint:
-        table.add_row("checkpoint", summary.last_checkpoint)
+        waited = (f" (a step waited at most {summary.checkpoint_blocked_ms:.0f} ms)"
+                  if summary.checkpoint_blocked_ms is not None else "")
+        table.add_row("checkpoint", summary.last_checkpoint + waited)
     return table

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distrun.strategies import latest_checkpoint
+from distrun.strategies import latest_checkpoint, load_checkpoint
 from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
@@ -181,7 +181,15 @@ def test_sharded_on_two_hosts_hsdp_and_flat_match_one_device(lab: Lab, tmp_path:
             assert lines[0]["world_size"] == 4 and lines[-1]["strategy"] == "sharded"
             said = [line["line"] for line in lines if line.get("type") == "output" and "[sharded]" in line["line"]]
             assert len(said) == 1 and says in said[0], said
-            sharded = torch.load(latest_checkpoint(tmp_path / within), weights_only=True)
-            assert sharded["step"] == base["step"] == 14
+            sharded = load_checkpoint(latest_checkpoint(tmp_path / within))
+            assert sharded["step"] == base["step"] == 14 and sharded["num_replicas"] == 4
+            # Each host's two ranks wrote their own shards into the one folder the hosts share; the
+            # folder came home whole, and it is the same checkpoint.
+            folder = latest_checkpoint(tmp_path / within)
+            assert sorted(p.name for p in folder.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+            home = next(line for line in lines if line.get("type") == "results")["checkpoint"]
+            assert Path(home).name == folder.name and Path(home).is_dir()
+            fetched = load_checkpoint(home)["model"]
+            assert all(torch.equal(fetched[key], tensor) for key, tensor in sharded["model"].items())
             for key, tensor in base["model"].items():
                 torch.testing.assert_close(sharded["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{within}: {key}")

@@ -13,21 +13,25 @@ from tests.integration._recipes import EQUIV
 pytestmark = pytest.mark.integration
 
 
-def test_ls_names_each_checkpoint_and_export_reads_back_without_distrun(write_recipe, tmp_path):
+def test_ls_names_both_formats_in_one_folder_and_export_reads_back_without_distrun(write_recipe, tmp_path):
+    """Mirrored writes rank 0's file at step 3; sharded resumes from it and writes its folder at 6."""
     recipe = write_recipe(EQUIV)
-    trained = run_cli("train", str(recipe), "-s", "sharded", "--replicas", "2", "--steps", "6", "--checkpoint-every",
-                      "3", "--checkpoint-dir", str(tmp_path / "ck"), "--json")
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    listed = run_cli("checkpoint", "ls", str(tmp_path / "ck"), "--json")
+    ck = tmp_path / "ck"
+    for strategy, steps in (("mirrored", "3"), ("sharded", "6")):
+        trained = run_cli("train", str(recipe), "-s", strategy, "--replicas", "2", "--steps", steps, "--resume" if
+                          strategy == "sharded" else "--checkpoint-every=3", "--checkpoint-dir", str(ck), "--json")
+        assert trained.returncode == 0, trained.stderr[-2000:]
+    listed = run_cli("checkpoint", "ls", str(ck), "--json")
     assert listed.returncode == 0, listed.stderr
     rows = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert [(r["step"], r["strategy"], r["world_size"]) for r in rows] == [(3, "sharded", 2), (6, "sharded", 2)]
+    assert [(r["step"], r["strategy"], r["world_size"], r["format"]) for r in rows] == [
+        (3, "mirrored", 2, "plain"), (6, "sharded", 2, "sharded")]
     assert all(r["bytes"] > 0 and r["parameters"] == 6 * 16 + 16 + 16 * 3 + 3 for r in rows)
-    table = run_cli("checkpoint", "ls", str(tmp_path / "ck"))
-    assert table.returncode == 0 and "ckpt-000000006.pt" in table.stdout and "sharded" in table.stdout
+    table = run_cli("checkpoint", "ls", str(ck))
+    assert table.returncode == 0 and "ckpt-000000003.pt" in table.stdout and "ckpt-000000006/" in table.stdout
 
     out = tmp_path / "model.pt"
-    exported = run_cli("checkpoint", "export", str(tmp_path / "ck"), "-o", str(out))
+    exported = run_cli("checkpoint", "export", str(ck / "ckpt-000000003.pt"), "-o", str(out))
     assert exported.returncode == 0 and exported.stdout.strip() == str(out), exported.stderr
     # A reader with no distrun at all: the import is made to fail, and torch's safe loader reads it.
     code = ("import sys; sys.modules['distrun'] = None\n"
@@ -37,7 +41,7 @@ def test_ls_names_each_checkpoint_and_export_reads_back_without_distrun(write_re
     read = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert read.returncode == 0, read.stderr
     assert json.loads(read.stdout) == {"0.weight": [16, 6], "0.bias": [16], "2.weight": [3, 16], "2.bias": [3]}
-    full = torch.load(tmp_path / "ck" / "ckpt-000000006.pt", weights_only=True)["model"]
+    full = torch.load(ck / "ckpt-000000003.pt", weights_only=True)["model"]
     for key, tensor in torch.load(out, weights_only=True).items():
         assert torch.equal(tensor, full[key])
 

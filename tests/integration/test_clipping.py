@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distrun.strategies import latest_checkpoint
+from distrun.strategies import latest_checkpoint, load_checkpoint
 from tests.conftest import run_cli
 from tests.integration._recipes import EQUIV
 
@@ -15,7 +15,7 @@ def _model(recipe, ckpt, strategy, *extra):
     result = run_cli("train", str(recipe), "-s", strategy, *replicas, "--json", "--steps", "12",
                      "--checkpoint-dir", str(ckpt), *extra)
     assert result.returncode == 0, result.stderr[-3000:]
-    return torch.load(latest_checkpoint(ckpt), weights_only=True)["model"]
+    return load_checkpoint(latest_checkpoint(ckpt))["model"]
 
 
 def test_every_synchronous_strategy_clips_the_global_norm_alike(write_recipe, tmp_path):

@@ -10,7 +10,7 @@ import torch
 
 from distrun.errors import CheckpointError
 from distrun.strategies import latest_checkpoint, list_checkpoints, load_checkpoint
-from distrun.strategies.checkpoint import save_checkpoint
+from distrun.strategies.checkpoint import prune, save_checkpoint
 
 
 def state(value: float) -> dict:
@@ -19,7 +19,8 @@ def state(value: float) -> dict:
 
 def test_writes_plain_weights_only_files_and_keeps_the_last_k(tmp_path):
     for step in range(1, 6):
-        save_checkpoint(tmp_path, step, state(step), keep=2)
+        save_checkpoint(tmp_path, step, state(step))
+        prune(tmp_path, 2)
     steps = [s for s, _ in list_checkpoints(tmp_path)]
     assert steps == [4, 5]
     newest = latest_checkpoint(tmp_path)
@@ -40,15 +41,15 @@ def test_missing_and_foreign_files_are_checkpoint_errors(tmp_path):
 WRITER = textwrap.dedent(
     """
     import sys, torch
-    from distrun.strategies.checkpoint import save_checkpoint
+    from distrun.strategies.checkpoint import prune, save_checkpoint
     big = {"model": {"w": torch.zeros(64, 1024, 1024)}, "optimizer": {}, "step": 2}  # 256 MiB
-    save_checkpoint(sys.argv[1], 2, big, keep=3)
+    save_checkpoint(sys.argv[1], 2, big)
     """
 )
 
 
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    save_checkpoint(tmp_path, 1, state(1.0), keep=3)
+    save_checkpoint(tmp_path, 1, state(1.0))
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)])
     deadline = time.monotonic() + 60
     while not any(p.name.startswith(".tmp") for p in tmp_path.iterdir()):
@@ -60,6 +61,6 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert [s for s, _ in list_checkpoints(tmp_path)] == [1]
     assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 1
     # The next save sweeps the dead writer's temporary file.
-    save_checkpoint(tmp_path, 3, state(3.0), keep=3)
+    save_checkpoint(tmp_path, 3, state(3.0))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     assert os.path.basename(latest_checkpoint(tmp_path)) == "ckpt-000000003.pt"

@@ -1,14 +1,20 @@
-"""Checkpoints: the plain file format (``files``), written atomically and loaded with
-``weights_only=True``; ``latest_checkpoint``/``list_checkpoints``/``load_checkpoint`` are
-the contract the strategies and the CLI use.
+"""Checkpoints in two formats behind one contract (``catalog``).
+
+``files``: the plain format, one ``ckpt-<step>.pt`` written by rank 0 and loaded with
+``weights_only=True`` (every strategy but sharded writes it). ``shards``: a ``ckpt-<step>/``
+folder of torch.distributed.checkpoint shards, each rank writing its own (sharded writes it).
+``latest_checkpoint``/``list_checkpoints``/``load_checkpoint`` read both.
 """
 
-from distrun.strategies.checkpoint.files import (
-    checkpoint_path,
+from distrun.strategies.checkpoint import layout, shards
+from distrun.strategies.checkpoint.catalog import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    save_checkpoint,
+    prune,
+    read_entries,
 )
+from distrun.strategies.checkpoint.files import checkpoint_path, save_checkpoint
 
-__all__ = ["checkpoint_path", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["layout", "shards", "checkpoint_path", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prune", "read_entries",
+           "save_checkpoint"]

@@ -1,4 +1,4 @@
-"""Checkpoint files: one ``ckpt-<step>.pt`` each, written atomically, the last K kept.
+"""Plain checkpoints: one ``ckpt-<step>.pt`` file each, written atomically by rank 0.
 
 The format is deliberately plain so any tool can read it::
 
@@ -15,7 +15,7 @@ Nothing in it needs pickle's arbitrary-object loading, so ``weights_only=True``
 loads it. Writes go to a temporary file in the same folder, are fsynced, renamed
 over the final name and the folder is fsynced: a process killed mid-save leaves
 the previous checkpoints intact and at most a stray temporary file, which
-``latest_checkpoint`` ignores and the next save removes.
+listing ignores and the next save removes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from distrun.errors import CheckpointError
 
-__all__ = ["FORMAT", "checkpoint_path", "list_checkpoints", "latest_checkpoint", "save_checkpoint", "load_checkpoint"]
+__all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file"]
 
 FORMAT = "distrun.checkpoint.v1"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -40,8 +40,8 @@ def checkpoint_path(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory) / f"ckpt-{step:09d}.pt"
 
 
-def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
+def list_files(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """(step, path) of every complete plain checkpoint, oldest first."""
     folder = Path(directory)
     if not folder.is_dir():
         return []
@@ -53,13 +53,8 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     return sorted(found)
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(directory)
-    return found[-1][1] if found else None
-
-
-def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` atomically, then prune to ``keep``."""
+def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[str, Any]) -> Path:
+    """Write ``state`` as the checkpoint of ``step`` atomically."""
     folder = Path(directory)
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -72,14 +67,12 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[st
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         _fsync_dir(folder)
-        for _, old in list_checkpoints(folder)[:-keep]:
-            old.unlink(missing_ok=True)
         return final
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
@@ -93,6 +86,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _remove_stale_temporaries(folder: Path) -> None:
     for entry in folder.glob(f"{_TMP_PREFIX}*"):
+        if entry.is_dir():
+            continue  # a sharded save's folder (shards.py)
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
             continue  # another live writer's file

@@ -124,6 +124,7 @@ class DistributedDataset:
         shuffle: bool = True,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         num_workers: int = 0,
+        pin_memory: bool = False,
     ) -> None:
         self._dataset = dataset
         self._num_replicas = num_replicas
@@ -132,6 +133,7 @@ class DistributedDataset:
         self._any_exhausted = any_exhausted
         self._collate_fn = collate_fn
         self._num_workers = num_workers
+        self._pin_memory = pin_memory
         self.epoch = 0
         self.next_batch = 0
         self.plan = (
@@ -186,7 +188,8 @@ class DistributedDataset:
     def _iter_map_style(self, plan: GlobalBatchPlan) -> Iterator[Any]:
         pending: list[Share] = []
         sampler = _ShareSampler(plan, self._replica_id, self.epoch, self.next_batch, pending.append)
-        kwargs: dict[str, Any] = {"batch_sampler": sampler, "num_workers": self._num_workers}
+        kwargs: dict[str, Any] = {"batch_sampler": sampler, "num_workers": self._num_workers,
+                                  "pin_memory": self._pin_memory}
         if self._collate_fn is not None:
             kwargs["collate_fn"] = self._collate_fn
         for batch in DataLoader(self._dataset, **kwargs):

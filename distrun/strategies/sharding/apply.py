@@ -11,6 +11,7 @@ the same groups and hyperparameters, each group's parameters found again by name
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -72,4 +73,8 @@ def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str]) -
             raise RecipeError("--strategy sharded: the optimizer holds a tensor that is not one of the model's "
                               "parameters") from None
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-    return type(optimizer)(groups, **optimizer.defaults)
+    # ``defaults`` may hold what the constructor sets itself (AdamW's decoupled_weight_decay): pass
+    # only what it takes; each group already carries every value.
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if open_ended or k in accepted})

@@ -1,10 +1,9 @@
-"""A sharded model's state in the plain checkpoint format every strategy reads and writes.
+"""Whole state into a sharded model: rank 0's initial values, or a plain checkpoint.
 
-``ckpt-<step>.pt`` holds the model's full ``state_dict`` and the optimizer's in torch's own
-layout (state keyed by each parameter's index in the groups). Every rank takes part in
-gathering the shards (a collective); only rank 0 receives the full tensors, on the CPU, and
-writes them. So a sharded checkpoint resumes under one-device or mirrored, and theirs under
-sharded, whatever the number of ranks on either side.
+Every rank passes the same full ``state_dict`` (a plain ``ckpt-<step>.pt``, loaded whole) and
+keeps its own shards of it; the optimizer's state comes in torch's index-keyed layout and is
+turned back into names first. So a mirrored or one-device checkpoint resumes under sharded at
+any rank count. (Sharded's own checkpoints are DCP folders: ``sharding/checkpoint.py``.)
 """
 
 from __future__ import annotations
@@ -14,18 +13,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-__all__ = ["broadcast_from_rank0", "full_model_state", "full_optimizer_state", "load_full_model_state",
-           "load_full_optimizer_state"]
+from distrun.strategies.checkpoint import layout
 
-_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+__all__ = ["broadcast_from_rank0", "load_full_model_state", "load_full_optimizer_state"]
+
 _SCATTER = StateDictOptions(full_state_dict=True)
 
 
@@ -41,23 +34,6 @@ def broadcast_from_rank0(model: nn.Module, state: dict[str, Any], device: torch.
                 buffer.copy_(staged)
 
 
-def full_model_state(model: nn.Module) -> dict[str, Any]:
-    """The full state_dict on rank 0 (empty elsewhere); every rank must call it."""
-    return get_model_state_dict(model, options=_GATHER)
-
-
-def full_optimizer_state(model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The optimizer's full state in torch's index-keyed layout on rank 0 (empty elsewhere)."""
-    named = get_optimizer_state_dict(model, optimizer, options=_GATHER)
-    if not named:
-        return {}
-    order = [name for group in named["param_groups"] for name in group["params"]]
-    index = {name: i for i, name in enumerate(order)}
-    return {"state": {index[name]: state for name, state in named["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in named["param_groups"]]}
-
-
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     """Each rank keeps its shards of a full state_dict (every rank passes the same one)."""
     set_model_state_dict(model, state, options=_SCATTER)
@@ -67,7 +43,4 @@ def load_full_optimizer_state(model: nn.Module, optimizer: Any, state: dict[str,
     """The index-keyed layout back to names, then each rank keeps its shards."""
     names = {id(param): name for name, param in model.named_parameters()}
     order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
-    named = {"state": {order[int(i)]: value for i, value in state.get("state", {}).items()},
-             "param_groups": [{**group, "params": [order[int(i)] for i in group["params"]]}
-                              for group in state.get("param_groups", [])]}
-    set_optimizer_state_dict(model, optimizer, named, options=_SCATTER)
+    set_optimizer_state_dict(model, optimizer, layout.named(state, order), options=_SCATTER)

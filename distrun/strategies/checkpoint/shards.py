@@ -1,0 +1,211 @@
+"""Sharded checkpoints: a folder per checkpoint, torch.distributed.checkpoint (DCP) inside.
+
+::
+
+    ckpt-000000100/
+        __0_0.distcp, __1_0.distcp, ...   each rank's own shards, written by that rank, in parallel
+        .metadata                         DCP's index: which file holds which piece of which tensor
+        distrun.json                      the rest: format, step, data position, RNG, optimizer groups
+
+**Atomic.** Every rank writes into ``.tmp-ckpt-<step>/``. DCP's coordinator writes
+``.metadata`` only once every rank's file is written and fsynced; then rank 0 checks that
+every file the index names is there, writes ``distrun.json`` (fsynced) and renames the folder
+to ``ckpt-<step>/``, then fsyncs the parent. So a ``ckpt-<step>`` folder is complete by
+construction: a job killed mid-save leaves the previous checkpoints the newest and a
+``.tmp-ckpt-*`` folder, which listing ignores and the next save removes.
+
+**Resharding.** DCP's index records each tensor's global shape and every shard's offsets,
+so a checkpoint loads onto any number of ranks: a sharded model takes only its own pieces
+(``load_into``), a whole model (mirrored, one-device, ``export``) takes every piece
+(``read_tensors``).
+
+**No code runs on load.** DCP writes its index with ``pickle`` and reads non-tensor entries
+with ``torch.load(weights_only=False)``. distrun writes tensors only (``layout.split`` puts the
+rest in ``distrun.json``), reads the index with an unpickler that admits DCP's own metadata
+classes and nothing else, and refuses a checkpoint that holds pickled objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from distrun.errors import CheckpointError
+
+__all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "prepare", "commit",
+           "read_sidecar", "read_index", "read_tensors", "load_into", "size_bytes", "SafeReader"]
+
+FORMAT = "distrun.checkpoint.dcp.v1"
+SIDECAR = "distrun.json"
+_TMP_PREFIX = ".tmp-ckpt-"
+_INDEX = ".metadata"
+
+#: What DCP's index may name (module, attribute): its metadata classes, torch's dtypes and
+#: sizes, paths. Anything else in a ``.metadata`` file is refused.
+_INDEX_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
+}
+
+
+def folder_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"ckpt-{step:09d}"
+
+
+def temporary_path(directory: str | os.PathLike[str], step: int) -> Path:
+    return Path(directory) / f"{_TMP_PREFIX}{step:09d}"
+
+
+def is_sharded(path: str | os.PathLike[str]) -> bool:
+    return Path(path).is_dir()
+
+
+def prepare(directory: str | os.PathLike[str], step: int) -> Path:
+    """Rank 0, before any rank writes: remove what killed saves left, make the step's folder."""
+    folder = Path(directory)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for entry in folder.glob(f"{_TMP_PREFIX}*"):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+        tmp = temporary_path(folder, step)
+        tmp.mkdir()
+        return tmp
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+
+
+def commit(directory: str | os.PathLike[str], step: int, sidecar: dict[str, Any]) -> Path:
+    """Rank 0, once DCP's save has returned: the sidecar, then the rename that publishes it."""
+    folder = Path(directory)
+    tmp, final = temporary_path(folder, step), folder_path(folder, step)
+    missing = _missing_files(tmp)
+    if missing:
+        raise CheckpointError(
+            f"{folder}: the shards of step {step} written on other hosts are not here ({', '.join(missing[:3])}"
+            f"{'...' if len(missing) > 3 else ''}): a sharded checkpoint needs a --checkpoint-dir every host shares")
+    try:
+        with open(tmp / SIDECAR, "w", encoding="utf-8") as fh:
+            json.dump({"format": FORMAT, **sidecar}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if final.exists():  # the same step saved again (a resumed run's final save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+    return final
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(Path(path) / SIDECAR, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a complete sharded checkpoint (no {SIDECAR})") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}/{SIDECAR}: unreadable: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a distrun sharded checkpoint (format {FORMAT} expected)")
+    return data
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def read_index(path: str | os.PathLike[str]) -> Metadata:
+    """DCP's ``.metadata``, through the restricted unpickler; only tensor entries are accepted."""
+    where = Path(path) / _INDEX
+    try:
+        with open(where, "rb") as fh:
+            index = _IndexUnpickler(fh).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a sharded checkpoint (no {_INDEX})") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: refused: {exc}") from None
+    if not isinstance(index, Metadata):
+        raise CheckpointError(f"{where}: not a DCP index")
+    objects = [key for key, entry in index.state_dict_metadata.items() if not isinstance(entry, TensorStorageMetadata)]
+    if objects:
+        raise CheckpointError(f"{path}: holds pickled objects ({', '.join(objects[:3])}); distrun loads tensors only")
+    return index
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the restricted index reader."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = read_index(self.path)
+        if index.storage_meta is None:
+            index.storage_meta = StorageMeta()
+        index.storage_meta.load_id = self.load_id
+        return index
+
+
+def read_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor whole, on the CPU, in this process alone (no process group): for a model
+    that is not sharded, and for the tools."""
+    index = read_index(path)
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
+               for key, entry in index.state_dict_metadata.items()}
+    with warnings.catch_warnings():  # DCP warns that no process group means one process: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
+    return tensors
+
+
+def load_into(path: str | os.PathLike[str], targets: dict[str, Any]) -> set[str]:
+    """Fill ``targets`` (tensors or DTensors, any sharding) in place from the checkpoint, every
+    rank together. Keys the checkpoint lacks are left out: model keys are an error (a different
+    model); optimizer keys are state that was never created. Returns the keys loaded."""
+    present = set(read_index(path).state_dict_metadata)
+    missing = sorted(key for key in targets if key not in present and key.startswith("model/"))
+    if missing:
+        raise CheckpointError(f"{path}: this model's {', '.join(m[6:] for m in missing[:3])}"
+                              f"{'...' if len(missing) > 3 else ''} not in the checkpoint (a different model?)")
+    wanted = {key: value for key, value in targets.items() if key in present}
+    try:
+        dcp.load(wanted, storage_reader=SafeReader(path))
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - DCP wraps each rank's failure in its own types
+        raise CheckpointError(f"{path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
+    return set(wanted)
+
+
+def size_bytes(path: str | os.PathLike[str]) -> int:
+    return sum(entry.stat().st_size for entry in Path(path).iterdir() if entry.is_file())
+
+
+def _missing_files(tmp: Path) -> list[str]:
+    index = read_index(tmp)
+    named = {info.relative_path for info in (index.storage_data or {}).values()}
+    return sorted(name for name in named if not (tmp / name).is_file())

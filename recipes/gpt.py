@@ -1,0 +1,129 @@
+"""A small decoder-only transformer (GPT) that learns Shakespeare byte by byte.
+
+    distrun train recipes/gpt.py                                  # one device
+    distrun train recipes/gpt.py --strategy sharded --replicas 2  # FSDP2, each block a unit
+    distrun train recipes/gpt.py -- --layers 12 --width 768       # GPT-2 small's shape (85M + embeddings)
+
+The text ships with the repository (``data/shakespeare.txt``, 300 KB of Shakespeare's plays,
+public domain): nothing is downloaded. Tokens are bytes (a vocabulary of 256), so there is no
+tokenizer to agree on across hosts. The last tenth of the text is held out for evaluation.
+
+distrun reports tokens/s from ``tokens_per_sample`` and, on a GPU, MFU (model FLOPs per second
+over the devices' peak) from ``flops_per_token``, in the live view and the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+_parser = argparse.ArgumentParser(prog="gpt.py")
+_parser.add_argument("--layers", type=int, default=4)
+_parser.add_argument("--width", type=int, default=128, help="the model dimension")
+_parser.add_argument("--heads", type=int, default=4)
+_parser.add_argument("--context", type=int, default=128, help="tokens per sample")
+_parser.add_argument("--lr", type=float, default=1e-3)
+ARGS = _parser.parse_args(sys.argv[1:])
+
+VOCAB = 256
+TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+
+defaults = {"global_batch_size": 32, "steps": 200, "seed": 0}
+#: What distrun multiplies samples/s by for tokens/s.
+tokens_per_sample = ARGS.context
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, width: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.context = context
+        self.embed = nn.Embedding(VOCAB, width)
+        self.position = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        for name, param in self.named_parameters():  # GPT-2's initialisation, residual projections scaled
+            if param.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(param, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.position(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def model() -> nn.Module:
+    return GPT(ARGS.layers, ARGS.width, ARGS.heads, ARGS.context)
+
+
+def shard_units(gpt: GPT) -> nn.ModuleList:
+    """Under --strategy sharded, each transformer block is one FSDP unit (as torchtitan shards)."""
+    return gpt.blocks
+
+
+def flops_per_token(gpt: GPT) -> float:
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's scores
+    and weighted sum (PaLM's appendix B: 12 x layers x width x context)."""
+    weights = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith(("embed", "position")))
+    return 6 * weights + 12 * len(gpt.blocks) * gpt.embed.embedding_dim * gpt.context
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=ARGS.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def loss(outputs: torch.Tensor, batch) -> torch.Tensor:
+    return F.cross_entropy(outputs.reshape(-1, VOCAB), batch[1].reshape(-1))
+
+
+def _windows(data: torch.Tensor) -> TensorDataset:
+    """Every ``context + 1`` bytes from a stride of half a context: inputs and next-byte targets."""
+    stride = max(1, ARGS.context // 2)
+    starts = torch.arange(0, len(data) - ARGS.context - 1, stride)
+    rows = torch.stack([data[s: s + ARGS.context + 1] for s in starts.tolist()]).long()
+    return TensorDataset(rows[:, :-1], rows[:, 1:])
+
+
+def _text() -> torch.Tensor:
+    return torch.frombuffer(bytearray(TEXT.read_bytes()), dtype=torch.uint8)
+
+
+def train_data(ctx) -> TensorDataset:
+    data = _text()
+    return _windows(data[: len(data) * 9 // 10])
+
+
+def eval_data(ctx) -> TensorDataset:
+    data = _text()
+    return _windows(data[len(data) * 9 // 10:])

@@ -1,0 +1,48 @@
+"""recipes/gpt.py: a byte-level transformer on the Shakespeare that ships with the repo, under
+every synchronous strategy, with tokens/s in the summary and --data-workers feeding it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+
+pytestmark = pytest.mark.integration
+
+GPT = str(REPO / "recipes" / "gpt.py")
+SMALL = ("--", "--layers", "2", "--width", "32", "--heads", "2", "--context", "32", "--lr", "3e-3")
+
+
+def _train(strategy, *flags):
+    more = [] if strategy == "one-device" else ["--replicas", "2"]
+    result = run_cli("train", GPT, "-s", strategy, *more, "--steps", "16", "--global-batch-size", "16", "--json",
+                     *flags, *SMALL)
+    assert result.returncode == 0, f"{strategy}: {result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train("one-device")
+
+
+def test_the_loss_falls_and_tokens_per_s_is_samples_per_s_times_the_context(one_device):
+    steps = [line for line in one_device.json_lines() if line["type"] == "step"]
+    summary = one_device.summary
+    assert steps[0]["loss"] > 5.0  # about ln(256): a byte drawn at random
+    assert summary["final_loss"] < steps[0]["loss"] - 1.0, (steps[0]["loss"], summary["final_loss"])
+    assert summary["tokens_per_s"] == pytest.approx(summary["samples_per_s"] * 32)
+    assert summary["mfu"] is None  # a CPU: no peak to measure against
+    workload = next(line for line in one_device.json_lines() if line["type"] == "workload")
+    assert workload["tokens_per_sample"] == 32 and workload["flops_per_token"] > 6 * 2 * 12 * 32 * 32
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central-storage", "sharded"])
+def test_every_synchronous_strategy_trains_it_as_one_device_does(one_device, strategy):
+    result = _train(strategy)
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-4)
+
+
+def test_data_workers_read_the_same_batches(one_device):
+    result = _train("one-device", "--data-workers", "2")
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-6)
