@@ -68,7 +68,7 @@ def train(
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
     clip_grad_norm: float | None = typer.Option(None, "--clip-grad-norm", metavar="MAX", help="Clip the gradients' global norm to MAX before each optimizer step (every synchronous strategy; over the shards under sharded)."),
     reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
-    shard_within: str = typer.Option("all", "--shard-within", help="sharded: all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
+    shard_within: str = typer.Option("auto", "--shard-within", help="sharded: auto (HSDP on 2+ hosts when the model fits a host) | all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
     offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
     data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
     async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),

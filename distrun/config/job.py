@@ -123,7 +123,7 @@ class JobSpec:
     #: reshard_after_forward); shard over every rank or inside each host (HSDP); keep the
     #: shards and the optimizer's state in host memory (``cpu``: FSDP's CPUOffloadPolicy).
     reshard_after_forward: bool = True
-    shard_within: str = "all"
+    shard_within: str = "auto"
     offload: str = "none"
     #: sharded only: write each checkpoint in the background (DCP's ``async_save``): a step
     #: waits only while the shards are copied out of the model.
@@ -315,7 +315,7 @@ def _validate_allreduce(spec: JobSpec) -> None:
                           "all-reduces; use --allreduce flat, or --compression fp16|bf16")
 
 
-SHARD_WITHIN = ("all", "host")
+SHARD_WITHIN = ("auto", "all", "host")
 OFFLOAD = ("none", "cpu")
 
 
@@ -326,7 +326,7 @@ def _validate_sharded(spec: JobSpec) -> None:
     if spec.offload not in OFFLOAD:
         raise ConfigError(f"--offload: expected {' or '.join(OFFLOAD)}. Received: {spec.offload!r}")
     if spec.strategy is not StrategyName.SHARDED:
-        used = [flag for flag, on in (("--shard-within", spec.shard_within != "all"),
+        used = [flag for flag, on in (("--shard-within", spec.shard_within != "auto"),
                                       ("--offload", spec.offload != "none"),
                                       ("--no-reshard-after-forward", not spec.reshard_after_forward),
                                       ("--async-checkpoint", spec.async_checkpoint)) if on]
@@ -334,9 +334,6 @@ def _validate_sharded(spec: JobSpec) -> None:
             raise ConfigError(f"{used[0]} is for --strategy sharded. Received: --strategy {spec.strategy.value}")
         return
     refused = [(flag, why) for flag, why, on in (
-        ("--precision fp16", "its loss scaler does not yet unscale sharded gradients; use --precision bf16",
-         spec.precision == "fp16"),
-        ("--compile", "compiling each sharded block is not built yet", spec.compile),
         ("--sync-batch-norm", "sharded keeps no replica-wide BatchNorm statistics", spec.sync_batch_norm),
         ("--offload cpu", "it moves shards off a GPU into host memory, and a CPU job holds them there already",
          spec.offload == "cpu" and spec.device != "cuda"),

@@ -149,6 +149,9 @@ class Strategy(ElasticReplica, ABC):
 
     #: fp16: the optimizer's ``step`` unscales ``param.grad`` and skips on overflow (see ReplicaStep.finish).
     _unscale_in_step = True
+    #: --compile: the strategy compiles its own parts in ``_wrap`` (sharded: each block), so the
+    #: step neither wraps the model for compilation nor compiles it whole.
+    _compiles_units = False
 
     @abstractmethod
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
@@ -159,11 +162,12 @@ class Strategy(ElasticReplica, ABC):
         if self._elastic is not None and self._elastic.round is None:  # a joiner, its model built: join now
             round_ = self._elastic.first_round()
             self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
-        model, optimizer = self._wrap(self._step.root(model), optimizer)
+        model, optimizer = self._wrap(model if self._compiles_units else self._step.root(model), optimizer)
         stepping = self._stepping_optimizer(optimizer)
         if self._step.settings.clip_grad_norm and stepping is not None:
             clip_before_step(stepping, self._step.settings.clip_grad_norm)
-        model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step)
+        model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step,
+                                             compile_whole=not self._compiles_units)
         self._model, self._optimizer = model, optimizer
         if self.joined and self._healed_position is None:
             self._heal()  # the members already training rebuilt their DDP with us and heal us now

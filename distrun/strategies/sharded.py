@@ -18,8 +18,11 @@ on the meta device (no memory). After sharding, the other ranks allocate only th
 ``broadcast_from_rank0``), buffers too. So a model bigger than one device starts, and its
 initial parameters are still one-device's.
 
-``--precision bf16`` is FSDP's MixedPrecisionPolicy: fp32 master weights, shards gathered
-and computed in bf16, gradients reduced in fp32; no autocast on top.
+``--precision bf16|fp16`` is FSDP's MixedPrecisionPolicy: fp32 master weights, shards gathered
+and computed in the low precision, gradients reduced in fp32; no autocast on top. fp16 adds
+the loss scaler every strategy uses (``step/precision.py``): it unscales each rank's gradient
+shards in place and all-reduces the overflow verdict, so every rank skips the same steps.
+``--compile`` compiles each unit before sharding it (``sharding/compile.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -50,9 +54,11 @@ from distrun.strategies.checkpoint.rng import rng_to_json
 from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
+from distrun.strategies.sharding.compile import compile_units
+from distrun.strategies.sharding.mesh import Layout, choose_layout
 from distrun.strategies.sharding.state import broadcast_from_rank0, load_full_model_state, load_full_optimizer_state
 from distrun.strategies.sharding.units import pick_units
-from distrun.strategies.step.precision import PRECISION_DTYPES
+from distrun.strategies.step.precision import PRECISION_DTYPES, ScaledOptimizer
 
 __all__ = ["ShardedStrategy"]
 
@@ -67,8 +73,9 @@ def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
 
 class ShardedStrategy(Strategy):
     name = "sharded"
+    _compiles_units = True
 
-    def __init__(self, *args: Any, reshard_after_forward: bool = True, shard_within: str = "all",
+    def __init__(self, *args: Any, reshard_after_forward: bool = True, shard_within: str = "auto",
                  offload: bool = False, hosts: int = 1, async_checkpoint: bool = False, **kwargs: Any) -> None:
         """``hosts``: how many hosts the ranks are on, in rank order (HSDP's replica count);
         ``async_checkpoint``: write checkpoints behind training (a gloo group of their own)."""
@@ -96,11 +103,15 @@ class ShardedStrategy(Strategy):
         home = torch.device("cpu") if self._offload else self.device
         if not _on_meta(model):
             model = model.to(home)
-        self.mesh = self._make_mesh()
+        layout = self._choose_layout(sum(p.numel() for p in model.parameters()))
+        self.mesh = self._make_mesh(layout.hsdp)
         units = pick_units(model, self.units_from)
         if self.is_chief:
-            print(f"[sharded] {units.description}; {self._describe_mesh()}", flush=True)
+            why = f" ({layout.why})" if layout.why else ""
+            print(f"[sharded] {units.description}; {self._describe_mesh()}{why}", flush=True)
         names = parameter_names(model)
+        if self._step.settings.compile:  # each block before sharding: FSDP's hooks stay eager around it
+            compile_units(units.modules, self._step.settings.compile_mode)
         apply_fsdp(model, units.modules, self.mesh, param_dtype=PRECISION_DTYPES.get(self.precision),
                    reshard_after_forward=self._reshard, offload=self._offload)
         if _on_meta(model):
@@ -109,12 +120,24 @@ class ShardedStrategy(Strategy):
         del initial
         return model, rebuild_optimizer(optimizer, model, names) if optimizer is not None else None
 
-    def _make_mesh(self) -> DeviceMesh:
-        device_type = self.device.type
-        world = self.num_replicas
-        if self._shard_within == "host" and self._hosts > 1:
-            if world % self._hosts:
-                raise ConfigError(f"--shard-within host: {world} ranks do not split evenly over {self._hosts} hosts")
+    def _choose_layout(self, parameters: int) -> Layout:
+        """``--shard-within``, ``auto`` decided from the least memory any rank has (all-reduced MIN)."""
+        world, hosts = self.num_replicas, self._hosts
+        least = float("inf")
+        if self._shard_within == "auto" and hosts > 1 and world % hosts == 0:
+            if self.device.type == "cuda":
+                mine = float(torch.cuda.get_device_properties(self.device).total_memory)
+            else:  # a host's ranks share its RAM
+                mine = psutil.virtual_memory().available / (world // hosts)
+            verdict = torch.tensor([mine], dtype=torch.float64, device=self._collective_device)
+            dist.all_reduce(verdict, op=dist.ReduceOp.MIN)
+            least = float(verdict.item())
+        return choose_layout(self._shard_within, hosts=hosts, world=world, parameters=parameters,
+                             rank_memory_bytes=least)
+
+    def _make_mesh(self, hsdp: bool) -> DeviceMesh:
+        device_type, world = self.device.type, self.num_replicas
+        if hsdp:
             return init_device_mesh(device_type, (self._hosts, world // self._hosts),
                                     mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
@@ -141,6 +164,11 @@ class ShardedStrategy(Strategy):
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """No autocast: the mixed-precision policy casts what FSDP gathers."""
         return contextlib.nullcontext()
+
+    @property
+    def _torch_optimizer(self) -> Any:
+        """The optimizer that steps the shards: under fp16, the one the loss scaler stands in front of."""
+        return self._optimizer.inner if isinstance(self._optimizer, ScaledOptimizer) else self._optimizer
 
     # -- checkpoints: DCP folders, each rank writing its own shards (checkpoint/shards.py)
 
@@ -177,7 +205,7 @@ class ShardedStrategy(Strategy):
                           wait: bool) -> Path | None:
         model = self.unwrap()
         reshard_all(model)  # a custom loop may save after a forward without backward
-        tensors, rest = sharded_state(model, self._optimizer)
+        tensors, rest = sharded_state(model, self._torch_optimizer)
         sidecar = {**meta, "rng": rng_to_json(meta["rng"]), **rest}
         step = self.step
         if self.is_chief:
@@ -211,7 +239,7 @@ class ShardedStrategy(Strategy):
 
     def _load_checkpoint(self, path: Path, data: dict[str, Any]) -> None:
         if shards.is_sharded(path):
-            load_sharded(path, self.unwrap(), self._optimizer, data)
+            load_sharded(path, self.unwrap(), self._torch_optimizer, data)
         else:  # a plain file, whole: each rank keeps its shards of it
             super()._load_checkpoint(path, data)
 
@@ -219,5 +247,5 @@ class ShardedStrategy(Strategy):
         load_full_model_state(self.unwrap(), state)
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        if self._optimizer is not None and state:
-            load_full_optimizer_state(self.unwrap(), self._optimizer, state)
+        if self._torch_optimizer is not None and state:
+            load_full_optimizer_state(self.unwrap(), self._torch_optimizer, state)

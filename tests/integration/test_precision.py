@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from distrun.strategies import latest_checkpoint
+from distrun.strategies import latest_checkpoint, load_checkpoint
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV, FP16_OVERFLOW
 from tests.integration.test_equivalence import train
@@ -19,7 +19,7 @@ EPS = {"bf16": 2.0**-8, "fp16": 2.0**-11}
 
 
 def checkpoint(ckpt):
-    return torch.load(latest_checkpoint(ckpt), weights_only=True)
+    return load_checkpoint(latest_checkpoint(ckpt))
 
 
 def max_diff(a, b):
@@ -37,17 +37,18 @@ def test_reduced_precision_gives_one_device_parameters_under_mirrored(write_reci
     train(recipe, tmp_path / "fp32", "one-device", "--epochs", "2", *FULL_BATCHES)
     fp32 = checkpoint(tmp_path / "fp32")
     runs = {}
-    for strategy in ("one-device", "mirrored"):
+    for strategy in ("one-device", "mirrored", "sharded"):  # sharded: FSDP's MixedPrecisionPolicy, not autocast
         result = train(recipe, tmp_path / strategy, strategy, "--precision", precision, "--epochs", "2", *FULL_BATCHES)
         assert result.summary["precision"] == precision
         runs[strategy] = checkpoint(tmp_path / strategy)
-    assert runs["mirrored"]["step"] == STEPS
-    layout = max_diff(runs["mirrored"], runs["one-device"])
-    assert layout <= STEPS * LR * EPS[precision]
-    assert max_diff(runs["one-device"], fp32) > layout
-    if precision == "fp16":
-        assert runs["mirrored"]["scaler"] == runs["one-device"]["scaler"]
-        assert runs["mirrored"]["scaler"]["_growth_tracker"] == STEPS  # no overflow in this run
+    for strategy in ("mirrored", "sharded"):
+        assert runs[strategy]["step"] == STEPS
+        layout = max_diff(runs[strategy], runs["one-device"])
+        assert layout <= STEPS * LR * EPS[precision], strategy
+        assert max_diff(runs["one-device"], fp32) > layout, strategy
+        if precision == "fp16":
+            assert runs[strategy]["scaler"] == runs["one-device"]["scaler"]
+            assert runs[strategy]["scaler"]["_growth_tracker"] == STEPS  # no overflow in this run
 
 
 def skipped_steps(result):
@@ -59,7 +60,7 @@ def skipped_steps(result):
     return skips
 
 
-@pytest.mark.parametrize("strategy", ["central-storage", "mirrored"])
+@pytest.mark.parametrize("strategy", ["central-storage", "mirrored", "sharded"])
 def test_an_fp16_overflow_on_one_replica_skips_the_step_on_every_replica(write_recipe, tmp_path, strategy):
     """central-storage keeps each replica's gradients apart until its optimizer step, so
     only the all-reduced verdict makes rank 0 skip rank 1's overflow; without it rank 0
@@ -89,12 +90,15 @@ def test_fp16_resume_restores_the_loss_scaler(write_recipe, tmp_path):
     assert max_diff(resumed, straight) == 0.0
 
 
-def test_compile_under_mirrored_matches_eager_one_device(write_recipe, tmp_path):
+@pytest.mark.parametrize("strategy, graphs", [("mirrored", 1), ("sharded", 2)])
+def test_compile_matches_eager_one_device(write_recipe, tmp_path, strategy, graphs):
+    """mirrored compiles the DDP-wrapped model; sharded compiles each of EQUIV's two Linear blocks
+    before sharding it (one graph each: nn.Linear's forward is torch's own, compiled all the same)."""
     recipe = write_recipe(EQUIV)
     train(recipe, tmp_path / "eager", "one-device", "--epochs", "2", *FULL_BATCHES)
-    result = train(recipe, tmp_path / "compiled", "mirrored", "--compile", "--epochs", "2", *FULL_BATCHES)
+    result = train(recipe, tmp_path / "compiled", strategy, "--compile", "--epochs", "2", *FULL_BATCHES)
     compiled = [line for line in result.json_lines() if line["type"] == "compile" and line["rank"] == 0]
-    assert compiled and compiled[-1]["graphs"] >= 1  # it really compiled (not DDP's eager fallback)
+    assert compiled and compiled[-1]["graphs"] >= graphs  # it really compiled (not an eager fallback)
     summary = result.summary["compile"]
     assert summary["mode"] == "default" and summary["graphs"] >= 1 and summary["graph_breaks"] == 0
     assert summary["compile_s"] > 0

@@ -74,10 +74,9 @@ def test_the_recipe_names_its_units_and_bf16_trains(write_recipe, tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (["--precision", "fp16"], "--precision fp16 with --strategy sharded"),
     (["--compression", "bf16"], "--compression bf16 with --strategy sharded"),
     (["--elastic", "1:2"], "--elastic: for --strategy mirrored or multi-worker"),
-    (["--compile"], "--compile with --strategy sharded"),
+    (["--async-checkpoint"], "--async-checkpoint needs --checkpoint-dir"),
     (["--offload", "cpu", "--device", "cpu"], "--offload cpu with --strategy sharded"),
 ])
 def test_what_does_not_combine_is_refused_in_one_line(write_recipe, flags, says):
@@ -86,9 +85,10 @@ def test_what_does_not_combine_is_refused_in_one_line(write_recipe, flags, says)
     assert says in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_sharded_flags_belong_to_sharded(write_recipe):
-    result = run_cli("train", str(write_recipe(EQUIV)), "-s", "mirrored", "--shard-within", "host")
-    assert result.returncode == 2 and "--shard-within is for --strategy sharded" in result.stderr
+@pytest.mark.parametrize("flag", [["--shard-within", "host"], ["--async-checkpoint"]])
+def test_sharded_flags_belong_to_sharded(write_recipe, flag):
+    result = run_cli("train", str(write_recipe(EQUIV)), "-s", "mirrored", *flag)
+    assert result.returncode == 2 and f"{flag[0]} is for --strategy sharded" in result.stderr, result.stderr
 
 
 BIG = """

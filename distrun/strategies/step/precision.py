@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["PRECISION_DTYPES", "autocast", "LossScaler", "ScaledOptimizer", "attach_output_scaling"]
 
@@ -72,6 +73,7 @@ class LossScaler:
         inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=found.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
         for g in grads:
+            g = g.to_local() if isinstance(g, DTensor) else g  # a shard's gradient: this rank's rows, in place
             groups[(g.device, g.dtype)].append(g)
         for (device, _), group in groups.items():
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
@@ -111,6 +113,11 @@ class ScaledOptimizer:
         self._inner = inner
         self._params = params
         self.scaler = scaler
+
+    @property
+    def inner(self) -> Any:
+        """The optimizer that steps (what checkpoints hold the state of)."""
+        return self._inner
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)

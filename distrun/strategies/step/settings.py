@@ -47,15 +47,17 @@ class ReplicaStep:
         """Before the strategy wraps: under --compile, the frame compilation starts from."""
         return CompileRoot(model) if self.settings.compile else model
 
-    def finish(self, model: nn.Module, optimizer: Any, *, unscale_in_step: bool = True) -> tuple[nn.Module, Any]:
+    def finish(self, model: nn.Module, optimizer: Any, *, unscale_in_step: bool = True,
+               compile_whole: bool = True) -> tuple[nn.Module, Any]:
         """Compile and scale what the strategy's ``_wrap`` returned.
 
         ``unscale_in_step``: fp16 wraps the optimizer, whose ``step`` unscales the model's
         gradients and skips on overflow. A strategy whose gradients are not all in
         ``param.grad`` (parameter-server's embedding rows) says False and calls
-        ``scaler.unscale_and_check`` itself.
+        ``scaler.unscale_and_check`` itself. ``compile_whole``: False where the strategy compiled
+        its own parts (sharded compiles each block before sharding it).
         """
-        if self.settings.compile:
+        if self.settings.compile and compile_whole:
             model = compile_model(model, self.settings.compile_mode)
         if self.scaler is not None:
             attach_output_scaling(model, self.scaler)
