@@ -3,7 +3,7 @@
 from rich.console import Console
 
 from distrun.client._tracker import JobTracker
-from distrun.protocol import Compiled, Done, Started, Step, decode_event, encode_event
+from distrun.protocol import Compiled, Done, Started, Step, Workload, decode_event, encode_event
 from distrun.ui import render_progress, render_summary
 
 
@@ -79,3 +79,26 @@ def test_host_names_are_never_cut_in_narrow_terminals():
         for host in hosts:
             assert host in cluster_text, cluster_text
             assert host.split(":")[0] in progress_text, progress_text
+
+
+def test_tokens_per_s_and_mfu_come_from_samples_per_s_and_the_recipes_workload():
+    """A GPU job of 2 ranks at 100 samples/s each, 256 tokens a sample, 1 GFLOP a token,
+    on devices of 100 TFLOP/s: 51,200 tokens/s and 51.2 TFLOP/s of 200, so MFU 25.6%."""
+    tracker = JobTracker("gpt.py", "sharded", replicas=2, started_at=1000.0)
+    for rank in range(2):
+        tracker.update(Started(rank=rank, time=1000.0, pid=10 + rank, device=f"cuda:{rank}", world_size=2,
+                               recipe_kind="fit"))
+        tracker.update(_step(rank, None))
+    assert tracker.snapshot().tokens_per_s is None  # the recipe said nothing: samples/s only
+    tracker.update(decode_event(encode_event(Workload(rank=0, time=1000.5, tokens_per_sample=256,
+                                                      flops_per_token=1e9, peak_flops=100e12, devices=2))))
+    snapshot = tracker.snapshot()
+    assert snapshot.tokens_per_s == 51_200 and abs(snapshot.mfu - 0.256) < 1e-12
+    assert "51.2k tokens/s" in _text(render_progress(snapshot)) and "MFU 25.6%" in _text(render_progress(snapshot))
+    tracker.update(Done(rank=0, time=1003.0, steps=10, final_loss=0.1, samples_per_s=200.0, first_step_time=1002.5))
+    summary = tracker.summary("succeeded")
+    assert summary.tokens_per_s == 51_200 and abs(summary.mfu - 0.256) < 1e-12
+    assert "51.2k (MFU 25.6%)" in _text(render_summary(summary))
+    # Off a known GPU the workload has no peak: tokens/s, and no MFU made up.
+    tracker.update(Workload(rank=0, time=1004.0, tokens_per_sample=256, flops_per_token=1e9, peak_flops=None))
+    assert tracker.summary("succeeded").mfu is None
