@@ -16,9 +16,12 @@ import json
 import threading
 import time
 
+from pathlib import PurePosixPath
+
 from distrun.client._bundle import Bundle
 from distrun.client._feed import EventFeed
 from distrun.client._links import HostLink
+from distrun.client._results import checkpoint_parts
 from distrun.config import JobSpec
 from distrun.errors import HostError
 from distrun.protocol import EVALUATOR_RANK, Eval, Failed, Output, decode_event
@@ -74,8 +77,7 @@ class EvaluatorRelay:
 
     def _evaluate(self, source: HostLink, path: str, step: int) -> None:
         eval_id = f"{self.job_id}-eval-{step}"
-        relative = f"jobs/{eval_id}.pt"
-        self.evaluator.remote.write_file(f"{self.evaluator.state_dir}/{relative}", source.remote.read_bytes(path))
+        relative = self._relay(source, path, eval_id)
         spec = dataclasses.replace(self.spec, resume=False)
         self.evaluator.call("submit", job=eval_id, bundle=self.bundle.sha256, recipe=self.bundle.recipe,
                             spec=spec.to_json(), eval_checkpoint=relative, detach=True,
@@ -91,6 +93,24 @@ class EvaluatorRelay:
                         self.feed.put(dataclasses.replace(event, rank=EVALUATOR_RANK))
                     elif isinstance(event, Failed):
                         self._note(f"checkpoint of step {step}: {event.message}")
+
+    def _relay(self, source: HostLink, path: str, eval_id: str) -> str:
+        """Copy the checkpoint at ``path`` on ``source`` into the evaluator's folder; its path there.
+        A sharded checkpoint is a folder: its files, as ``source``'s server names them."""
+        target = self.evaluator.remote
+        if PurePosixPath(path).suffix != ".pt":  # a folder: its server names its files
+            named = checkpoint_parts(source, source.call("artifacts", job=self.job_id))
+            if named is None or named[0] != path or named[2] is None:
+                raise HostError(source.label, f"{path} is no longer the newest checkpoint")
+            relative = f"jobs/{eval_id}"
+            target.run(["mkdir", "-p", f"{self.evaluator.state_dir}/{relative}"])
+            for part in named[2]:
+                target.write_file(f"{self.evaluator.state_dir}/{relative}/{part}",
+                                  source.remote.read_bytes(f"{path}/{part}"))
+            return relative
+        relative = f"jobs/{eval_id}.pt"
+        target.write_file(f"{self.evaluator.state_dir}/{relative}", source.remote.read_bytes(path))
+        return relative
 
     def _note(self, text: str) -> None:
         self.feed.put(Output(rank=EVALUATOR_RANK, time=time.time(), stream="stderr", line=f"[evaluator] {text}"))

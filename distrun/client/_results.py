@@ -7,10 +7,12 @@ Shared storage is not assumed: checkpoints are written on rank 0's host (under
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path, PurePosixPath
 
 from distrun.client._links import HostLink
+from distrun.errors import HostError
 
 
 def artifacts(link: HostLink, job_id: str) -> dict:
@@ -18,30 +20,52 @@ def artifacts(link: HostLink, job_id: str) -> dict:
     return link.call("artifacts", job=job_id)
 
 
-def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> Path | None:
-    """Copy the newest checkpoint ``job_id`` wrote on this host into ``dest``; None if it wrote none.
-    ``found``: the host's ``artifacts`` answer, where the caller already has it."""
-    answer = found if found is not None else artifacts(link, job_id)
+#: What a checkpoint may be called (a plain file, or a sharded checkpoint's folder), and what a
+#: file inside such a folder may be called: a server's answer names them, and nothing it names
+#: may reach outside the folder the client writes into.
+_CHECKPOINT_NAME = re.compile(r"^ckpt-\d+(\.pt)?$")
+_PART_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,128}$")
+
+
+def checkpoint_parts(link: HostLink, answer: dict) -> tuple[str, str, list[str] | None] | None:
+    """(remote path, its name, the folder's file names or None for one file) from an
+    ``artifacts`` answer, every name checked; None when the job wrote no checkpoint there."""
     remote_path = answer.get("checkpoint")
     if not remote_path:
         return None
+    name = PurePosixPath(str(remote_path)).name
+    parts = answer.get("checkpoint_files")
+    bad = [n for n in ([name] if not _CHECKPOINT_NAME.match(name) else [])
+           + [str(p) for p in (parts or ()) if not isinstance(p, str) or not _PART_NAME.match(p)]]
+    if bad or (parts is not None and not isinstance(parts, list)):
+        raise HostError(link.label, f"the server named a checkpoint file distrun does not write: {bad[:3]!r}")
+    return str(remote_path), name, parts
+
+
+def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> Path | None:
+    """Copy the newest checkpoint ``job_id`` wrote on this host into ``dest``; None if it wrote none.
+    ``found``: the host's ``artifacts`` answer, where the caller already has it."""
+    named = checkpoint_parts(link, found if found is not None else artifacts(link, job_id))
+    if named is None:
+        return None
+    remote_path, name, parts = named
     dest = dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
-    target = dest / PurePosixPath(remote_path).name
-    tmp = target.with_name(f".{target.name}.tmp")
-    parts = answer.get("checkpoint_files")
+    target = dest / name
+    tmp = dest / f".{name}.tmp"
     if parts is None:  # one file
         tmp.write_bytes(link.remote.read_bytes(remote_path))
-    else:  # a sharded checkpoint's folder: each file, then the folder appears whole
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        for name in parts:
-            if "/" in name or name in (".", ".."):  # a server names files in the folder only
-                continue
-            (tmp / name).write_bytes(link.remote.read_bytes(f"{remote_path}/{name}"))
-        if target.exists():
-            shutil.rmtree(target)
+        os.replace(tmp, target)
+        return target
+    shutil.rmtree(tmp, ignore_errors=True)  # a sharded checkpoint's folder: each file, then the folder whole
+    tmp.mkdir()
+    for part in parts:
+        (tmp / part).write_bytes(link.remote.read_bytes(f"{remote_path}/{part}"))
+    old = dest / f".{name}.old"
+    if target.exists():
+        os.replace(target, old)
     os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
     return target
 
 

@@ -48,7 +48,7 @@ def export(source: Path, out: Path) -> dict[str, Any]:
         if not found:
             raise FileNotFoundError(f"{source}: no checkpoint (ckpt-<step>.pt or ckpt-<step>/) in this folder")
         source = found[-1][1]
-    data = load_checkpoint(source) if shards.is_sharded(source) else _load(source)
+    data = load_checkpoint(source, model_only=True) if shards.is_sharded(source) else _load(source)
     model = {name: tensor.clone() for name, tensor in data["model"].items()  # off the mmap, contiguous
              if isinstance(tensor, torch.Tensor)}
     tmp = out.with_name(out.name + ".tmp")

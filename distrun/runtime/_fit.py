@@ -67,6 +67,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     # On a GPU the batches come in page-locked memory, so to_device's non-blocking copy overlaps compute.
     train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size, num_workers=spec.data_workers,
                                         pin_memory=strategy.device.type == "cuda")
+    if spec.data_workers and train.plan is None:
+        raise RecipeError(f"--data-workers {spec.data_workers}: {spec.recipe}'s train_data is an iterable, which "
+                          "distrun reads as given; give it a map-style Dataset, or set num_workers on its own DataLoader")
     if spec.checkpoint_dir:
         strategy.check_checkpoint_dir(spec.checkpoint_dir)
     if spec.resume and spec.checkpoint_dir and not strategy.joined:  # a joiner was healed by a peer

@@ -202,7 +202,7 @@ class JobManager:
         evaluating = None
         if args.get("eval_checkpoint"):  # uploaded by the client into this server's folder
             evaluating = (self.state_dir / str(args["eval_checkpoint"])).resolve()
-            if self.state_dir.resolve() not in evaluating.parents or not evaluating.is_file():
+            if self.state_dir.resolve() not in evaluating.parents or not (evaluating.is_file() or evaluating.is_dir()):
                 raise JobError(f"checkpoint {args['eval_checkpoint']!r} is not in this server's folder")
         if evaluating:  # the evaluator role: one process, one device, no process group
             spec = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False,

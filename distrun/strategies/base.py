@@ -419,15 +419,17 @@ class Strategy(ElasticReplica, ABC):
         """Block until a checkpoint being written in the background is written and reported."""
         self._finish_checkpoint()
 
-    def _finish_checkpoint(self, *, block: bool = True) -> None:
-        """Report a background save once it is written (waiting for it when ``block``)."""
+    def _finish_checkpoint(self, *, block: bool = True) -> Path | None:
+        """Report a background save once it is written (waiting for it when ``block``); its path
+        on the chief."""
         pending = self._pending_save
         if pending is None or (not block and not pending.done()):
-            return
+            return None
         self._pending_save = None
         path = pending.wait()
         if path is not None:
             self._reporter.checkpoint(pending.step, str(path), pending.blocked_ms)
+        return path
 
     def restore(self, directory: str | Path) -> dict[str, Any]:
         """Load the newest checkpoint in ``directory`` (either format, any world size) into the

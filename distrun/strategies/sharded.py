@@ -62,6 +62,8 @@ from distrun.strategies.step.precision import PRECISION_DTYPES, ScaledOptimizer
 
 __all__ = ["ShardedStrategy"]
 
+_HOST_BYTES = 64  # a host name as the shared-folder check gathers it
+
 
 def _on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
@@ -174,29 +176,36 @@ class ShardedStrategy(Strategy):
 
     def check_checkpoint_dir(self, directory: str | Path) -> None:
         """Before training: every rank must see the folder rank 0 writes to (a sharded checkpoint
-        is one folder of every rank's files), else name a host that does not, in one line."""
+        is one folder of every rank's files); the hosts that do not are named, in one line."""
         folder = Path(directory)
         probe = folder / f".distrun-probe-{self._shared_token()}"
+        cannot = None
         if self.is_chief:
             try:
                 folder.mkdir(parents=True, exist_ok=True)
                 probe.touch()
             except OSError as exc:
-                raise CheckpointError(f"--checkpoint-dir {folder}: cannot write: {exc.strerror}") from None
+                cannot = exc.strerror
         self.barrier()
-        sees = probe.exists()
-        everyone = not self._any_true(not sees)
-        self.barrier()
+        host = socket.gethostname().encode()[:_HOST_BYTES - 1]
+        mine = torch.zeros(1, _HOST_BYTES, dtype=torch.uint8)
+        mine[0, 0] = int(probe.exists())
+        mine[0, 1:1 + len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
+        every = self.gather(mine).cpu()  # every rank's (sees it, host name): all agree on the verdict
         if self.is_chief:
             probe.unlink(missing_ok=True)
-        if not everyone:
-            raise CheckpointError(f"--checkpoint-dir {folder}: not shared by every host ({socket.gethostname()} "
-                                  f"{'sees' if sees else 'does not see'} rank 0's files); a sharded checkpoint is "
-                                  "one folder of every rank's shards, so it needs storage all hosts mount")
+        if cannot is not None:
+            raise CheckpointError(f"--checkpoint-dir {folder}: cannot write: {cannot}")
+        blind = sorted({bytes(row[1:].tolist()).rstrip(b"\0").decode(errors="replace") for row in every if not row[0]})
+        if blind:
+            raise CheckpointError(f"--checkpoint-dir {folder}: not shared by every host ({', '.join(blind)} cannot see "
+                                  "rank 0's files); a sharded checkpoint is one folder of every rank's shards, so it "
+                                  "needs storage all hosts mount")
 
     def _shared_token(self) -> str:
         """A name every rank agrees on and no other job uses: rank 0's pid and a random draw, broadcast."""
-        token = torch.tensor([os.getpid() if self.is_chief else 0, secrets.randbits(31) if self.is_chief else 0])
+        token = torch.tensor([os.getpid() if self.is_chief else 0, secrets.randbits(31) if self.is_chief else 0],
+                             device=self._collective_device)
         if self._distributed:
             dist.broadcast(token, src=0)
         return f"{int(token[0])}-{int(token[1])}"
@@ -223,9 +232,7 @@ class ShardedStrategy(Strategy):
         if self._checkpoint_group is not None:  # --async-checkpoint: copy the shards, write them behind
             written = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group)
             self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3)
-            if wait:
-                self._finish_checkpoint()
-            return None
+            return self._finish_checkpoint() if wait else None
         dcp.save(tensors, storage_writer=writer)
         path = publish()
         self.barrier()

@@ -157,6 +157,15 @@ def test_an_evaluator_host_evaluates_each_new_checkpoint(lab: Lab, tmp_path: Pat
     mirrored = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)
     for key, tensor in base["model"].items():
         torch.testing.assert_close(mirrored["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    # A sharded checkpoint is a folder of every rank's shards: relayed file by file, evaluated whole.
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(path), "--strategy", "sharded", "--json",
+                     "--checkpoint-dir", str(tmp_path / "sh"), "--checkpoint-every", "7", "--epochs", "2",
+                     "--", "--samples", "99")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json_lines(result)[-1]
+    assert summary["evaluator_step"] == 14, [line for line in json_lines(result) if line.get("rank") == -2]
+    for key, value in summary["eval_metrics"].items():
+        assert summary["evaluator_metrics"][key] == pytest.approx(value, rel=1e-5), key
     lab_cli(lab, "down", str(path))
 
 

@@ -34,21 +34,27 @@ def _close(a, b, what):
         torch.testing.assert_close(a[key], tensor, rtol=1e-5, atol=1e-6, msg=f"{what}: {key}")
 
 
+def _first_step(result) -> int:
+    return next(line["step"] for line in result.json_lines() if line["type"] == "step")
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
-    """An uninterrupted 10-step run, and the first 5 steps written by 4 sharded ranks and by 2 mirrored."""
+    """An uninterrupted 10-step run, and its first 5 steps written by 4 sharded ranks, by 2
+    mirrored and by one-device (those two in rank 0's one file)."""
     root = tmp_path_factory.mktemp("reshard")
     recipe = root / "equiv.py"
     recipe.write_text(EQUIV)
     _train(recipe, root / "whole", "one-device", 1, "--steps", "10")
     _train(recipe, root / "sharded4", "sharded", 4, "--steps", "5")
     _train(recipe, root / "mirrored2", "mirrored", 2, "--steps", "5")
+    _train(recipe, root / "one1", "one-device", 1, "--steps", "5")
     return root, recipe, load_checkpoint(latest_checkpoint(root / "whole"))
 
 
 @pytest.mark.parametrize("writer, strategy, replicas", [
     ("sharded4", "sharded", 2), ("sharded4", "sharded", 1), ("sharded4", "mirrored", 2),
-    ("sharded4", "one-device", 1), ("mirrored2", "sharded", 4)])
+    ("sharded4", "one-device", 1), ("mirrored2", "sharded", 4), ("one1", "sharded", 2)])
 def test_a_checkpoint_resumes_on_another_world_size_and_strategy(written, tmp_path, writer, strategy, replicas):
     root, recipe, whole = written
     ckpt = tmp_path / "ckpt"
@@ -57,7 +63,8 @@ def test_a_checkpoint_resumes_on_another_world_size_and_strategy(written, tmp_pa
         assert sorted(p.name for p in latest_checkpoint(ckpt).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     else:
         assert latest_checkpoint(ckpt).name == "ckpt-000000005.pt"  # today's format, rank 0's one file
-    _train(recipe, ckpt, strategy, replicas, "--steps", "10", "--resume")
+    result = _train(recipe, ckpt, strategy, replicas, "--steps", "10", "--resume")
+    assert _first_step(result) == 6  # it went on from the checkpoint, not from the start
     resumed = load_checkpoint(latest_checkpoint(ckpt))
     assert resumed["step"] == 10 and resumed["num_replicas"] == replicas and resumed["optimizer"]["state"]
     _close(resumed["model"], whole["model"], f"{writer} resumed under {strategy} x{replicas}")
@@ -127,6 +134,7 @@ def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_the_newest(write_r
     end = steps[-1] + 2
     resumed = run_cli("train", str(recipe), *flags, "--steps", str(end), "--resume", "--json")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _first_step(resumed) == steps[-1] + 1
     assert not list(ckpt.glob(".tmp-ckpt-*"))
     straight = run_cli("train", str(recipe), *flags[:-6], "--checkpoint-dir", str(tmp_path / "straight"),
                        "--steps", str(end), "--json")
@@ -137,8 +145,9 @@ def test_a_job_killed_mid_save_leaves_the_previous_checkpoint_the_newest(write_r
 
 def test_async_checkpoints_hold_the_step_they_were_taken_at(write_recipe, tmp_path):
     """Training goes on (and changes the parameters in place) while each checkpoint is written:
-    every async checkpoint still equals the synchronous one of its step."""
-    recipe = write_recipe(EQUIV)
+    every async checkpoint still equals the synchronous one of its step. 4.2M parameters (50 MB
+    a checkpoint), so each write is still under way when the next step changes the parameters."""
+    recipe = write_recipe(BIG.replace("range(8)", "range(4)"))
     flags = ("--steps", "8", "--checkpoint-every", "2", "--keep-checkpoints", "4")
     sync = _train(recipe, tmp_path / "sync", "sharded", 2, *flags)
     run = _train(recipe, tmp_path / "async", "sharded", 2, *flags, "--async-checkpoint")

@@ -138,6 +138,20 @@ def test_an_index_that_would_run_code_is_refused(tmp_path):
     assert not os.path.exists("/tmp/distrun-pwned")
 
 
+def test_an_index_that_would_rewrite_an_admitted_class_is_refused(tmp_path):
+    """BUILD with (None, {attribute: value}) on a class sets the class's attributes for the whole
+    process; the index may name the class (paths are in every index), never change it."""
+    import pathlib
+
+    model, optimizer = _model_and_optimizer()
+    path = _write(tmp_path, 1, model, optimizer)
+    before = pathlib.PurePosixPath.__doc__
+    (path / ".metadata").write_bytes(b"cpathlib\nPurePosixPath\n(N}S'__doc__'\nS'rewritten'\nstb.")
+    with pytest.raises(CheckpointError, match="refused: sets the attributes of the class PurePosixPath"):
+        load_checkpoint(path)
+    assert pathlib.PurePosixPath.__doc__ == before
+
+
 def test_a_checkpoint_holding_pickled_objects_is_refused(tmp_path):
     """DCP itself would unpickle a non-tensor entry with weights_only=False; distrun never writes one."""
     shards.prepare(tmp_path, 1)

@@ -11,7 +11,6 @@ loads a sharded checkpoint's pieces directly.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +37,15 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Either format as the plain format's dict."""
+def load_checkpoint(path: str | os.PathLike[str], *, model_only: bool = False) -> dict[str, Any]:
+    """Either format as the plain format's dict (``model_only``: a sharded one's optimizer
+    state is not read, and ``optimizer`` is empty)."""
     if not shards.is_sharded(path):
         return files.load_file(path)
     sidecar = shards.read_sidecar(path)
-    model, optimizer = layout.join(shards.read_tensors(path), sidecar)
+    model, optimizer = layout.join(shards.read_tensors(path, layout.MODEL if model_only else ""), sidecar)
+    if model_only:
+        optimizer = None
     return {**read_entries(path, sidecar), "model": model, "optimizer": layout.indexed(optimizer) if optimizer else {}}
 
 
@@ -59,7 +61,7 @@ def prune(directory: str | os.PathLike[str], keep: int) -> None:
     for _, old in list_checkpoints(directory)[:-keep]:
         try:
             if old.is_dir():
-                shutil.rmtree(old)
+                shards.remove(old)
             else:
                 old.unlink(missing_ok=True)
         except OSError as exc:

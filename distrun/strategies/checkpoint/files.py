@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,8 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
 def _remove_stale_temporaries(folder: Path) -> None:
     for entry in folder.glob(f"{_TMP_PREFIX}*"):
         if entry.is_dir():
-            continue  # a sharded save's folder (shards.py)
+            shutil.rmtree(entry, ignore_errors=True)  # what a killed sharded save left (shards.py)
+            continue
         pid = entry.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
             continue  # another live writer's file

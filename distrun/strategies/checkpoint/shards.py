@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from distrun.errors import CheckpointError
 
 __all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "prepare", "commit",
-           "read_sidecar", "read_index", "read_tensors", "load_into", "size_bytes", "SafeReader"]
+           "read_sidecar", "read_index", "read_tensors", "load_into", "size_bytes", "remove", "remove_stale",
+           "SafeReader"]
 
 FORMAT = "distrun.checkpoint.dcp.v1"
 SIDECAR = "distrun.json"
@@ -56,10 +57,8 @@ _INDEX_GLOBALS = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
+    *((module, name) for module in ("pathlib", "pathlib._local")  # Python 3.13 pickles paths from pathlib._local
+      for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
     *(("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
         "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")),
@@ -83,9 +82,7 @@ def prepare(directory: str | os.PathLike[str], step: int) -> Path:
     folder = Path(directory)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        for entry in folder.glob(f"{_TMP_PREFIX}*"):
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
+        remove_stale(folder)
         tmp = temporary_path(folder, step)
         tmp.mkdir()
         return tmp
@@ -107,14 +104,11 @@ def commit(directory: str | os.PathLike[str], step: int, sidecar: dict[str, Any]
             json.dump({"format": FORMAT, **sidecar}, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        if final.exists():  # the same step saved again (a resumed run's final save)
-            shutil.rmtree(final)
+        _fsync(tmp)  # the folder's own entries, before it is published
+        if final.exists():  # the same step saved again: out of the listing first, then replaced
+            remove(final)
         os.replace(tmp, final)
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(folder)
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
     return final
@@ -133,12 +127,25 @@ def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):  # noqa: SLF001 - the Python unpickler: its opcodes can be overridden
+    """Only DCP's metadata classes, torch's dtypes and sizes, and paths; and BUILD (setting an
+    object's state) only on instances, never on a class: an index could otherwise rewrite an
+    admitted class's attributes for the whole process."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                   torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+    def _load_build(self) -> None:
+        if isinstance(self.stack[-2], type):
+            raise pickle.UnpicklingError(f"sets the attributes of the class {self.stack[-2].__qualname__}")
+        pickle._Unpickler.load_build(self)  # noqa: SLF001
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
 
 def read_index(path: str | os.PathLike[str]) -> Metadata:
@@ -149,7 +156,8 @@ def read_index(path: str | os.PathLike[str]) -> Metadata:
             index = _IndexUnpickler(fh).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not a sharded checkpoint (no {_INDEX})") from None
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as exc:
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError,
+            KeyError, TypeError) as exc:
         raise CheckpointError(f"{where}: refused: {exc}") from None
     if not isinstance(index, Metadata):
         raise CheckpointError(f"{where}: not a DCP index")
@@ -170,12 +178,13 @@ class SafeReader(FileSystemReader):
         return index
 
 
-def read_tensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Every tensor whole, on the CPU, in this process alone (no process group): for a model
-    that is not sharded, and for the tools."""
+def read_tensors(path: str | os.PathLike[str], prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor whose key starts with ``prefix``, whole, on the CPU, in this process alone
+    (no process group): for a model that is not sharded, and for the tools (``export`` reads
+    the model's alone, not the optimizer's twice-as-large state)."""
     index = read_index(path)
     tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype)
-               for key, entry in index.state_dict_metadata.items()}
+               for key, entry in index.state_dict_metadata.items() if key.startswith(prefix)}
     with warnings.catch_warnings():  # DCP warns that no process group means one process: that is the point
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(tensors, storage_reader=SafeReader(path), no_dist=True)
@@ -199,6 +208,30 @@ def load_into(path: str | os.PathLike[str], targets: dict[str, Any]) -> set[str]
     except Exception as exc:  # noqa: BLE001 - DCP wraps each rank's failure in its own types
         raise CheckpointError(f"{path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
     return set(wanted)
+
+
+def remove(path: Path) -> None:
+    """Delete a published checkpoint folder: renamed out of the listing first (one atomic step),
+    so a kill halfway through the delete never leaves a ``ckpt-<step>`` with files missing."""
+    doomed = path.with_name(f"{_TMP_PREFIX}removed-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_stale(directory: str | os.PathLike[str]) -> None:
+    """What killed saves and deletes left (``.tmp-ckpt-*`` folders); nothing else is written there."""
+    folder = Path(directory)
+    for entry in folder.glob(f"{_TMP_PREFIX}*"):
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _fsync(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def size_bytes(path: str | os.PathLike[str]) -> int:
