@@ -46,3 +46,26 @@ def test_every_synchronous_strategy_trains_it_as_one_device_does(one_device, str
 def test_data_workers_read_the_same_batches(one_device):
     result = _train("one-device", "--data-workers", "2")
     assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-6)
+
+
+def test_data_workers_for_an_iterable_train_data_is_refused_in_one_line(write_recipe):
+    recipe = write_recipe("""
+import torch
+from torch import nn
+
+def model():
+    return nn.Linear(2, 1)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+def loss(outputs, batch):
+    return (outputs - batch[1]).pow(2).mean()
+
+def train_data(ctx):
+    return [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+""")
+    result = run_cli("train", str(recipe), "--data-workers", "2")
+    assert result.returncode != 0
+    assert "--data-workers 2:" in result.stderr and "train_data is an iterable" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
