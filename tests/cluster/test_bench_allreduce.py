@@ -1,6 +1,6 @@
 """`distrun bench allreduce` on namespace hosts whose links are shaped with tc tbf.
 
-The suite runs 2 hosts x 2 slots at 200 Mbit/s: the report's shape, nccl-tests' busbw
+Run by `pytest -m bench` (not the default suite), it runs 2 hosts x 2 slots at 200 Mbit/s: the report's shape, nccl-tests' busbw
 arithmetic, and the raw TCP link probe reading the rate the link was shaped to. Speed
 is not asserted. The documented figure (P3 in docs/performance.md) is the same test with
 
@@ -14,7 +14,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+
+pytestmark = pytest.mark.bench
 
 
 def test_bench_allreduce_reports_both_algorithms_against_the_measured_links(tmp_path: Path) -> None:

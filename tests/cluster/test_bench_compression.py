@@ -1,6 +1,6 @@
 """`distrun bench compression` on two namespace hosts of one slot each.
 
-The suite runs on unshaped links and holds the report's shape and that every
+Run by `pytest -m bench` (not the default suite), it runs on unshaped links and holds the report's shape and that every
 compression trains (digits accuracy, a falling loss). Speed is not asserted. The
 documented figure (P5 in docs/performance.md) is the same test on 50 Mbit/s links:
 
@@ -14,7 +14,11 @@ import math
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+
+pytestmark = pytest.mark.bench
 
 
 def test_bench_compression_trains_the_workload_and_digits_under_each_compression(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """`distrun bench elastic` on three namespace hosts of one slot each.
 
-The suite holds the report's shape and that each contender recovered the way it says:
+Run by `pytest -m bench` (not the default suite), it holds the report's shape and that each contender recovered the way it says:
 elastic with no restart and no step lost, the restart path with one restart from its
 checkpoint. Speed is not asserted. The documented figure (docs/performance.md) is this
 test's output:
@@ -13,7 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+
+pytestmark = pytest.mark.bench
 
 
 def test_bench_elastic_times_both_recoveries_in_one_run(tmp_path: Path) -> None:

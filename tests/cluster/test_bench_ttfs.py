@@ -11,7 +11,11 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.cluster.conftest import Lab, lab_cli
+
+pytestmark = pytest.mark.bench
 
 
 def test_ttfs_benchmark_reports_each_contender(lab: Lab, cluster: Path) -> None:

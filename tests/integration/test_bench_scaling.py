@@ -9,6 +9,7 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.bench
 def test_a_tiny_resnet50_run_reports_rows_and_the_ddp_ratio(tmp_path):
     plot = tmp_path / "scaling.png"
     result = run_cli("bench", "resnet50", "--device", "cpu", "--replicas", "2", "--image-size", "32", "--batch", "2",

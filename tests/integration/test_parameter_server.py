@@ -98,6 +98,7 @@ def test_parameter_server_needs_a_fit_style_recipe() -> None:
     assert result.returncode == 2 and "trains fit-style recipes" in result.stderr, result.stderr
 
 
+@pytest.mark.bench
 def test_bench_straggler_reports_async_against_sync_and_the_bound() -> None:
     from distrun.bench.straggler import straggler_bound
 

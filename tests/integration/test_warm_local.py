@@ -169,6 +169,7 @@ def test_a_sigkilled_client_leaves_no_warm_rank(home: dict[str, str], tmp_path: 
     _assert_gone(pids)
 
 
+@pytest.mark.bench
 def test_bench_ttfs_here_reports_cold_and_warm_against_torchrun() -> None:
     """The benchmark's shape, and that each contender started as it says (speed is not asserted)."""
     result = run_cli("bench", "ttfs", "--repeats", "1", "--json", timeout=300)
