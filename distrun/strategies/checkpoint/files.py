@@ -30,7 +30,7 @@ import torch
 
 from distrun.errors import CheckpointError
 
-__all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file"]
+__all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file", "fsync_dir"]
 
 FORMAT = "distrun.checkpoint.v1"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -67,7 +67,7 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[st
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         return final
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
@@ -106,7 +106,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable (the file's own fsync does not)."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from distrun.errors import CheckpointError
+from distrun.strategies.checkpoint.files import fsync_dir
 
 __all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "prepare", "commit",
            "read_sidecar", "read_index", "read_tensors", "load_into", "size_bytes", "remove", "remove_stale",
@@ -104,11 +105,11 @@ def commit(directory: str | os.PathLike[str], step: int, sidecar: dict[str, Any]
             json.dump({"format": FORMAT, **sidecar}, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        _fsync(tmp)  # the folder's own entries, before it is published
+        fsync_dir(tmp)  # the folder's own entries, before it is published
         if final.exists():  # the same step saved again: out of the listing first, then replaced
             remove(final)
         os.replace(tmp, final)
-        _fsync(folder)
+        fsync_dir(folder)
     except OSError as exc:
         raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
     return final
@@ -224,14 +225,6 @@ def remove_stale(directory: str | os.PathLike[str]) -> None:
     for entry in folder.glob(f"{_TMP_PREFIX}*"):
         if entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
-
-
-def _fsync(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def size_bytes(path: str | os.PathLike[str]) -> int:
