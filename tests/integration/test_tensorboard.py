@@ -19,9 +19,11 @@ def read(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(event.step, event.value) for event in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
 
 
-def test_a_fit_recipe_writes_loss_rate_learning_rate_and_eval(write_recipe, tmp_path):
+@pytest.mark.parametrize("strategy", ["mirrored", "sharded"])
+def test_a_fit_recipe_writes_loss_rate_learning_rate_and_eval(write_recipe, tmp_path, strategy):
+    """sharded: the learning rate is read from the optimizer rebuilt on the shards."""
     board = tmp_path / "tb"
-    result = run_cli("train", str(write_recipe(EQUIV)), "--strategy", "mirrored", "--replicas", "2", "--device",
+    result = run_cli("train", str(write_recipe(EQUIV)), "--strategy", strategy, "--replicas", "2", "--device",
                      "cpu", "--epochs", "2", "--log-interval-s", "0", "--json", "--tensorboard", str(board))
     assert result.returncode == 0, result.stderr[-2000:]
     scalars = read(board)
