@@ -26,16 +26,23 @@ def max_diff(a, b):
     return max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"])
 
 
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    """EQUIV's two epochs in fp32 on one device: what reduced precision must differ from."""
+    root = tmp_path_factory.mktemp("fp32")
+    (root / "recipe.py").write_text(EQUIV)
+    train(root / "recipe.py", root / "ck", "one-device", "--epochs", "2", *FULL_BATCHES)
+    return checkpoint(root / "ck")
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_reduced_precision_gives_one_device_parameters_under_mirrored(write_recipe, tmp_path, precision):
+def test_reduced_precision_gives_one_device_parameters_under_mirrored(write_recipe, tmp_path, fp32, precision):
     """Tolerance: each replica rounds its own half-batch, so the two layouts differ by
     rounding alone. Adam moves a parameter by about lr per step whatever the gradient's
     size, and a rounding difference changes that move by at most the precision's relative
     roundoff; after STEPS steps they can drift apart by at most STEPS * LR * EPS. The
     precision itself must matter more than the layout does, or autocast did nothing."""
     recipe = write_recipe(EQUIV)
-    train(recipe, tmp_path / "fp32", "one-device", "--epochs", "2", *FULL_BATCHES)
-    fp32 = checkpoint(tmp_path / "fp32")
     runs = {}
     for strategy in ("one-device", "mirrored", "sharded"):  # sharded: FSDP's MixedPrecisionPolicy, not autocast
         result = train(recipe, tmp_path / strategy, strategy, "--precision", precision, "--epochs", "2", *FULL_BATCHES)

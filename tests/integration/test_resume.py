@@ -18,12 +18,20 @@ def train(recipe, ckpt, strategy, steps, *extra):
     return torch.load(latest_checkpoint(ckpt), weights_only=True)
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """10 steps of one-device, never interrupted: every strategy's 10 steps end here
+    (tests/integration/test_equivalence.py)."""
+    root = tmp_path_factory.mktemp("whole")
+    (root / "recipe.py").write_text(EQUIV)
+    return train(root / "recipe.py", root / "ck", "one-device", 10)
+
+
 @pytest.mark.parametrize("first, second", [("one-device", "mirrored"), ("mirrored", "one-device"),
                                            ("central-storage", "mirrored")])
-def test_resume_across_strategies_equals_an_uninterrupted_run(write_recipe, tmp_path, first, second):
+def test_resume_across_strategies_equals_an_uninterrupted_run(write_recipe, tmp_path, whole, first, second):
     recipe = write_recipe(EQUIV)
     # 10 steps cross the epoch boundary (7 batches per epoch) after the resume point 5.
-    whole = train(recipe, tmp_path / "whole", first, 10)
     part = train(recipe, tmp_path / "part", first, 5, "--checkpoint-every", "2", "--keep-checkpoints", "2")
     assert part["step"] == 5 and part["epoch"] == 0 and part["batch_in_epoch"] == 5
     assert [s for s, _ in list_checkpoints(tmp_path / "part")] == [4, 5]
