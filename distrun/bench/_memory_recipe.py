@@ -52,8 +52,7 @@ def main(strategy) -> None:  # noqa: ANN001 - the recipe API
         model = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
     model, optimizer = strategy.prepare(model, optimizer)
-    parameters = sum(p.numel() for p in model.parameters()) if strategy.name != "sharded" else \
-        sum(p.shape.numel() for p in model.parameters())  # a DTensor's shape is the whole tensor's
+    parameters = sum(p.shape.numel() for p in model.parameters())  # a DTensor's shape is the whole tensor's
     gen = torch.Generator().manual_seed(1)
 
     def step(inputs: torch.Tensor) -> torch.Tensor:
