@@ -25,8 +25,9 @@ from distrun.bench.scaling import replica_counts, run_scaling
 from distrun.bench.straggler import run_straggler
 from distrun.bench.ttfs import run_local_ttfs, run_ttfs
 from distrun.cli._app import app, stderr
+from distrun.cli.cluster import resolve_cluster
 from distrun.cli.train import local_layout
-from distrun.config import Role, load_cluster
+from distrun.config import Role
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
@@ -99,7 +100,7 @@ def bench(
             if cluster_file is None:
                 raise UsageError("bench elastic: needs --cluster FILE (a running cluster of two or more worker hosts)")
             _positive(steps=steps or 60)
-            hosts = sum(1 for host in load_cluster(cluster_file).hosts if Role.WORKER in host.roles)
+            hosts = sum(1 for host in resolve_cluster(cluster_file).hosts if Role.WORKER in host.roles)
             report = run_elastic(cluster=cluster_file, hosts=hosts, steps=steps or 60, kill_at=(steps or 60) // 2,
                                  progress=say)
             _show(report, json_output, render_elastic)

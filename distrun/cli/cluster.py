@@ -24,16 +24,23 @@ from distrun.client import cluster_down, cluster_status, cluster_up
 from distrun.client.doctor import doctor_exit_code, run_doctor
 from distrun.config import ClusterSpec, load_cluster, local_cluster
 from distrun.protocol.cluster import ClusterReport
+from distrun.scheduler import resolve
 from distrun.ui import render_cluster
 from distrun.ui.cluster import render_doctor
 
 _CLUSTER_HELP = "The cluster file (YAML, docs/cluster.md); none: this machine, no SSH."
 
 
-def resolve_cluster(path: Path | None) -> ClusterSpec:
+def load_cluster_file(path: Path | None) -> ClusterSpec:
+    """The cluster file as written (a Slurm cluster's hosts not known yet), or the embedded default."""
     if path is not None:
         return load_cluster(path)
     return local_cluster(workdir=os.environ.get("DISTRUN_HOME", "~/.distrun"), python=sys.executable)
+
+
+def resolve_cluster(path: Path | None) -> ClusterSpec:
+    """The cluster with its hosts known: a Slurm cluster's are its allocation's nodes (`up` asks for one)."""
+    return resolve(load_cluster_file(path))
 
 
 class _Stages:
@@ -87,7 +94,7 @@ _WANTED = {"up": "up", "status": "up", "down": "clean"}
 
 def _run(cluster_file: Path | None, json_output: bool,
          command: Callable[..., ClusterReport], **kwargs: object) -> None:
-    cluster = resolve_cluster(cluster_file)
+    cluster = load_cluster_file(cluster_file)  # the command resolves it: `up` may ask Slurm for hosts
     with _Stages(cluster, enabled=not json_output and stderr.is_terminal) as stages:
         report = command(cluster, progress=stages, **kwargs)
     _finish(report, json_output)
@@ -100,7 +107,7 @@ def up(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Start a worker server on every host (SSH); healthy servers are kept, dead or stale ones replaced."""
+    """Start a worker server on every host (SSH, or a Slurm allocation's nodes); healthy servers are kept, dead or stale ones replaced."""
     _run(cluster_file, json_output, cluster_up, run_setup=setup)
 
 

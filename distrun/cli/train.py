@@ -132,7 +132,7 @@ def train(
         raise UsageError("--ps-tasks: on a cluster every host with role ps runs one ps task; set roles there")
     if max_restarts < 0:
         raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
-    run_cluster_job(load_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
+    run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
                     results_dir=results_dir if fetch else None, max_restarts=max_restarts,
                     hang_timeout_s=hang_timeout_s, elastic=elastic)
 

@@ -1,4 +1,4 @@
-"""One host of a running cluster, as a client uses it: SSH link, server state, control connection."""
+"""One host of a running cluster, as a client uses it: its link, server state, control connection."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from distrun.client._server_client import ServerClient
 from distrun.config import ClusterSpec, HostSpec
 from distrun.errors import HostError
 from distrun.protocol.cluster import ServerInfo, ServerState
-from distrun.ssh import Connection, LocalConnection, Remote
+from distrun.links import Remote
+from distrun.scheduler import scheduler_for
 
 
 def open_remote(cluster: ClusterSpec, host: HostSpec) -> Remote:
-    """This machine for the embedded cluster, else an SSH connection (opened on first use)."""
-    return LocalConnection(host.label) if cluster.local else Connection(host)
+    """This machine for the embedded cluster, an srun link to a Slurm node, else SSH (opened on first use)."""
+    return scheduler_for(cluster).link(host)
 
 
 def read_server_state(remote: Remote, state_dir: str) -> ServerState | None:
@@ -49,7 +50,7 @@ class Placement:
 
 
 class HostLink:
-    """The SSH connection to one host, its server's state, and a lock for control calls."""
+    """The link to one host (SSH, srun or none), its server's state, and a lock for control calls."""
 
     def __init__(self, cluster: ClusterSpec, host: HostSpec) -> None:
         self.host = host

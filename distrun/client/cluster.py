@@ -1,11 +1,14 @@
 """`up`, `status` and `down`: every host in parallel, one row per host, never a hang.
 
-Per host the client holds one ``Remote`` (an SSH connection, or this machine for
-the embedded default) and does everything through it: run ``setup``, check the
-interpreter and distrun's version, start the server detached, read its state
-file (port and token, 0600) over SFTP, and reach it through an SSH
-``direct-tcpip`` channel to the host's loopback. A failure on one host becomes
-that host's row (down, error) and never stops the others.
+Per host the client holds one ``Remote`` (an SSH connection, an srun link to a
+Slurm node, or this machine for the embedded default) and does everything
+through it: run ``setup``, check the interpreter and distrun's version, start
+the server so it outlives the command (detached; on Slurm, as a step of its
+own), read its state file (port and token, 0600), and reach it through a
+channel to the host's loopback. A failure on one host becomes that host's row
+(down, error) and never stops the others. The hosts themselves come from the
+cluster's scheduler: the file's list, or a Slurm allocation ``up`` asks for and
+``down`` gives back.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from distrun._version import __version__
 from distrun.client._links import connect, open_remote, read_server_state
 from distrun.config.cluster import ClusterSpec, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
+from distrun.links import CommandFailed, Remote
 from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus, ServerInfo, ServerState, config_digest
-from distrun.ssh import CommandFailed, Remote
+from distrun.scheduler import NoAllocation, resolve, scheduler_for
 
 __all__ = ["cluster_up", "cluster_status", "cluster_down", "Progress"]
 
@@ -40,15 +44,48 @@ def _quiet(_host: str, _stage: str) -> None:
 
 
 def cluster_up(cluster: ClusterSpec, *, run_setup: bool = True, progress: Progress = _quiet) -> ClusterReport:
+    cluster = resolve(cluster, allocate=True, progress=progress)
     return _each_host(cluster, "up", lambda host: _HostOps(cluster, host, progress).up(run_setup=run_setup))
 
 
 def cluster_status(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
+    try:
+        cluster = resolve(cluster, progress=progress)
+    except HostError as exc:
+        return _no_hosts(cluster, "status", exc)
     return _each_host(cluster, "status", lambda host: _HostOps(cluster, host, progress).status())
 
 
 def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
-    return _each_host(cluster, "down", lambda host: _HostOps(cluster, host, progress).down())
+    """Stop every server and check each host; then give back the allocation ``up`` asked for, if any."""
+    try:
+        cluster = resolve(cluster, progress=progress)
+    except HostError as exc:
+        return _no_hosts(cluster, "down", exc)
+    report = _each_host(cluster, "down", lambda host: _HostOps(cluster, host, progress).down())
+    if cluster.allocation is None:
+        return report
+    label = f"slurm job {cluster.allocation.job_id}"
+    if report.ok:
+        progress(label, "ending the allocation")
+        try:
+            done = scheduler_for(cluster).release()
+            row = HostRow(label, (), HostStatus.STOPPED if done else HostStatus.NOT_RUNNING,
+                          message=done or "the allocation is the caller's own (SLURM_JOB_ID): left running")
+        except HostError as exc:
+            row = HostRow(label, (), HostStatus.ERROR, message=exc.reason, exit_code=exc.exit_code)
+    else:  # a host still runs something of distrun's: keep the allocation so it can be looked at
+        row = HostRow(label, (), HostStatus.ERROR, message="kept: a host was not clean",
+                      exit_code=HostError.exit_code)
+    return ClusterReport(cluster=report.cluster, command="down", rows=(*report.rows, row))
+
+
+def _no_hosts(cluster: ClusterSpec, command: str, exc: HostError) -> ClusterReport:
+    """A cluster whose hosts cannot be known (no Slurm allocation): one row that says why."""
+    none = isinstance(exc, NoAllocation)
+    row = HostRow(exc.host, (), HostStatus.NOT_RUNNING if none else HostStatus.ERROR, message=exc.reason,
+                  exit_code=0 if none and command == "down" else exc.exit_code)
+    return ClusterReport(cluster=cluster.name, command=command, rows=(row,))
 
 
 def _each_host(cluster: ClusterSpec, command: str, work: Callable[[HostSpec], HostRow]) -> ClusterReport:
@@ -194,8 +231,7 @@ class _HostOps:
                                         f"install distrun=={__version__} there (or the client's version to match)")
 
     def _start(self, remote: Remote) -> ServerState:
-        argv = [self.host.python, "-m", "distrun.server", "start", "--state-dir", self.state_dir]
-        result = remote.run(argv, stdin=json.dumps(self.config))
+        result = scheduler_for(self.cluster).start_server(remote, self.host, self.state_dir, self.config)
         if not result.ok:
             raise CommandFailed(self.label, result, "starting the worker server")
         state = self._read_state(remote)

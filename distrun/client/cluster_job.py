@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from distrun.client._allocation_watch import AllocationWatch
 from distrun.client._bundle import Bundle
 from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
@@ -100,6 +101,7 @@ class ClusterJob:
         self._secret = ""  # the current attempt's data-plane secret (hex; protocol/secret)
         self.spec: JobSpec | None = None
         self.elastic = ElasticHosts(self)  # --elastic: lost hosts rejoin, added hosts join, hung ranks go
+        self._watch: AllocationWatch | None = None  # a Slurm allocation: its end is named, not just felt
 
     @classmethod
     def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
@@ -238,6 +240,8 @@ class ClusterJob:
                   respawns=ELASTIC_RESPAWNS if spec.elastic else self.max_restarts, join=join, secret=self._secret)
 
     def _start_following(self) -> None:
+        if self.cluster.allocation is not None:
+            self._watch = AllocationWatch(self.cluster, self._allocation_ended).start()
         self._supervisor = threading.Thread(target=self._supervise, name="job-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -271,14 +275,32 @@ class ClusterJob:
                     break
                 self._follow_attempt()
         finally:
+            self._last_look_at_allocation()
             if self._relay is not None:  # the last checkpoint's evaluation, unless the job was stopped
                 states = [result.get("state") for result in self._results.values()]
                 self._relay.finish(wait=bool(states) and all(state == "succeeded" for state in states))
             self._events.end()
 
+    def _allocation_ended(self, reason: str) -> None:
+        self._note(f"[distrun] {reason}")
+        self._cancel_attempt(reason)
+
+    def _last_look_at_allocation(self) -> None:
+        """The watch asks once a second; a job that just lost its hosts asks once more before blaming a rank."""
+        if self._watch is None:
+            return
+        self._watch.stop()
+        states = [result.get("state") for result in self._results.values()]
+        if self._watch.reason is None and not (self._succeeded(states) and len(states) == len(self._links)):
+            reason = self._watch.check()
+            if reason is not None:
+                self._note(f"[distrun] {reason}")
+
     def _restart_wanted(self) -> bool:
         if self._user_cancelled or self._detaching or self.restarts >= self.max_restarts:
             return False
+        if self._watch is not None and self._watch.reason is not None:
+            return False  # the hosts are gone: nothing to restart on
         states = [result.get("state") for result in self._results.values()]
         return len(states) == len(self._links) and not self._succeeded(states)
 
@@ -373,6 +395,8 @@ class ClusterJob:
             self._supervisor.join()
         if self._detaching:
             raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
+        if self._watch is not None and self._watch.reason is not None and not self._interrupted:
+            raise HostError("slurm", self._watch.reason)  # what ended the job, before what it did to the ranks
         states = {label: result.get("state") for label, result in self._results.items()}
         if self._succeeded(list(states.values())) and len(states) == len(self._links):
             return JobOutcome(self.summary("succeeded"), None)
@@ -403,6 +427,8 @@ class ClusterJob:
         """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``, and the
         ``--tensorboard`` files into their folder."""
         dest = dest.resolve()
+        if self._watch is not None and self._watch.reason is not None:
+            raise HostError("slurm", "the allocation ended, and the checkpoint with it unless the folder is shared")
         dest.mkdir(parents=True, exist_ok=True)
         (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
         found = artifacts(self._links[0], self.attempt_id)  # one call for the checkpoint and the board

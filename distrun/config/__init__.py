@@ -1,10 +1,12 @@
 """Specs: frozen, validated values describing a job, a recipe and a cluster. Imports only errors."""
 
 from distrun.config.cluster import (
+    Allocation,
     ClusterSpec,
     HostSpec,
     NetworkSpec,
     Role,
+    SlurmSpec,
     SshSpec,
     load_cluster,
     local_cluster,
@@ -24,8 +26,10 @@ from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 __all__ = [
     "Compression",
     "DEFAULT_POWERSGD_WARMUP",
+    "Allocation",
     "ClusterSpec",
     "HostSpec",
+    "SlurmSpec",
     "NetworkSpec",
     "Role",
     "SshSpec",

@@ -20,6 +20,11 @@ The format (docs/cluster.md)::
     hosts:
       - {address: gpu-1, roles: [chief, worker], gpus: auto}
       - {address: gpu-2, roles: [worker], gpus: 4, ssh: {port: 2222}}
+
+or, on Slurm (docs/slurm.md), no hosts but what to ask for::
+
+    scheduler: slurm
+    slurm: {nodes: 2, partition: gpu, time: "02:00:00", gpus_per_node: 8}
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from distrun.config._slurm import (
+    CONSTRAINT_PATTERN,
+    EXTRA_ARG_PATTERN,
+    NAME_PATTERN,
+    REFUSED_EXTRA_ARGS,
+    SLURM_KEYS,
+    TIME_PATTERN,
+    Allocation,
+    SlurmSpec,
+)
 from distrun.config._suggest import did_you_mean
 from distrun.config._yaml import Located, load_file, load_located
 from distrun.errors import ConfigError
@@ -43,6 +58,8 @@ __all__ = [
     "HostSpec",
     "SshSpec",
     "NetworkSpec",
+    "SlurmSpec",
+    "Allocation",
     "Role",
     "load_cluster",
     "parse_cluster",
@@ -138,6 +155,13 @@ class ClusterSpec:
     network: NetworkSpec = field(default_factory=NetworkSpec)
     source: str | None = None  # the file it came from; None for the embedded local cluster
     local: bool = False  # the embedded default: no SSH, one host, this machine
+    slurm: SlurmSpec | None = None  # scheduler: slurm; hosts come from an allocation
+    allocation: Allocation | None = None  # the allocation ``hosts`` were taken from (Slurm, resolved)
+
+    @property
+    def label(self) -> str:
+        """How messages name the cluster file: its path, or the embedded default's name."""
+        return self.source or "the local cluster"
 
     @property
     def chief(self) -> HostSpec:
@@ -174,7 +198,8 @@ def _join_remote(workdir: str, *parts: str) -> str:
 
 # --------------------------------------------------------------------------- parsing
 
-_TOP_KEYS = ("name", "ssh", "python", "workdir", "setup", "env", "network", "hosts")
+_TOP_KEYS = ("name", "scheduler", "slurm", "ssh", "python", "workdir", "setup", "env", "network", "hosts")
+_SCHEDULERS = ("ssh", "slurm")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout_s", "accept_new_host_keys")
 _HOST_KEYS = ("address", "roles", "gpus", "slots", "ssh", "python")
 _NETWORK_KEYS = ("interface", "port_range")
@@ -254,11 +279,66 @@ class _Parser:
         setup = self.setup(top.get("setup"))
         env = self.env(top.get("env"))
         network = self.network(top.get("network"))
-        if "hosts" not in top:
-            raise self.err("hosts", "is required: list the machines of the cluster")
-        hosts = self.hosts(top["hosts"], ssh, python)
+        scheduler = top.get("scheduler", "ssh")
+        if scheduler not in _SCHEDULERS:
+            raise self.err("scheduler", f"unknown scheduler {_show(scheduler)}{did_you_mean(str(scheduler), _SCHEDULERS)}; "
+                                        f"known: {', '.join(_SCHEDULERS)}")
+        slurm = None
+        if scheduler == "slurm":
+            if "hosts" in top:
+                raise self.err("hosts", "a Slurm cluster lists no hosts: its nodes are the allocation's "
+                                        "(say how many in slurm.nodes)")
+            if "slurm" not in top:
+                raise self.err("slurm", "is required with scheduler: slurm (at least `nodes:`)")
+            slurm = self.slurm(top["slurm"], ssh, python)
+            hosts: tuple[HostSpec, ...] = ()
+        else:
+            if "slurm" in top:
+                raise self.err("slurm", "needs `scheduler: slurm`")
+            if "hosts" not in top:
+                raise self.err("hosts", "is required: list the machines of the cluster")
+            hosts = self.hosts(top["hosts"], ssh, python)
         return ClusterSpec(name=name, hosts=hosts, workdir=workdir, setup=setup, env=MappingProxyType(env),
-                           network=network, source=self.doc.source)
+                           network=network, source=self.doc.source, slurm=slurm)
+
+    def slurm(self, value: Any, ssh: SshSpec, python: str) -> SlurmSpec:
+        raw = self.mapping(value, "slurm", SLURM_KEYS)
+        if "nodes" not in raw:
+            raise self.err("slurm", "needs `nodes:` (how many nodes to ask for)")
+        nodes = self.integer(raw["nodes"], "slurm.nodes", low=1, high=100000)
+        names = {}
+        for key in ("partition", "account", "qos"):
+            if raw.get(key) is not None:
+                names[key] = self.text(raw[key], f"slurm.{key}", pattern=NAME_PATTERN, what=f"a Slurm {key} name")
+        time_limit = raw.get("time")
+        if time_limit is not None:
+            if isinstance(time_limit, int) and not isinstance(time_limit, bool):
+                time_limit = str(time_limit)  # minutes, as sbatch reads a bare number
+            time_limit = self.text(time_limit, "slurm.time", pattern=TIME_PATTERN,
+                                   what='a Slurm time limit such as "02:00:00", "1-12:00:00" or 90 (minutes)')
+        counts = {key: self.integer(raw[key], f"slurm.{key}", low=1) for key in ("gpus_per_node", "cpus_per_task")
+                  if raw.get(key) is not None}
+        constraint = None
+        if raw.get("constraint") is not None:
+            constraint = self.text(raw["constraint"], "slurm.constraint", pattern=CONSTRAINT_PATTERN,
+                                   what="a Slurm constraint of feature names and & | , [ ]")
+        extra = raw.get("extra_args", [])
+        if isinstance(extra, str):
+            extra = [extra]
+        if not isinstance(extra, list):
+            raise self.err("slurm.extra_args", f"must be a list of sbatch options. Received: {_show(extra)}")
+        extra_args = []
+        for i, arg in enumerate(extra):
+            path = f"slurm.extra_args[{i}]"
+            arg = self.text(arg, path, pattern=EXTRA_ARG_PATTERN, what="one sbatch option, --name or --name=value")
+            if arg.split("=", 1)[0] in REFUSED_EXTRA_ARGS:
+                raise self.err(path, f"{arg.split('=', 1)[0]} is set by distrun; it cannot be given here")
+            extra_args.append(arg)
+        login = None
+        if raw.get("login") is not None:
+            login = self.host(raw["login"], "slurm.login", ssh, python)
+        return SlurmSpec(nodes=nodes, python=python, time=time_limit, constraint=constraint, extra_args=tuple(extra_args),
+                         login=login, **names, **counts)
 
     def ssh(self, value: Any, path: str, base: SshSpec) -> SshSpec:
         raw = self.mapping(value, path, _SSH_KEYS)

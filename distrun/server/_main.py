@@ -8,6 +8,12 @@ state file, prints ``{"pid": ..., "port": ...}`` and exits 0. If the server
 cannot start, the reason is printed on stderr and the exit code is 1; 3 means a
 server already holds the folder's lock.
 
+``start --attach`` is for a Slurm step: the same configuration on stdin, but the
+server replaces this process instead of detaching (a step's processes end with
+the step, so the server must be the step), its log goes to the state folder, and
+the ready message (``{"pid": ..., "port": ...}`` or ``{"error": ...}``) is the
+one line it prints on stdout.
+
 ``serve`` is that server process itself (``--foreground`` debugging runs it
 directly). The cluster's env and the ``DISTRUN_SERVER_DIR`` marker are given to
 it at exec time, so they are in its ``/proc/<pid>/environ`` and inherited by
@@ -15,6 +21,9 @@ every training process it starts.
 
 ``sweep --state-dir DIR [--kill]`` prints the processes of this host's server
 still alive (and ends them with ``--kill``), so `down` checks rather than assumes.
+
+``relay --port P`` joins stdin and stdout to the server on loopback port P: the
+client's stream to a Slurm node's server rides on an srun step running it.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a detached worker server (config JSON on stdin)")
     start.add_argument("--state-dir", required=True)
+    start.add_argument("--attach", action="store_true", help="become the server (a Slurm step) instead of detaching")
     serve = sub.add_parser("serve", help="the server process itself (started by `start`)")
     serve.add_argument("--state-dir", required=True)
     serve.add_argument("--config-sha256", default="")
@@ -42,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     sweep_cmd = sub.add_parser("sweep", help="list (and with --kill, end) this server's processes")
     sweep_cmd.add_argument("--state-dir", required=True)
     sweep_cmd.add_argument("--kill", action="store_true")
+    relay_cmd = sub.add_parser("relay", help="join stdin/stdout to this host's server on a loopback port")
+    relay_cmd.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
+    if args.command == "relay":
+        from distrun.server._relay import relay
+
+        return relay(args.port)
     if args.command == "sweep":
         from distrun.server._sweep import sweep
 
@@ -60,7 +76,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RecursionError) as exc:
         print(f"bad server configuration on stdin: {exc}", file=sys.stderr)
         return 2
+    if args.attach:
+        return _attach(args.state_dir, config)
     return _start(args.state_dir, config)
+
+
+def _attach(state_dir_path: str, config: dict[str, Any]) -> int:
+    """Become the server: its stderr (the log) to the state folder, the ready line to stdout."""
+    from distrun.protocol.cluster import config_digest
+    from distrun.server._state import StateDir
+    from distrun.server._sweep import SERVER_DIR_ENV
+
+    state_dir = StateDir(state_dir_path)
+    try:
+        state_dir.create()
+        log_fd = os.open(state_dir.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    except OSError as exc:
+        print(json.dumps({"error": f"cannot create {state_dir.path}: {exc}"}), flush=True)
+        return 1
+    sys.stdout.flush()
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    env = {**os.environ, **config.get("env", {}), SERVER_DIR_ENV: str(state_dir.path)}
+    os.execve(sys.executable, [sys.executable, "-m", "distrun.server", "serve", "--state-dir", str(state_dir.path),
+                               "--config-sha256", config_digest(config), "--ready-fd", "1"], env)
 
 
 def _start(state_dir_path: str, config: dict[str, Any]) -> int:
@@ -104,8 +143,11 @@ def _serve(state_dir: Any, digest: str, *, ready_fd: int | None) -> int:
 
     def ready(message: dict[str, Any]) -> None:
         if ready_fd is not None:
-            os.write(ready_fd, json.dumps(message).encode())
-            os.close(ready_fd)
+            os.write(ready_fd, json.dumps(message).encode() + (b"\n" if ready_fd == 1 else b""))
+            if ready_fd == 1:  # attached (a Slurm step): stdout stays open, on /dev/null
+                os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            else:
+                os.close(ready_fd)
         elif "error" in message:
             print(message["error"], file=sys.stderr)
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from distrun.config import parse_cluster
-from distrun.ssh import Connection
+from distrun.links import Connection
 from tests._sshd import Sshd, fingerprint, keygen
 from tests.cluster.conftest import Loopback, distrun_processes, kill_all
 from tests.conftest import REPO, run_cli

@@ -10,7 +10,7 @@ from tests.conftest import REPO
 
 
 def test_control_plane_imports_without_torch():
-    code = ("import sys, distrun.cli, distrun.client, distrun.launch, distrun.ssh, distrun.server, "
+    code = ("import sys, distrun.cli, distrun.client, distrun.launch, distrun.links, distrun.scheduler, distrun.server, "
             "distrun.server._main; assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 

@@ -70,8 +70,8 @@ def test_the_first_worker_becomes_chief_when_none_is_named() -> None:
      "c.yaml:3: hosts[1].rolse: unknown key (did you mean 'roles'?); known keys: address, roles, gpus, slots, ssh, python"),
     ("hosts:\n  - {address: a, roles: [wroker]}\n",
      "c.yaml:2: hosts[0].roles[0]: unknown role 'wroker' (did you mean 'worker'?); roles are chief, worker, ps, evaluator"),
-    ("hots:\n  - a\n", "c.yaml:1: hots: unknown key (did you mean 'hosts'?); known keys: name, ssh, python, workdir, "
-                       "setup, env, network, hosts"),
+    ("hots:\n  - a\n", "c.yaml:1: hots: unknown key (did you mean 'hosts'?); known keys: name, scheduler, "
+                       "slurm, ssh, python, workdir, setup, env, network, hosts"),
     ("name: x\n", "c.yaml:1: hosts: is required: list the machines of the cluster"),
     ("hosts: []\n", "c.yaml:1: hosts: must be a non-empty list of hosts. Received: []"),
     ("ssh: {port: 70000}\nhosts: [a]\n", "c.yaml:1: ssh.port: must be between 1 and 65535. Received: 70000"),
@@ -93,6 +93,50 @@ def test_the_first_worker_becomes_chief_when_none_is_named() -> None:
     ("hosts: [a\n", "c.yaml:2: not valid YAML: expected ',' or ']', but got '<stream end>'"),
 ])
 def test_mistakes_name_file_line_and_key(text: str, expected: str) -> None:
+    assert error_of(text) == expected
+
+
+def test_a_slurm_cluster_file_becomes_sbatch_options() -> None:
+    cluster = parse_cluster(
+        "name: lab\nscheduler: slurm\npython: /opt/venv/bin/python\n"
+        "slurm: {nodes: 2, partition: gpu, time: '02:00:00', gpus_per_node: 8, cpus_per_task: 16, account: ml,\n"
+        "        qos: high, constraint: 'a100&ib', extra_args: [--exclusive, --mem=0],\n"
+        "        login: {address: login1, ssh: {port: 2222, user: alice}}}\n", "c.yaml")
+    assert cluster.hosts == () and cluster.slurm is not None
+    assert cluster.slurm.sbatch_args() == [
+        "--nodes=2", "--ntasks-per-node=1", "--partition=gpu", "--time=02:00:00", "--account=ml", "--qos=high",
+        "--constraint=a100&ib", "--gpus-per-node=8", "--cpus-per-task=16", "--exclusive", "--mem=0"]
+    assert cluster.slurm.python == "/opt/venv/bin/python"
+    login = cluster.slurm.login
+    assert login is not None and (login.address, login.ssh.port, login.ssh.user) == ("login1", 2222, "alice")
+    assert parse_cluster("scheduler: slurm\nslurm: {nodes: 1, time: 90}\n").slurm.time == "90"  # minutes
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("scheduler: slurm\n", "c.yaml:1: slurm: is required with scheduler: slurm (at least `nodes:`)"),
+    ("scheduler: slurm\nslurm: {partition: gpu}\n", "c.yaml:2: slurm: needs `nodes:` (how many nodes to ask for)"),
+    ("scheduler: slurm\nslurm: {nodes: 2}\nhosts: [a]\n",
+     "c.yaml:3: hosts: a Slurm cluster lists no hosts: its nodes are the allocation's (say how many in slurm.nodes)"),
+    ("slurm: {nodes: 2}\nhosts: [a]\n", "c.yaml:1: slurm: needs `scheduler: slurm`"),
+    ("scheduler: slrum\nslurm: {nodes: 2}\n",
+     "c.yaml:1: scheduler: unknown scheduler 'slrum' (did you mean 'slurm'?); known: ssh, slurm"),
+    ("scheduler: slurm\nslurm: {nodes: 2, partition: 'gpu --wrap=id'}\n",
+     "c.yaml:2: slurm.partition: is not a Slurm partition name. Received: 'gpu --wrap=id'"),
+    ("scheduler: slurm\nslurm: {nodes: 2, extra_args: ['--wrap=id']}\n",
+     "c.yaml:2: slurm.extra_args[0]: --wrap is set by distrun; it cannot be given here"),
+    ("scheduler: slurm\nslurm: {nodes: 2, extra_args: ['-w n1']}\n",
+     "c.yaml:2: slurm.extra_args[0]: is not one sbatch option, --name or --name=value. Received: '-w n1'"),
+    ("scheduler: slurm\nslurm: {nodes: 2, time: tomorrow}\n",
+     "c.yaml:2: slurm.time: is not a Slurm time limit such as \"02:00:00\", \"1-12:00:00\" or 90 (minutes). "
+     "Received: 'tomorrow'"),
+    ("scheduler: slurm\nslurm: {nodes: 2, constraint: 'a100;id'}\n",
+     "c.yaml:2: slurm.constraint: is not a Slurm constraint of feature names and & | , [ ]. Received: 'a100;id'"),
+    ("scheduler: slurm\nslurm: {nodes: 2, gpus_per_node: 0}\n",
+     "c.yaml:2: slurm.gpus_per_node: must be >= 1. Received: 0"),
+    ("scheduler: slurm\nslurm: {nodes: 2, login: {address: '-oProxyCommand=id'}}\n",
+     "c.yaml:2: slurm.login.address: is not a host name or IP address. Received: '-oProxyCommand=id'"),
+])
+def test_slurm_mistakes_name_file_line_and_key(text: str, expected: str) -> None:
     assert error_of(text) == expected
 
 

@@ -18,7 +18,7 @@ from distrun.protocol.wire import (
     send_frame,
     server_handshake,
 )
-from distrun.ssh import command_line
+from distrun.links import command_line
 
 TOKEN = bytes(range(32))
 

@@ -28,8 +28,8 @@ import paramiko
 
 from distrun.config.cluster import DEFAULT_SSH_PORT, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
+from distrun.links.api import RawResult, Result, command_line
 from distrun.protocol.wire import Stream
-from distrun.ssh.api import Result, command_line
 
 T = TypeVar("T")
 
@@ -192,6 +192,19 @@ class Connection:
         line, code, out, err = self._exec(argv, stdin.encode() if stdin else None, timeout_s)
         return Result(line, code, out.decode(errors="replace"), err.decode(errors="replace"))
 
+    def run_raw(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float = 60.0) -> RawResult:
+        return RawResult(*self._exec(argv, stdin, timeout_s))
+
+    def open_command(self, argv: Sequence[str]) -> Stream:
+        line = command_line(argv)
+        channel = self._session()
+        try:
+            channel.exec_command(line)
+        except paramiko.SSHException as exc:
+            channel.close()
+            raise HostError(self.label, f"cannot run `{line[:80]}`: {exc}") from None
+        return _ChannelStream(channel)
+
     def _exec(self, argv: Sequence[str], stdin: bytes | None, timeout_s: float) -> tuple[str, int, bytes, bytes]:
         """Run ``argv`` (quoted) on the host: (the command line, exit code, stdout, stderr)."""
         line = command_line(argv)
@@ -308,6 +321,32 @@ class Connection:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+class _ChannelStream:
+    """An exec channel as a byte stream; at its end a failed command's last stderr line is raised."""
+
+    def __init__(self, channel: paramiko.Channel) -> None:
+        self._channel = channel
+
+    def sendall(self, data: bytes, /) -> None:
+        self._channel.sendall(data)
+
+    def recv(self, size: int, /) -> bytes:
+        data = self._channel.recv(size)
+        if not data and self._channel.status_event.wait(2.0) and self._channel.recv_exit_status() != 0:
+            err = b""
+            while self._channel.recv_stderr_ready():
+                err += self._channel.recv_stderr(4096)
+            lines = [line.strip() for line in err.decode(errors="replace").splitlines() if line.strip()]
+            raise ConnectionError(lines[-1] if lines else f"exit code {self._channel.recv_exit_status()}")
+        return data
+
+    def settimeout(self, timeout: float | None, /) -> None:
+        self._channel.settimeout(timeout)
+
+    def close(self) -> None:
+        self._channel.close()
 
 
 def _retry(attempt: Callable[[], T], label: str, what: str, error: type[HostError] = HostError) -> T:

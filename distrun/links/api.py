@@ -1,8 +1,9 @@
 """The contract every host link fulfils: run a command, read a file, open a stream.
 
-``Connection`` (SSH, paramiko) and ``LocalConnection`` (this machine, no SSH)
-both satisfy ``Remote``, so the cluster code above is the same for a real
-cluster and for the embedded default. Modelled on Fabric: ``run`` takes an argv
+``Connection`` (SSH, paramiko), ``LocalConnection`` (this machine, no SSH) and
+``SrunLink`` (a node of a Slurm allocation, through ``srun``) all satisfy
+``Remote``, so the cluster code above is the same for a real cluster, a Slurm
+allocation and the embedded default. Modelled on Fabric: ``run`` takes an argv
 list (quoted with ``shlex`` before any shell sees it) and returns a ``Result``.
 """
 
@@ -16,7 +17,7 @@ from typing import Protocol
 from distrun.errors import HostError
 from distrun.protocol.wire import Stream
 
-__all__ = ["Result", "CommandFailed", "Remote", "command_line"]
+__all__ = ["Result", "RawResult", "CommandFailed", "Remote", "command_line"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,20 @@ class Result:
         return f"exit code {self.exited}"
 
 
+@dataclass(frozen=True)
+class RawResult:
+    """A command's exit code and its output as bytes (a file coming home, a checkpoint)."""
+
+    command: str
+    exited: int
+    stdout: bytes
+    stderr: bytes
+
+    def text(self) -> Result:
+        return Result(self.command, self.exited, self.stdout.decode(errors="replace"),
+                      self.stderr.decode(errors="replace"))
+
+
 class CommandFailed(HostError):
     """A remote command exited non-zero; ``result`` holds what it printed."""
 
@@ -54,6 +69,18 @@ class Remote(Protocol):
     label: str
 
     def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout_s: float = 60.0) -> Result: ...
+
+    def run_raw(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float = 60.0) -> RawResult:
+        """``run`` with bytes in and out."""
+        ...
+
+    def open_command(self, argv: Sequence[str]) -> Stream:
+        """A byte stream to a command's stdin and stdout (srun's relay to a node rides on one).
+
+        Reading past the command's output raises ``ConnectionError`` with its last line
+        of stderr when it failed, so a broken relay is named, not just "closed".
+        """
+        ...
 
     def read_file(self, path: str) -> str | None:
         """The file's text, or None if it does not exist. Relative paths start at the login directory."""

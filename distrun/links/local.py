@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from distrun.errors import HostError
+from distrun.links._command_stream import CommandStream
+from distrun.links.api import RawResult, Result, command_line
 from distrun.protocol.wire import Stream
-from distrun.ssh.api import Result, command_line
 
 
 class LocalConnection:
@@ -21,15 +22,24 @@ class LocalConnection:
         self._home = Path.home()
 
     def run(self, argv: Sequence[str], *, stdin: str | None = None, timeout_s: float = 60.0) -> Result:
+        return self.run_raw(argv, stdin=stdin.encode() if stdin is not None else None, timeout_s=timeout_s).text()
+
+    def run_raw(self, argv: Sequence[str], *, stdin: bytes | None = None, timeout_s: float = 60.0) -> RawResult:
         line = command_line(argv)
         try:
-            proc = subprocess.run(list(argv), input=stdin if stdin is not None else "", capture_output=True,
-                                  text=True, timeout=timeout_s, cwd=self._home)
+            proc = subprocess.run(list(argv), input=stdin or b"", capture_output=True, timeout=timeout_s,
+                                  cwd=self._home)
         except FileNotFoundError:
-            return Result(line, 127, "", f"{argv[0]}: command not found")
+            return RawResult(line, 127, b"", f"{argv[0]}: command not found".encode())
         except subprocess.TimeoutExpired:
             raise HostError(self.label, f"`{line[:80]}` did not finish within {timeout_s:g} s") from None
-        return Result(line, proc.returncode, proc.stdout, proc.stderr)
+        return RawResult(line, proc.returncode, proc.stdout, proc.stderr)
+
+    def open_command(self, argv: Sequence[str]) -> Stream:
+        try:
+            return CommandStream(argv, label=self.label, cwd=str(self._home))
+        except OSError as exc:
+            raise HostError(self.label, f"cannot run {argv[0]}: {exc.strerror or exc}") from None
 
     def read_file(self, path: str) -> str | None:
         try:

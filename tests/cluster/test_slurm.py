@@ -1,0 +1,194 @@
+"""A Slurm cluster: `up` asks a real slurmctld for an allocation, srun reaches the nodes, `down` gives it back.
+
+The lab (tests/_slurm.py) runs slurmctld and one slurmd per node in network
+namespaces, from Debian's packages; the client runs in a namespace of its own
+with only Slurm's commands to reach the nodes (no sshd anywhere here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint
+from tests._slurm import SlurmLab, require_slurm
+from tests._sshd import NetnsLab
+from tests.cluster.conftest import distrun_processes, json_lines, kill_all
+from tests.conftest import run_cli
+from tests.integration._recipes import EQUIV
+
+
+@dataclass
+class Bed:
+    slurm: SlurmLab
+    client_ns: str
+    root: Path
+
+    def cli(self, *args: str, timeout: float = 180, ns: str | None = None) -> subprocess.CompletedProcess:
+        """`distrun ARGS` in the client namespace (or ``ns``), with the lab's SLURM_CONF."""
+        return subprocess.run(["ip", "netns", "exec", ns or self.client_ns, sys.executable, "-m", "distrun", *args],
+                              capture_output=True, text=True, timeout=timeout, cwd=self.root, env=self.slurm.env)
+
+    def cluster(self, name: str, nodes: int = 2, extra: str = "") -> Path:
+        path = self.root / f"{name}.yaml"
+        path.write_text(f"name: {name}\nscheduler: slurm\nslurm: {{nodes: {nodes}{extra}}}\n"
+                        f"python: {sys.executable}\nworkdir: '{self.root / 'work'}'\n")
+        return path
+
+    def named(self, job_name: str) -> list[str]:
+        out = self.slurm.client(self.client_ns, ["squeue", "--noheader", f"--name={job_name}", "--format=%i %T %N"])
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    require_slurm()
+    root = tmp_path_factory.mktemp("slurm")
+    netns = NetnsLab(f"ds{os.getpid() % 10000}")
+    lab = None
+    try:
+        client_ns, _ = netns.add_node("c", 10)
+        lab = SlurmLab(root / "lab", netns, 2)
+        yield Bed(lab, client_ns, root)
+    finally:
+        for job in (lab.jobs() if lab else []):
+            lab.client(lab.ctl_ns, ["scancel", job.split()[0]], check=False)
+        kill_all(root)
+        if lab is not None:
+            lab.close()
+        netns.close()
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The equivalence recipe and the parameters one device ends with."""
+    root = tmp_path_factory.mktemp("reference")
+    recipe = root / "equiv.py"
+    recipe.write_text(EQUIV)
+    done = run_cli("train", str(recipe), "--json", "--checkpoint-dir", str(root / "one"), "--epochs", "2",
+                   "--", "--samples", "99")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return recipe, torch.load(latest_checkpoint(root / "one"), weights_only=True)["model"]
+
+
+def _assert_same_model(checkpoint_dir: Path, reference: dict[str, torch.Tensor]) -> None:
+    trained = torch.load(latest_checkpoint(checkpoint_dir), weights_only=True)
+    assert trained["step"] == 14
+    for key, tensor in reference.items():
+        torch.testing.assert_close(trained["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_up_train_down_on_an_allocation(bed: Bed, one_device: tuple[Path, dict]) -> None:
+    cluster = bed.cluster("lab")
+    status = bed.cli("status", str(cluster), "--json")
+    assert status.returncode == 6 and "no Slurm allocation for cluster 'lab'" in status.stdout
+
+    up = bed.cli("up", str(cluster), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    rows = json.loads(up.stdout)["hosts"]
+    assert [(row["host"], row["status"]) for row in rows] == [("n1", "started"), ("n2", "started")]
+    assert rows[0]["roles"] == ["chief", "worker"]
+    (job_line,) = bed.named("distrun-lab")
+    assert job_line.endswith("RUNNING n[1-2]")
+    again = bed.cli("up", str(cluster), "--json")  # idempotent: the allocation and its servers are kept
+    assert [row["status"] for row in json.loads(again.stdout)["hosts"]] == ["up", "up"]
+    assert bed.named("distrun-lab") == [job_line]
+
+    recipe, reference = one_device
+    trained = bed.cli("train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                      "--checkpoint-dir", str(bed.root / "mw"), "--epochs", "2", "--", "--samples", "99")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    lines = json_lines(trained)
+    assert lines[0]["hosts"] == ["n1", "n2"] and lines[0]["world_size"] == 2
+    _assert_same_model(bed.root / "mw", reference)
+    results = next(line for line in lines if line.get("type") == "results")
+    assert Path(results["checkpoint"]).read_bytes() == latest_checkpoint(bed.root / "mw").read_bytes()
+
+    down = bed.cli("down", str(cluster), "--json")
+    assert down.returncode == 0, down.stdout + down.stderr
+    rows = json.loads(down.stdout)["hosts"]
+    assert [(row["host"], row["status"]) for row in rows] == [("n1", "stopped"), ("n2", "stopped"),
+                                                              (f"slurm job {job_line.split()[0]}", "stopped")]
+    assert bed.named("distrun-lab") == []
+    assert distrun_processes(bed.root) == []
+    status = bed.cli("status", str(cluster), "--json")
+    assert status.returncode == 6
+
+
+def test_a_cancelled_allocation_is_named_within_seconds(bed: Bed) -> None:
+    cluster = bed.cluster("gone")
+    up = bed.cli("up", str(cluster), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    (job_line,) = bed.named("distrun-gone")
+    job_id = job_line.split()[0]
+    recipe = bed.root / "slow.py"
+    recipe.write_text(EQUIV.replace("def loss(outputs, batch):", "def loss(outputs, batch):\n    import time; time.sleep(0.2)"))
+    train = subprocess.Popen(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", "train",
+                              str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                              "--epochs", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             cwd=bed.root, env=bed.slurm.env)
+    try:
+        assert train.stdout is not None
+        for line in train.stdout:  # wait until the ranks train
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("type") == "step" and event.get("step", 0) >= 3:
+                break
+        cancelled_at = time.monotonic()
+        bed.slurm.client(bed.client_ns, ["scancel", job_id])
+        out, err = train.communicate(timeout=60)
+        took_s = time.monotonic() - cancelled_at
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 6, out[-2000:] + err[-2000:]
+    error = err.strip().splitlines()[-1]
+    assert error.startswith(f"error: slurm: Slurm job {job_id} on n1, n2 ended: CANCELLED"), err[-2000:]
+    assert "warning: results not copied home: slurm: the allocation ended" in err  # not a broken pipe
+    assert took_s < 5, f"the end of the allocation was named {took_s:.1f} s after scancel"
+    time.sleep(3)  # slurmstepd's KillWait
+    assert distrun_processes(bed.root) == []
+
+
+def test_inside_an_allocation_up_uses_it_and_down_leaves_it(bed: Bed, one_device: tuple[Path, dict]) -> None:
+    """The user's own sbatch script: SLURM_JOB_ID is set, so `up` asks for nothing and `down` keeps the job."""
+    cluster = bed.cluster("mine")
+    recipe, reference = one_device
+    log = bed.root / "inside.log"
+    distrun = f"{sys.executable} -m distrun"
+    script = bed.root / "job.sh"
+    script.write_text("\n".join([
+        "#!/bin/sh",
+        f"cd {bed.root}",
+        f"{distrun} up {cluster} --json > up.json || exit 1",
+        f"{distrun} train {recipe} --cluster {cluster} --strategy multi-worker --json --checkpoint-dir "
+        f"{bed.root / 'inside'} --epochs 2 -- --samples 99 > train.json || exit 2",
+        f"{distrun} down {cluster} --json > down.json || exit 3",
+        "squeue --noheader --jobs=$SLURM_JOB_ID --format=%T > still.txt",
+        "",
+    ]))
+    submitted = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", "--nodes=2", "--job-name=users-own",
+                                                 f"--output={log}", str(script)])
+    job_id = submitted.stdout.strip()
+    deadline = time.monotonic() + 150
+    while bed.named("users-own") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not bed.named("users-own"), f"job {job_id} still runs: {log.read_text() if log.exists() else ''}"
+    assert log.read_text().strip() == "", log.read_text()
+    up = json.loads((bed.root / "up.json").read_text())
+    assert [row["host"] for row in up["hosts"]] == ["n1", "n2"]
+    assert bed.named("distrun-mine") == []  # no second allocation was asked for
+    _assert_same_model(bed.root / "inside", reference)
+    down = json.loads((bed.root / "down.json").read_text())
+    assert down["hosts"][-1]["host"] == f"slurm job {job_id}" and down["hosts"][-1]["status"] == "not running"
+    assert "left running" in down["hosts"][-1]["message"]
+    assert (bed.root / "still.txt").read_text().strip() == "RUNNING"
+    assert distrun_processes(bed.root) == []
