@@ -179,10 +179,11 @@ class SlurmLab:
     # -- clients
 
     def client(self, ns: str, argv: list[str], *, check: bool = True, timeout: float = 60,
-               input: str | None = None) -> subprocess.CompletedProcess:
-        """A Slurm command (or anything) in network namespace ``ns`` with the lab's SLURM_CONF."""
+               input: str | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """A Slurm command (or anything) in network namespace ``ns`` with the lab's SLURM_CONF,
+        run in ``cwd`` (default: the lab's folder; sbatch writes output where it is run)."""
         proc = subprocess.run(["ip", "netns", "exec", ns, *argv], env=self.env, capture_output=True, text=True,
-                              timeout=timeout, input=input)
+                              timeout=timeout, input=input, cwd=cwd or self.root)
         if check and proc.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
         return proc

@@ -1,7 +1,9 @@
-"""`distrun export k8s CLUSTER RECIPE`: the same job as Kubernetes manifests (docs/kubernetes.md)."""
+"""`distrun export k8s | slurm CLUSTER RECIPE`: the same job as Kubernetes manifests (docs/kubernetes.md)
+or as an sbatch script (docs/slurm.md), for users who submit jobs themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import typer
@@ -11,6 +13,7 @@ from distrun.cli.train import build_spec
 from distrun.client import pack
 from distrun.client.cluster_job import training_hosts
 from distrun.client.k8s import K8sJob, job_name, manifests, write
+from distrun.client.slurm_batch import SlurmBatch, sbatch_script
 from distrun.config import Role, StrategyName, load_cluster
 from distrun.errors import UsageError
 
@@ -55,3 +58,45 @@ def k8s(
     for path in write(manifests(job, spec, bundle), out):
         typer.echo(str(path))
     stderr.print(f"note: {len(hosts)} pod(s) of {per_pod} process(es); `kubectl apply -f {out}`", markup=False)
+
+
+@export_app.command("slurm")
+def slurm(
+    cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="A Slurm cluster file (scheduler: slurm): what to ask for."),
+    recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe; its folder is bundled into the script."),
+    recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe.", show_default=False),
+    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker | sharded (every node) | mirrored | one-device (the first node)."),
+    out: Path = typer.Option(Path("job.sbatch"), "-o", "--out", help="The sbatch script to write."),
+    steps: int | None = typer.Option(None, "--steps", help="Train this many global steps."),
+    epochs: int | None = typer.Option(None, "--epochs", help="Train this many epochs."),
+    global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Checkpoints go here, on storage every node shares (relative: to the submit directory)."),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps."),
+    include: list[Path] = typer.Option([], "--include", help="Also bundle this file or folder (inside the recipe's folder)."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Write an sbatch script that trains RECIPE on the cluster file's Slurm request, without the client."""
+    cluster = load_cluster(cluster_file)
+    if cluster.slurm is None:
+        raise UsageError(f"export slurm: {cluster_file}: not a Slurm cluster file (it needs `scheduler: slurm` and "
+                         "a `slurm:` section saying what to ask for)")
+    name = StrategyName.parse(strategy)
+    if name is StrategyName.PARAMETER_SERVER:
+        raise UsageError("export slurm: --strategy parameter-server is not exported yet (its ps tasks need nodes "
+                         "of their own); use multi-worker or sharded")
+    every_node = name in (StrategyName.MULTI_WORKER, StrategyName.SHARDED)  # the others run on one host
+    nodes = cluster.slurm.nodes if every_node else 1
+    gpus = cluster.slurm.gpus_per_node or 0
+    per_node = gpus or 1
+    spec = build_spec(recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=name.value,
+                      device="cuda" if gpus else "cpu", replicas=nodes * per_node, gpus=nodes * gpus,
+                      steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=None,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    if checkpoint_dir is not None:  # the script resolves it on the cluster, not here
+        spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir))
+    bundle = pack(Path(spec.recipe), include)
+    name_of_job = f"distrun-{cluster.name}-{recipe.stem}"[:64]
+    out.write_text(sbatch_script(SlurmBatch(cluster=cluster, spec=spec, bundle=bundle, nodes=nodes,
+                                            slots=per_node, job_name=name_of_job)))
+    typer.echo(str(out))
+    stderr.print(f"note: {nodes} node(s) of {per_node} rank(s); `sbatch {out}`", markup=False)

@@ -1,6 +1,7 @@
 """`distrun node`: one pod's (or one machine's) share of a job, started by a scheduler.
 
-The entrypoint of the pods ``distrun export k8s`` describes. A scheduler (Kubernetes,
+The entrypoint of the pods ``distrun export k8s`` describes, and of the srun step
+``distrun export slurm`` writes. A scheduler (Kubernetes,
 Slurm) starts this once per node. It unpacks the shipped bundle, then starts and
 supervises the node's ranks with the same launcher as a worker server, and with the same
 torchrun environment and TF_CONFIG. Node 0 hosts the rendezvous on ``--master-port``.
@@ -40,25 +41,34 @@ def node(
     recipe: str = typer.Option(..., "--recipe", help="The recipe's path inside the bundle."),
     nnodes: int = typer.Option(..., "--nnodes", help="Nodes in the job."),
     nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node."),
-    node_rank: int | None = typer.Option(None, "--node-rank", help="This node's index (default: $JOB_COMPLETION_INDEX, Kubernetes' Indexed Job)."),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="This node's index (default: $JOB_COMPLETION_INDEX, Kubernetes' Indexed Job; else $SLURM_NODEID)."),
     master_addr: str = typer.Option(..., "--master-addr", help="Node 0's address."),
     master_port: int = typer.Option(29500, "--master-port", help="The rendezvous port node 0 listens on."),
     node_host: str = typer.Option("", "--node-host", help="Each node's address, with {index} for its index (TF_CONFIG); default: --master-addr."),
+    node_hosts: str = typer.Option("", "--node-hosts", help="Every node's address, comma-separated, in node order (instead of --node-host)."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Override the spec's checkpoint folder (relative: to where this runs)."),
     run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Run one node's ranks of a job (the pod entrypoint of `distrun export k8s`)."""
-    index = node_rank if node_rank is not None else int(os.environ.get("JOB_COMPLETION_INDEX", "-1"))
+    index = node_rank if node_rank is not None else int(
+        os.environ.get("JOB_COMPLETION_INDEX", os.environ.get("SLURM_NODEID", "-1")))
     if not 0 <= index < nnodes:
-        raise UsageError(f"--node-rank: expected 0..{nnodes - 1} (or JOB_COMPLETION_INDEX). Received: {index}")
+        raise UsageError(f"--node-rank: expected 0..{nnodes - 1} (or JOB_COMPLETION_INDEX, SLURM_NODEID). "
+                         f"Received: {index}")
+    addresses = [host for host in node_hosts.split(",") if host] if node_hosts else []
+    if node_hosts and len(addresses) != nnodes:
+        raise UsageError(f"--node-hosts: expected {nnodes} addresses (--nnodes). Received: {len(addresses)}")
     data = bundle.read_bytes()
     root = unpack(bundle, hashlib.sha256(data).hexdigest(), Path(tempfile.mkdtemp(prefix="distrun-node-")) / "b")
     path = (root / recipe).resolve()
     if root.resolve() not in path.parents or not path.is_file():
         raise UsageError(f"--recipe {recipe!r} is not in the bundle")
     spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
-    hosts = tuple((node_host.format(index=i) if node_host else master_addr) for i in range(nnodes)
-                  for _ in range(nproc_per_node))
+    if checkpoint_dir is not None:
+        spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
+    hosts = tuple((addresses[i] if addresses else node_host.format(index=i) if node_host else master_addr)
+                  for i in range(nnodes) for _ in range(nproc_per_node))
     secret = os.environ.get(JOB_SECRET_VAR, "")
     parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
     listener = None

@@ -176,7 +176,7 @@ def test_inside_an_allocation_up_uses_it_and_down_leaves_it(bed: Bed, one_device
         "",
     ]))
     submitted = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", "--nodes=2", "--job-name=users-own",
-                                                 f"--output={log}", str(script)])
+                                                 f"--output={log}", str(script)], cwd=bed.root)
     job_id = submitted.stdout.strip()
     deadline = time.monotonic() + 150
     while bed.named("users-own") and time.monotonic() < deadline:
@@ -191,4 +191,30 @@ def test_inside_an_allocation_up_uses_it_and_down_leaves_it(bed: Bed, one_device
     assert down["hosts"][-1]["host"] == f"slurm job {job_id}" and down["hosts"][-1]["status"] == "not running"
     assert "left running" in down["hosts"][-1]["message"]
     assert (bed.root / "still.txt").read_text().strip() == "RUNNING"
+    assert distrun_processes(bed.root) == []
+
+
+def test_the_exported_sbatch_script_trains_to_one_devices_parameters(bed: Bed, one_device: tuple[Path, dict]) -> None:
+    cluster = bed.cluster("exp", extra=", extra_args: ['--comment=from distrun export']")
+    recipe, reference = one_device
+    script = bed.root / "exported.sbatch"
+    written = run_cli("export", "slurm", str(cluster), str(recipe), "--strategy", "multi-worker", "--epochs", "2",
+                      "--checkpoint-dir", "exported-ckpt", "-o", str(script), "--", "--samples", "99")
+    assert written.returncode == 0, written.stderr
+    text = script.read_text()
+    assert "#SBATCH --nodes=2\n" in text and '#SBATCH "--comment=from distrun export"\n' in text
+    assert "DISTRUN_JOB_SECRET=" in text and "new_job_secret" in text  # drawn on the cluster, at run time
+    submitted = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", str(script)], check=False, cwd=bed.root)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    deadline = time.monotonic() + 150
+    while bed.named("distrun-exp-equiv") and time.monotonic() < deadline:
+        time.sleep(1)
+    log = bed.root / f"distrun-exp-equiv-{job_id}.out"
+    assert not bed.named("distrun-exp-equiv"), log.read_text() if log.exists() else "no log"
+    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    assert {event["rank"] for event in events if event["type"] == "started"} == {0, 1}, log.read_text()[-3000:]
+    _assert_same_model(bed.root / "exported-ckpt", reference)
+    job_dir = bed.root / ".distrun-jobs" / job_id
+    assert oct(job_dir.stat().st_mode & 0o777) == "0o700"
     assert distrun_processes(bed.root) == []

@@ -1,0 +1,112 @@
+"""``distrun export slurm``: the same job as one sbatch script, for users who submit jobs themselves.
+
+The script asks for what the cluster file's ``slurm:`` section says, then
+trains without the client: ``srun`` starts ``distrun node`` once per node (the
+entrypoint ``export k8s`` uses too), which starts that node's ranks with
+torchrun's environment and TF_CONFIG, exactly as a worker server would. The
+recipe's bundle and the job spec are embedded in the script (so the laptop
+still ships the code; the nodes hold none), written at run time into a 0700
+folder under the submit directory, which Slurm clusters share between nodes
+(the checkpoint folder has to be shared too).
+
+Each run draws a fresh data-plane secret and hands it to the ranks through
+srun's environment, never on a command line. Every value taken from the cluster
+file or the flags is quoted with ``shlex``; the embedded files sit in quoted
+heredocs, which the shell does not expand.
+"""
+
+from __future__ import annotations
+
+import base64
+import shlex
+import textwrap
+from dataclasses import dataclass, replace
+
+from distrun._version import __version__
+from distrun.client._bundle import Bundle
+from distrun.config import ClusterSpec, JobSpec
+from distrun.errors import UsageError
+from distrun.protocol.environment import JOB_SECRET_VAR
+
+__all__ = ["SlurmBatch", "sbatch_script", "BASE_PORT"]
+
+#: Node 0's rendezvous port is BASE_PORT + job id % PORT_SPREAD: two jobs on one node differ.
+BASE_PORT = 20000
+PORT_SPREAD = 20000
+#: sbatch refuses scripts above 4 MiB by default (max_script_size); base64 grows the bundle by a third.
+MAX_BUNDLE_BYTES = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SlurmBatch:
+    cluster: ClusterSpec
+    spec: JobSpec
+    bundle: Bundle
+    nodes: int  # nodes the job runs on (one for the single-host strategies)
+    slots: int  # ranks per node
+    job_name: str
+
+
+def sbatch_script(batch: SlurmBatch) -> str:
+    cluster, spec, bundle = batch.cluster, batch.spec, batch.bundle
+    slurm = cluster.slurm
+    if slurm is None:
+        raise UsageError(f"export slurm: {cluster.label} has no `scheduler: slurm` section to ask Slurm with")
+    if bundle.size_bytes > MAX_BUNDLE_BYTES:
+        raise UsageError(f"export slurm: the bundle is {bundle.size_bytes / 2**20:.1f} MiB; an sbatch script holds "
+                         f"at most {MAX_BUNDLE_BYTES // 2**20} MiB of it (leave data out of the recipe's folder)")
+    directives = [f"#SBATCH --job-name={batch.job_name}", "#SBATCH --output=%x-%j.out", "#SBATCH --open-mode=append",
+                  *(f"#SBATCH {_directive(arg)}" for arg in replace(slurm, nodes=batch.nodes).sbatch_args())]
+    python = shlex.quote(slurm.python)
+    setup = "\n".join(f"srun --ntasks-per-node=1 sh -c {shlex.quote(command)}" for command in cluster.setup)
+    env = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(cluster.env.items()))
+    checkpoint = ["--checkpoint-dir", spec.checkpoint_dir] if spec.checkpoint_dir else []
+    node = [slurm.python, "-m", "distrun", "node", "--bundle", "$job_dir/bundle.tar.gz", "--spec",
+            "$job_dir/spec.json", "--recipe", bundle.recipe, "--nnodes", str(batch.nodes),
+            "--nproc-per-node", str(batch.slots), "--master-addr", "$master", "--master-port", "$port",
+            "--node-hosts", "$hosts", "--run-id", "$SLURM_JOB_ID", *checkpoint]
+    node_line = " ".join(_shell_word(word) for word in node)
+    payload = "\n".join(textwrap.wrap(base64.b64encode(bundle.data).decode(), 76))
+    return "\n".join([
+        "#!/bin/bash",
+        *directives,
+        f"# Written by `distrun export slurm` (distrun {__version__}): {bundle.recipe} under --strategy "
+        f"{spec.strategy.value}, {batch.slots} rank(s) per node. Submit with `sbatch FILE`.",
+        "set -euo pipefail",
+        "umask 077",
+        'job_dir="$SLURM_SUBMIT_DIR/.distrun-jobs/$SLURM_JOB_ID"  # shared with every node',
+        'mkdir -p "$job_dir"',
+        "base64 -d > \"$job_dir/bundle.tar.gz\" <<'DISTRUN_BUNDLE'",
+        payload,
+        "DISTRUN_BUNDLE",
+        "cat > \"$job_dir/spec.json\" <<'DISTRUN_SPEC'",
+        spec.to_json(),
+        "DISTRUN_SPEC",
+        *([env] if env else []),
+        *([setup] if setup else []),
+        'hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)',
+        'master=${hosts%%,*}',
+        f"port=$(( {BASE_PORT} + SLURM_JOB_ID % {PORT_SPREAD} ))",
+        f"{JOB_SECRET_VAR}=$({python} -c 'from distrun.protocol.secret import new_job_secret; "
+        "print(new_job_secret())')",
+        f"export {JOB_SECRET_VAR}  # to the ranks through srun's environment, never a command line",
+        "export PYTHONUNBUFFERED=1",
+        f"srun --nodes={batch.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {node_line}",
+        "",
+    ])
+
+
+def _directive(arg: str) -> str:
+    """An option on an ``#SBATCH`` line: sbatch reads these itself (not a shell), honouring only
+    double quotes and backslashes, so an argument with a space is double-quoted, escaped."""
+    if not any(c.isspace() or c in '"\\' for c in arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _shell_word(word: str) -> str:
+    """Quote a word, but let ``$VAR`` references the script itself sets expand (in double quotes)."""
+    if word.startswith("$"):
+        name, _, rest = word[1:].partition("/")
+        return f'"${{{name}}}{"/" + rest if rest else ""}"'
+    return shlex.quote(word)
