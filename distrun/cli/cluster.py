@@ -44,7 +44,12 @@ def resolve_cluster(path: Path | None) -> ClusterSpec:
 
 
 class _Stages:
-    """A transient per-host "what is it doing now" table on stderr while a command runs."""
+    """A transient per-host "what is it doing now" table on stderr while a command runs.
+
+    Without a terminal (a CI log, a batch job's output) only a scheduler's stages are
+    printed, one line each time they change: a Slurm request can wait for minutes, and the
+    reason it waits (squeue's) belongs in the log.
+    """
 
     def __init__(self, cluster: ClusterSpec, enabled: bool) -> None:
         self._stages = {host.label: "waiting" for host in cluster.hosts}
@@ -59,9 +64,12 @@ class _Stages:
 
     def __call__(self, host: str, stage: str) -> None:
         with self._lock:
+            changed = self._stages.get(host) != stage
             self._stages[host] = stage
             if self._live is not None:
                 self._live.update(self._render())
+            elif changed and host.startswith("slurm"):
+                stderr.print(f"{host}: {stage}", markup=False, highlight=False)
 
     def __enter__(self) -> _Stages:
         if self._live is not None:

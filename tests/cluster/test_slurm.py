@@ -21,7 +21,7 @@ import torch
 
 from distrun.strategies import latest_checkpoint
 from tests._slurm import SlurmLab, require_slurm
-from tests._sshd import NetnsLab
+from tests._sshd import ClientKeys, NetnsLab, Sshd
 from tests.cluster.conftest import distrun_processes, json_lines, kill_all
 from tests.conftest import run_cli
 from tests.integration._recipes import EQUIV
@@ -32,6 +32,7 @@ class Bed:
     slurm: SlurmLab
     client_ns: str
     root: Path
+    netns: NetnsLab
 
     def cli(self, *args: str, timeout: float = 180, ns: str | None = None) -> subprocess.CompletedProcess:
         """`distrun ARGS` in the client namespace (or ``ns``), with the lab's SLURM_CONF."""
@@ -58,7 +59,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
     try:
         client_ns, _ = netns.add_node("c", 10)
         lab = SlurmLab(root / "lab", netns, 2)
-        yield Bed(lab, client_ns, root)
+        yield Bed(lab, client_ns, root, netns)
     finally:
         for job in (lab.jobs() if lab else []):
             lab.client(lab.ctl_ns, ["scancel", job.split()[0]], check=False)
@@ -218,3 +219,73 @@ def test_the_exported_sbatch_script_trains_to_one_devices_parameters(bed: Bed, o
     job_dir = bed.root / ".distrun-jobs" / job_id
     assert oct(job_dir.stat().st_mode & 0o777) == "0o700"
     assert distrun_processes(bed.root) == []
+
+
+def test_from_the_laptop_through_the_login_node(bed: Bed, one_device: tuple[Path, dict]) -> None:
+    """The client has no Slurm of its own: every Slurm command runs on the login node over SSH."""
+    login_ns, login_address = bed.netns.add_node("login", 9)
+    keys = ClientKeys(bed.root / "laptop")
+    sshd = Sshd(bed.root / "login-sshd", address=login_address, port=22, netns=login_ns,
+                extra_config=f"SetEnv SLURM_CONF={bed.slurm.conf}\n")
+    sshd.start(keys.authorized_keys)
+    try:
+        keys.known_hosts.write_text(sshd.known_hosts_line())
+        cluster = bed.root / "laptop.yaml"
+        cluster.write_text("\n".join([
+            "name: remote", "scheduler: slurm",
+            f"slurm: {{nodes: 2, login: {{address: {login_address}}}}}",
+            f"ssh: {{user: root, identity_file: {keys.identity}, known_hosts: {keys.known_hosts}, connect_timeout_s: 5}}",
+            f"python: {sys.executable}", f"workdir: '{bed.root / 'work'}'", ""]))
+        laptop_env = {key: value for key, value in bed.slurm.env.items() if key != "SLURM_CONF"}
+
+        def laptop(*args: str) -> subprocess.CompletedProcess:
+            return subprocess.run(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", *args],
+                                  capture_output=True, text=True, timeout=180, cwd=bed.root, env=laptop_env)
+
+        assert subprocess.run(["ip", "netns", "exec", bed.client_ns, "squeue"], env=laptop_env,
+                              capture_output=True).returncode != 0  # no Slurm here: only through the login node
+        up = laptop("up", str(cluster), "--json")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert [row["host"] for row in json.loads(up.stdout)["hosts"]] == ["n1", "n2"]
+        recipe, reference = one_device
+        trained = laptop("train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                         "--checkpoint-dir", str(bed.root / "laptop-ckpt"), "--epochs", "2", "--", "--samples", "99")
+        assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+        _assert_same_model(bed.root / "laptop-ckpt", reference)
+        down = laptop("down", str(cluster), "--json")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert bed.named("distrun-remote") == []
+        assert distrun_processes(bed.root) == []
+    finally:
+        sshd.stop()
+
+
+def test_up_waits_for_a_pending_allocation_and_says_why(bed: Bed) -> None:
+    """Another job holds every node: `up` shows squeue's reason while it waits, then starts the servers."""
+    hog = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", "--exclusive", "--nodes=2", "--job-name=hog",
+                                           "--output=/dev/null", "--wrap=exec sleep 600"]).stdout.strip()
+    deadline = time.monotonic() + 30
+    while not any(line.endswith("RUNNING n[1-2]") for line in bed.named("hog")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    cluster = bed.cluster("waits")
+    up = subprocess.Popen(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", "up",
+                           str(cluster), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          cwd=bed.root, env=bed.slurm.env)
+    try:
+        assert up.stderr is not None
+        said = []
+        for line in up.stderr:
+            said.append(line.strip())
+            if "pending: Resources" in line:
+                break
+        assert said[-1].startswith("slurm: job ") and said[-1].endswith(" pending: Resources"), said
+        bed.slurm.client(bed.client_ns, ["scancel", hog])
+        out, err = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 0, out + err
+    assert [row["status"] for row in json.loads(out)["hosts"]] == ["started", "started"]
+    down = bed.cli("down", str(cluster), "--json")
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert bed.named("distrun-waits") == []
