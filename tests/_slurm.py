@@ -122,7 +122,7 @@ class SlurmLab:
             "SlurmdPort=6818",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.socket}",
+            f"AuthInfo=socket={self.socket},cred_expire=10",  # also how long a requeued job waits
             f"StateSaveLocation={spool / 'ctl'}",
             f"SlurmdSpoolDir={spool}/%n",
             f"SlurmctldPidFile={self.root / 'slurmctld.pid'}",

@@ -14,7 +14,7 @@ from distrun.client import pack
 from distrun.client.cluster_job import training_hosts
 from distrun.client.k8s import K8sJob, job_name, manifests, write
 from distrun.client.slurm_batch import SlurmBatch, sbatch_script
-from distrun.config import Role, StrategyName, load_cluster
+from distrun.config import RecipeKind, Role, StrategyName, inspect_recipe, load_cluster
 from distrun.errors import UsageError
 
 export_app = typer.Typer(help="Describe a job for another scheduler.", no_args_is_help=True)
@@ -72,6 +72,8 @@ def slurm(
     global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Checkpoints go here, on storage every node shares (relative: to the submit directory)."),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps."),
+    requeue: bool = typer.Option(False, "--requeue", help="At Slurm's warning (time limit, preemption) checkpoint, stop and requeue; the requeued job resumes. Needs --checkpoint-dir."),
+    grace_s: int = typer.Option(120, "--grace-s", help="With --requeue: Slurm warns this many seconds before the time limit (--signal=B:USR1@N)."),
     include: list[Path] = typer.Option([], "--include", help="Also bundle this file or folder (inside the recipe's folder)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -91,12 +93,18 @@ def slurm(
     spec = build_spec(recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=name.value,
                       device="cuda" if gpus else "cpu", replicas=nodes * per_node, gpus=nodes * gpus,
                       steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=None,
-                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, preemptible=requeue)
+    if requeue and inspect_recipe(spec.recipe).kind is not RecipeKind.FIT:
+        raise UsageError(f"export slurm --requeue: {recipe} is not a fit-style recipe; distrun checkpoints at "
+                         "Slurm's warning only in the loop it runs (a custom loop or script saves its own)")
+    if not 10 <= grace_s <= 65535:
+        raise UsageError(f"--grace-s: expected 10 to 65535 seconds. Received: {grace_s}")
     if checkpoint_dir is not None:  # the script resolves it on the cluster, not here
         spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir))
     bundle = pack(Path(spec.recipe), include)
     name_of_job = f"distrun-{cluster.name}-{recipe.stem}"[:64]
     out.write_text(sbatch_script(SlurmBatch(cluster=cluster, spec=spec, bundle=bundle, nodes=nodes,
-                                            slots=per_node, job_name=name_of_job)))
+                                            slots=per_node, job_name=name_of_job, requeue=requeue,
+                                            grace_s=grace_s)))
     typer.echo(str(out))
     stderr.print(f"note: {nodes} node(s) of {per_node} rank(s); `sbatch {out}`", markup=False)

@@ -15,6 +15,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
+import signal
 import socket
 import sys
 import tempfile
@@ -28,7 +30,7 @@ from distrun.config import JobSpec
 from distrun.errors import TrainingError, UsageError
 from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
 from distrun.protocol import Event, event_to_dict
-from distrun.protocol.environment import JOB_SECRET_VAR, JOB_SPEC_VAR
+from distrun.protocol.environment import JOB_SECRET_VAR, JOB_SPEC_VAR, PREEMPTED_EXIT_CODE
 from distrun.protocol.secret import parse_job_secret
 from distrun.server._bundle import unpack
 from distrun.server._net import address_to_bind
@@ -47,6 +49,7 @@ def node(
     node_host: str = typer.Option("", "--node-host", help="Each node's address, with {index} for its index (TF_CONFIG); default: --master-addr."),
     node_hosts: str = typer.Option("", "--node-hosts", help="Every node's address, comma-separated, in node order (instead of --node-host)."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Override the spec's checkpoint folder (relative: to where this runs)."),
+    resume_if_any: bool = typer.Option(False, "--resume-if-any", help="Resume from the newest checkpoint in the checkpoint folder if it has one (a requeued job)."),
     run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -67,6 +70,8 @@ def node(
     spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
     if checkpoint_dir is not None:
         spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
+    if resume_if_any and spec.checkpoint_dir and _has_checkpoint(Path(spec.checkpoint_dir)):
+        spec = dataclasses.replace(spec, resume=True)
     hosts = tuple((addresses[i] if addresses else node_host.format(index=i) if node_host else master_addr)
                   for i in range(nnodes) for _ in range(nproc_per_node))
     secret = os.environ.get(JOB_SECRET_VAR, "")
@@ -92,9 +97,27 @@ def node(
         sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
         sys.stdout.flush()
 
-    result = LocalLauncher(worker, emit, listener=listener).run()
+    launcher = LocalLauncher(worker, emit, listener=listener)
+    # Slurm's warning that the job will end (srun hands the batch script's SIGUSR1 on to us).
+    signal.signal(signal.SIGUSR1, lambda *_: launcher.preempt())
+    result = launcher.run()
     if result.state is ProcessState.SUCCEEDED:
         return
+    if result.state is ProcessState.PREEMPTED:
+        stderr.print(f"node {index}: told the job would end; every rank wrote its checkpoint and stopped "
+                     f"(exit {PREEMPTED_EXIT_CODE}: requeue it to resume)", markup=False)
+        raise typer.Exit(PREEMPTED_EXIT_CODE)
     message = failure_message(result.failure)
     stderr.print(f"error: node {index}: {message}", markup=False)
     raise typer.Exit(TrainingError.exit_code)
+
+
+_CHECKPOINT_NAME = re.compile(r"^ckpt-\d+(?:\.pt)?$")
+
+
+def _has_checkpoint(folder: Path) -> bool:
+    """A published checkpoint in ``folder`` (either format; a ``.tmp-`` one is not published)."""
+    try:
+        return any(_CHECKPOINT_NAME.match(entry.name) for entry in folder.iterdir())
+    except OSError:
+        return False

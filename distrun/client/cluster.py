@@ -67,7 +67,8 @@ def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> Cluste
         return report
     label = f"slurm job {cluster.allocation.job_id}"
     if report.ok:
-        progress(label, "ending the allocation")
+        if cluster.allocation.owned:
+            progress(label, "ending the allocation")
         try:
             done = scheduler_for(cluster).release()
             row = HostRow(label, (), HostStatus.STOPPED if done else HostStatus.NOT_RUNNING,

@@ -45,6 +45,11 @@ class SlurmBatch:
     nodes: int  # nodes the job runs on (one for the single-host strategies)
     slots: int  # ranks per node
     job_name: str
+    #: ``--requeue``: Slurm warns the script ``grace_s`` before the time limit (SIGUSR1); the
+    #: ranks checkpoint at an agreed step and stop, and the script requeues the job, which
+    #: resumes from that checkpoint.
+    requeue: bool = False
+    grace_s: int = 120
 
 
 def sbatch_script(batch: SlurmBatch) -> str:
@@ -57,6 +62,8 @@ def sbatch_script(batch: SlurmBatch) -> str:
                          f"at most {MAX_BUNDLE_BYTES // 2**20} MiB of it (leave data out of the recipe's folder)")
     directives = [f"#SBATCH --job-name={batch.job_name}", "#SBATCH --output=%x-%j.out", "#SBATCH --open-mode=append",
                   *(f"#SBATCH {_directive(arg)}" for arg in replace(slurm, nodes=batch.nodes).sbatch_args())]
+    if batch.requeue:
+        directives += ["#SBATCH --requeue", f"#SBATCH --signal=B:USR1@{batch.grace_s}"]
     python = shlex.quote(slurm.python)
     setup = "\n".join(f"srun --ntasks-per-node=1 sh -c {shlex.quote(command)}" for command in cluster.setup)
     env = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(cluster.env.items()))
@@ -66,6 +73,8 @@ def sbatch_script(batch: SlurmBatch) -> str:
             "--nproc-per-node", str(batch.slots), "--master-addr", "$master", "--master-port", "$port",
             "--node-hosts", "$hosts", "--run-id", "$SLURM_JOB_ID", *checkpoint]
     node_line = " ".join(_shell_word(word) for word in node)
+    step = f"srun --nodes={batch.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {node_line}"
+    launch = [step] if not batch.requeue else _REQUEUE.format(step=step).splitlines()
     payload = "\n".join(textwrap.wrap(base64.b64encode(bundle.data).decode(), 76))
     return "\n".join([
         "#!/bin/bash",
@@ -91,9 +100,29 @@ def sbatch_script(batch: SlurmBatch) -> str:
         "print(new_job_secret())')",
         f"export {JOB_SECRET_VAR}  # to the ranks through srun's environment, never a command line",
         "export PYTHONUNBUFFERED=1",
-        f"srun --nodes={batch.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {node_line}",
+        *launch,
         "",
     ])
+
+
+#: The run under ``--requeue``: a requeued run resumes; Slurm's SIGUSR1 goes on to every node's
+#: ``distrun node`` (srun hands it on); exit 75 means every rank checkpointed, so requeue.
+_REQUEUE = """\
+resume=""
+step=""
+if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then resume="--resume-if-any"; fi
+set +e
+signalled=0
+trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1
+{step} ${{resume:+"$resume"}} &
+step=$!
+while :; do signalled=0; wait "$step"; code=$?; [ "$signalled" = 1 ] || break; done
+if [ "$code" -eq 75 ]; then
+  echo "distrun: every rank checkpointed at Slurm's warning; requeueing job $SLURM_JOB_ID" >&2
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$code"
+"""
 
 
 def _directive(arg: str) -> str:

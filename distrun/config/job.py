@@ -132,6 +132,9 @@ class JobSpec:
     data_workers: int = 0
     #: ``--clip-grad-norm MAX``: the gradients' global norm clipped to MAX before each step.
     clip_grad_norm: float | None = None
+    #: SIGUSR1 to a rank (Slurm's warning before a time limit or a preemption) asks the job to
+    #: write a checkpoint at a step every replica agrees on, then stop (exit 75) to be requeued.
+    preemptible: bool = False
 
     @property
     def elastic(self) -> bool:
@@ -219,6 +222,7 @@ def _validate(spec: JobSpec) -> None:
     _validate_allreduce(spec)
     _validate_elastic(spec)
     _validate_sharded(spec)
+    _validate_preemptible(spec)
     if spec.on_nonfinite not in ("stop", "skip", "warn"):
         raise ConfigError(f"--on-nonfinite: expected stop, skip or warn. Received: {spec.on_nonfinite!r}"
                           f"{did_you_mean(str(spec.on_nonfinite), ('stop', 'skip', 'warn'))}")
@@ -342,6 +346,18 @@ def _validate_sharded(spec: JobSpec) -> None:
         raise ConfigError(f"{refused[0][0]} with --strategy sharded: {refused[0][1]}")
     if spec.async_checkpoint and not spec.checkpoint_dir:
         raise ConfigError("--async-checkpoint needs --checkpoint-dir")
+
+
+def _validate_preemptible(spec: JobSpec) -> None:
+    """A job that checkpoints when told it will end: the checkpoint needs somewhere to go, and the
+    replicas need to agree on a step (parameter-server workers never agree on one)."""
+    if not spec.preemptible:
+        return
+    if not spec.checkpoint_dir:
+        raise ConfigError("--requeue needs --checkpoint-dir (on storage every node shares): the job resumes from it")
+    if spec.strategy is StrategyName.PARAMETER_SERVER or spec.elastic:
+        what = "--elastic" if spec.elastic else "--strategy parameter-server"
+        raise ConfigError(f"--requeue with {what}: its replicas never agree on one step to checkpoint at")
 
 
 def _validate_elastic(spec: JobSpec) -> None:

@@ -25,6 +25,7 @@ class ProcessState(str, Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"  # stopped by request (Ctrl-C, cancel) or because a peer failed
+    PREEMPTED = "preempted"  # told the job would end: every rank checkpointed and stopped (exit 75)
 
 
 @dataclass(frozen=True)

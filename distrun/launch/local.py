@@ -19,6 +19,9 @@ Guarantees (each held by a test):
   launcher leaves no orphans;
 * the first failure is the root cause: a primary failure beats a ``peer-lost``
   one, and among equals the earliest wins;
+* ``preempt()`` (a scheduler's warning that the job will end) hands SIGUSR1 to each rank
+  alone, not its group (a DataLoader worker would die of it); ranks that then exit with
+  ``PREEMPTED_EXIT_CODE`` (checkpoint written) stop no one, and the run ends ``preempted``;
 * ``--elastic``: an agent process beside the ranks hosts the rendezvous store, which
   outlives every rank (``launch/_agent``). A rank that dies without saying why (a
   signal) stops no one: the agent marks it lost, the others form a new group, and it is
@@ -50,6 +53,7 @@ from distrun.protocol.environment import (
     INCARNATION_VAR,
     JOB_SECRET_VAR,
     PARENT_PID_VAR,
+    PREEMPTED_EXIT_CODE,
     STORE_FD_VAR,
     STORE_ROLE_VAR,
 )
@@ -121,6 +125,9 @@ class LocalLauncher:
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
         self._agent: ElasticAgent | None = None  # --elastic: hosts the store (or is its client), tells of deaths
         self._lose: list[tuple[int, str]] = []  # --elastic: (rank, why) to kill as lost, from any thread
+        self._preempt_requested = threading.Event()
+        self._preempt_sent = False
+        self._preempted: set[int] = set()  # ranks that checkpointed and stopped to be requeued
 
     # -- public ---------------------------------------------------------------
 
@@ -147,6 +154,11 @@ class LocalLauncher:
         if not self._stop_requested.is_set():
             self._stop_reason = reason
             self._stop_requested.set()
+
+    def preempt(self) -> None:
+        """The job will end soon (Slurm's SIGUSR1): ranks checkpoint at an agreed step and stop.
+        Safe from a signal handler: the supervising loop does the signalling."""
+        self._preempt_requested.set()
 
     def lose_rank(self, rank: int, why: str) -> None:
         """``--elastic``: kill ``rank`` as lost (a hung rank): the others go on, and it is started again.
@@ -280,6 +292,7 @@ class LocalLauncher:
         while True:
             self._pump(_TICK_S)
             self._kill_lost()
+            self._pass_on_preempt()
             self._poll_exits()
             running = [p for p in self._procs if p.returncode is None]
             if stopping_since is None:
@@ -291,6 +304,8 @@ class LocalLauncher:
                     stopping_since = time.monotonic()
                     self._kill_all(signal.SIGTERM)
             if not running:
+                if state is None and self._preempted:
+                    return ProcessState.PREEMPTED
                 return state if state is not None else ProcessState.SUCCEEDED
             if stopping_since is not None and time.monotonic() - stopping_since > self._spec.stop_grace_s:
                 self._kill_all(signal.SIGKILL)
@@ -339,7 +354,9 @@ class LocalLauncher:
             self._drain_proc(proc, deadline=time.monotonic() + 0.5)
             now = time.time()
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
-            if rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
+            if rc == PREEMPTED_EXIT_CODE and not proc.signalled:
+                self._preempted.add(proc.rank)  # it checkpointed with the others: not a failure
+            elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 self._respawn(proc)
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
@@ -352,6 +369,17 @@ class LocalLauncher:
                     Failed(rank=proc.rank, time=now, kind="exited",
                            message=getattr(proc.popen, "lost_reason", None) or _describe_exit(rc))
                 )
+
+    def _pass_on_preempt(self) -> None:
+        if self._preempt_sent or not self._preempt_requested.is_set():
+            return
+        self._preempt_sent = True
+        for proc in self._procs:
+            if proc.returncode is None:
+                try:
+                    os.kill(proc.popen.pid, signal.SIGUSR1)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def _kill_lost(self) -> None:
         while self._lose and self._spec.elastic:

@@ -16,3 +16,9 @@ ELASTIC_JOINER_VAR = "DISTRUN_ELASTIC_JOINER"  # --elastic: this rank was starte
 CACHE_DIR_VAR = "DISTRUN_CACHE_DIR"  # a worker server's per-host cache folder (compiled kernels)
 JOB_SECRET_VAR = "DISTRUN_JOB_SECRET"  # the job's 256-bit secret (hex): the data plane's key (docs/security.md)
 CHIEF_ADDR_VAR = "DISTRUN_CHIEF_ADDR"  # the chief host's cluster address (MASTER_ADDR is the loopback store relay)
+
+#: A rank's exit code after it wrote a checkpoint and stopped because it was told the job would
+#: end (SIGUSR1: Slurm's warning before a time limit or a preemption). BSD's EX_TEMPFAIL: try again.
+PREEMPTED_EXIT_CODE = 75
+#: The signal that tells a ``preemptible`` job's ranks to checkpoint and stop (signal.SIGUSR1).
+PREEMPT_SIGNAL_NAME = "SIGUSR1"

@@ -20,6 +20,7 @@ from distrun.errors import RecipeError
 from distrun.runtime._flops import peak_flops
 from distrun.runtime._move import to_device
 from distrun.runtime._nonfinite import NonFiniteGuard
+from distrun.runtime._preempt import Preempted, PreemptWatch
 from distrun.runtime._reporter import EventReporter
 from distrun.strategies import InputContext, MembershipSwitch, Strategy
 
@@ -90,6 +91,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     device = strategy.device
 
     guard = NonFiniteGuard(spec.on_nonfinite, strategy)
+    preempt = PreemptWatch(spec.preemptible)
     reporter.learning_rate = lambda: optimizer.param_groups[0]["lr"]  # --tensorboard's train/learning_rate
 
     def train_step(batch: Any) -> torch.Tensor:
@@ -149,6 +151,11 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
                 if finished():
                     break
+                if preempt.agreed(strategy):  # the job will end: checkpoint this step, stop to be requeued
+                    if ckpt_dir and last_saved != strategy.step:
+                        strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+                    strategy.wait_for_checkpoint()
+                    raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
             epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
             if epoch_done and eval_source is not None and strategy.evaluates:
                 eval_due = epoch

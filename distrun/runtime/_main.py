@@ -17,7 +17,7 @@ from typing import Any
 
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
-from distrun.protocol import Done, Eval, Started
+from distrun.protocol import Done, Eval, Output, Started
 from distrun.protocol.secret import job_secret_from
 from distrun.protocol.environment import (
     CACHE_DIR_VAR,
@@ -26,9 +26,11 @@ from distrun.protocol.environment import (
     EVAL_CHECKPOINT_VAR,
     INCARNATION_VAR,
     JOB_SPEC_VAR,
+    PREEMPTED_EXIT_CODE,
 )
 from distrun.runtime._failure import describe_failure
 from distrun.runtime._heartbeat import start_heartbeat
+from distrun.runtime._preempt import Preempted, install_preempt_handler
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
 from distrun.runtime._error_file import prepare_error_file, recorded_failure, remove_error_file
 from distrun.runtime._recipe import load_module, prepare_sys_path
@@ -46,6 +48,8 @@ def main() -> None:
     phase = "setup"
     reporter: EventReporter | None = None
     error_file = prepare_error_file(launch.rank)
+    if spec.preemptible:
+        install_preempt_handler()
     try:
         info = inspect_recipe(spec.recipe)
         ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas
@@ -133,6 +137,12 @@ def main() -> None:
             _exit(0)
         if isinstance(exc, KeyboardInterrupt):
             os._exit(130)
+        if isinstance(exc, Preempted):  # every replica agreed on the step; its checkpoint is written
+            writer.emit(Output(rank=launch.rank, time=time.time(), stream="stderr",
+                               line=f"[distrun] told the job will end: {exc}, exit {PREEMPTED_EXIT_CODE}"))
+            if spec.strategy.collective:
+                _leave_together(launch, store)
+            _exit(PREEMPTED_EXIT_CODE)
         step = reporter.current_step + 1 if reporter is not None else None
         # A script that exits with a child's code: the child's @record says why, not "SystemExit: 1".
         recorded = recorded_failure(error_file, rank=launch.rank, step=step) if isinstance(exc, SystemExit) else None

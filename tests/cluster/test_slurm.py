@@ -289,3 +289,51 @@ def test_up_waits_for_a_pending_allocation_and_says_why(bed: Bed) -> None:
     down = bed.cli("down", str(cluster), "--json")
     assert down.returncode == 0, down.stdout + down.stderr
     assert bed.named("distrun-waits") == []
+
+
+def test_a_requeued_job_resumes_from_the_checkpoint_it_wrote_at_slurms_warning(
+        bed: Bed, one_device: tuple[Path, dict]) -> None:
+    """Slurm warns the batch script (what --signal=B:USR1@N does before the time limit): every rank
+    checkpoints at one agreed step and stops, the script requeues the job, and the requeued run
+    resumes there and ends with one device's parameters."""
+    cluster = bed.cluster("pre")
+    _, reference = one_device
+    recipe = bed.root / "slow" / "equiv.py"
+    recipe.parent.mkdir(exist_ok=True)
+    recipe.write_text(EQUIV.replace("def loss(outputs, batch):",
+                                    "def loss(outputs, batch):\n    import time; time.sleep(0.3)"))
+    script = bed.root / "requeue.sbatch"
+    written = run_cli("export", "slurm", str(cluster), str(recipe), "--strategy", "multi-worker", "--epochs", "2",
+                      "--checkpoint-dir", "requeue-ckpt", "--requeue", "--grace-s", "60",
+                      "-o", str(script), "--", "--samples", "99")
+    assert written.returncode == 0, written.stderr
+    assert "#SBATCH --requeue\n#SBATCH --signal=B:USR1@60\n" in script.read_text()
+    job_id = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", str(script)], cwd=bed.root).stdout.strip()
+    log = bed.root / f"distrun-pre-equiv-{job_id}.out"
+
+    def events() -> list[dict]:
+        text = log.read_text() if log.exists() else ""
+        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+    deadline = time.monotonic() + 60
+    while not any(e["type"] == "step" and e["step"] >= 4 for e in events()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    seen = max(e["step"] for e in events() if e["type"] == "step")
+    bed.slurm.client(bed.client_ns, ["scancel", "--batch", "--signal=USR1", job_id])
+    deadline = time.monotonic() + 150
+    while bed.named("distrun-pre-equiv") and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not bed.named("distrun-pre-equiv"), log.read_text()[-3000:]
+    text = log.read_text()
+    assert f"requeueing job {job_id}" in text, text[-3000:]
+    everything = events()
+    saved = [e["step"] for e in everything if e["type"] == "checkpoint"]
+    stopped_at = saved[0]
+    assert seen <= stopped_at <= seen + 3, (seen, saved)  # the steps between the warning and the stop
+    assert saved[-1] == 14
+    starts = [e for e in everything if e["type"] == "started"]
+    assert len(starts) == 4  # two ranks, twice: the first run and the requeued one
+    resumed = [e["step"] for e in everything[everything.index(starts[2]):] if e["type"] == "step"]
+    assert resumed[0] == stopped_at + 1, resumed  # no step lost, none done twice
+    _assert_same_model(bed.root / "requeue-ckpt", reference)
+    assert distrun_processes(bed.root) == []
