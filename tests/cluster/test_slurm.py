@@ -114,6 +114,16 @@ def test_up_train_down_on_an_allocation(bed: Bed, one_device: tuple[Path, dict])
     results = next(line for line in lines if line.get("type") == "results")
     assert Path(results["checkpoint"]).read_bytes() == latest_checkpoint(bed.root / "mw").read_bytes()
 
+    # The other commands work unchanged on the allocation's nodes.
+    job = lines[0]["job"]
+    listed = bed.cli("jobs", "--cluster", str(cluster), "--json")
+    assert listed.returncode == 0 and json.loads(listed.stdout.splitlines()[0])["job"] == job, listed.stderr
+    logs = bed.cli("logs", job, "--cluster", str(cluster))
+    assert logs.returncode == 0 and "rank 1: " in logs.stdout, logs.stdout[-2000:] + logs.stderr  # from n2
+    doctor = bed.cli("doctor", str(cluster), "--json")
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert [json.loads(line)["host"] for line in doctor.stdout.splitlines()] == ["n1", "n2"]
+
     down = bed.cli("down", str(cluster), "--json")
     assert down.returncode == 0, down.stdout + down.stderr
     rows = json.loads(down.stdout)["hosts"]
