@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import typer
 from rich.console import Console
@@ -116,7 +118,14 @@ def up(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Start a worker server on every host (SSH, or a Slurm allocation's nodes); healthy servers are kept, dead or stale ones replaced."""
+    # SIGTERM or a closed terminal while a Slurm request is pending: withdraw it, as Ctrl-C does.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _interrupt)
     _run(cluster_file, json_output, cluster_up, run_setup=setup)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command()

@@ -4,6 +4,7 @@ or as an sbatch script (docs/slurm.md), for users who submit jobs themselves."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import typer
@@ -103,8 +104,12 @@ def slurm(
         spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir))
     bundle = pack(Path(spec.recipe), include)
     name_of_job = f"distrun-{cluster.name}-{recipe.stem}"[:64]
-    out.write_text(sbatch_script(SlurmBatch(cluster=cluster, spec=spec, bundle=bundle, nodes=nodes,
-                                            slots=per_node, job_name=name_of_job, requeue=requeue,
-                                            grace_s=grace_s)))
+    script = sbatch_script(SlurmBatch(cluster=cluster, spec=spec, bundle=bundle, nodes=nodes, slots=per_node,
+                                      job_name=name_of_job, requeue=requeue, grace_s=grace_s))
+    # 0600: the script holds the code, the recipe's arguments and the cluster file's env:.
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_TRUNC
+    with os.fdopen(fd, "w") as handle:
+        handle.write(script)
     typer.echo(str(out))
     stderr.print(f"note: {nodes} node(s) of {per_node} rank(s); `sbatch {out}`", markup=False)

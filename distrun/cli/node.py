@@ -50,10 +50,13 @@ def node(
     node_hosts: str = typer.Option("", "--node-hosts", help="Every node's address, comma-separated, in node order (instead of --node-host)."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Override the spec's checkpoint folder (relative: to where this runs)."),
     resume_if_any: bool = typer.Option(False, "--resume-if-any", help="Resume from the newest checkpoint in the checkpoint folder if it has one (a requeued job)."),
+    preempted_file: Path | None = typer.Option(None, "--preempted-file", help="Write this file when every rank checkpointed and stopped on SIGUSR1 (before exiting 75)."),
     run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Run one node's ranks of a job (the pod entrypoint of `distrun export k8s`)."""
+    """Run one node's ranks of a job (the pod entrypoint of `distrun export k8s`, the srun task of `export slurm`)."""
+    warned = []  # Slurm's warning may come before the launcher exists: kept, handed on at once
+    signal.signal(signal.SIGUSR1, lambda *_: warned.append(True))
     index = node_rank if node_rank is not None else int(
         os.environ.get("JOB_COMPLETION_INDEX", os.environ.get("SLURM_NODEID", "-1")))
     if not 0 <= index < nnodes:
@@ -100,10 +103,14 @@ def node(
     launcher = LocalLauncher(worker, emit, listener=listener)
     # Slurm's warning that the job will end (srun hands the batch script's SIGUSR1 on to us).
     signal.signal(signal.SIGUSR1, lambda *_: launcher.preempt())
+    if warned:
+        launcher.preempt()
     result = launcher.run()
     if result.state is ProcessState.SUCCEEDED:
         return
     if result.state is ProcessState.PREEMPTED:
+        if preempted_file is not None:
+            preempted_file.write_text(f"node {index}\n")
         stderr.print(f"node {index}: told the job would end; every rank wrote its checkpoint and stopped "
                      f"(exit {PREEMPTED_EXIT_CODE}: requeue it to resume)", markup=False)
         raise typer.Exit(PREEMPTED_EXIT_CODE)

@@ -35,17 +35,28 @@ class AllocationWatch:
 
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_INTERVAL_S):
-            reason = self._scheduler.ended()
+            try:
+                reason = self._scheduler.ended()
+            except Exception:  # noqa: BLE001 - a failed look (paramiko, a busy slurmctld) is no verdict
+                continue
             if reason is not None:
                 self.reason = reason
                 self._on_end(reason)
                 return
 
     def check(self) -> str | None:
-        """Ask now (the job just lost its hosts); the reason is kept as if the watch had seen it."""
-        if self.reason is None:
-            self.reason = self._scheduler.ended()
+        """Ask now (the job just lost its hosts; call after ``stop()``); the reason is kept as if
+        the watch had seen it."""
+        try:
+            if self.reason is None:
+                self.reason = self._scheduler.ended()
+        except Exception:  # noqa: BLE001 - as in the watch: no verdict
+            pass
+        finally:
+            self._scheduler.close()
         return self.reason
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=15.0)  # a look in flight ends within squeue's timeout
+        self._scheduler.close()

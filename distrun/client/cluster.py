@@ -57,27 +57,39 @@ def cluster_status(cluster: ClusterSpec, *, progress: Progress = _quiet) -> Clus
 
 
 def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
-    """Stop every server and check each host; then give back the allocation ``up`` asked for, if any."""
+    """Stop every server and check each host; then give back the allocation ``up`` asked for, if any
+    (whatever its state: a request still pending must not start later and hold nodes)."""
     try:
-        cluster = resolve(cluster, progress=progress)
-    except HostError as exc:
-        return _no_hosts(cluster, "down", exc)
-    report = _each_host(cluster, "down", lambda host: _HostOps(cluster, host, progress).down())
-    if cluster.allocation is None:
+        resolved = resolve(cluster, progress=progress)
+    except HostError as exc:  # no allocation, or one still pending: nothing runs on it yet
+        if cluster.slurm is None:
+            return _no_hosts(cluster, "down", exc)
+        released = _released(cluster, ClusterReport(cluster=cluster.name, command="down", rows=()), progress)
+        return released if released.rows else _no_hosts(cluster, "down", exc)
+    report = _each_host(resolved, "down", lambda host: _HostOps(resolved, host, progress).down())
+    if resolved.allocation is None:
         return report
-    label = f"slurm job {cluster.allocation.job_id}"
-    if report.ok:
-        if cluster.allocation.owned:
-            progress(label, "ending the allocation")
-        try:
-            done = scheduler_for(cluster).release()
-            row = HostRow(label, (), HostStatus.STOPPED if done else HostStatus.NOT_RUNNING,
-                          message=done or "the allocation is the caller's own (SLURM_JOB_ID): left running")
-        except HostError as exc:
-            row = HostRow(label, (), HostStatus.ERROR, message=exc.reason, exit_code=exc.exit_code)
-    else:  # a host still runs something of distrun's: keep the allocation so it can be looked at
-        row = HostRow(label, (), HostStatus.ERROR, message="kept: a host was not clean",
-                      exit_code=HostError.exit_code)
+    if not resolved.allocation.owned:
+        row = HostRow(f"slurm job {resolved.allocation.job_id}", (), HostStatus.NOT_RUNNING,
+                      message="the allocation is the caller's own (SLURM_JOB_ID): left running")
+        return ClusterReport(cluster=report.cluster, command="down", rows=(*report.rows, row))
+    # Also when a host was not clean: ending the allocation is how Slurm ends what is left there.
+    return _released(resolved, report, progress)
+
+
+def _released(cluster: ClusterSpec, report: ClusterReport, progress: Progress) -> ClusterReport:
+    """``report`` with a row for distrun's allocation, ended (scancel) and gone from squeue."""
+    label = f"slurm job {cluster.allocation.job_id}" if cluster.allocation else "slurm"
+    progress(label, "ending the allocation")
+    try:
+        done = scheduler_for(cluster).release()
+    except HostError as exc:
+        row = HostRow(label, (), HostStatus.ERROR, message=exc.reason, exit_code=exc.exit_code)
+    else:
+        if done is None and cluster.allocation is None:
+            return report  # nothing was there: the "no allocation" row says so
+        row = HostRow(label, (), HostStatus.STOPPED if done else HostStatus.NOT_RUNNING,
+                      message=done or "no allocation of distrun's was left")
     return ClusterReport(cluster=report.cluster, command="down", rows=(*report.rows, row))
 
 

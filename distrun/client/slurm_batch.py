@@ -32,7 +32,7 @@ __all__ = ["SlurmBatch", "sbatch_script", "BASE_PORT"]
 
 #: Node 0's rendezvous port is BASE_PORT + job id % PORT_SPREAD: two jobs on one node differ.
 BASE_PORT = 20000
-PORT_SPREAD = 20000
+PORT_SPREAD = 10000  # ports 20000-29999: below Linux's ephemeral range (32768 and up)
 #: sbatch refuses scripts above 4 MiB by default (max_script_size); base64 grows the bundle by a third.
 MAX_BUNDLE_BYTES = 2 * 1024 * 1024
 
@@ -60,7 +60,8 @@ def sbatch_script(batch: SlurmBatch) -> str:
     if bundle.size_bytes > MAX_BUNDLE_BYTES:
         raise UsageError(f"export slurm: the bundle is {bundle.size_bytes / 2**20:.1f} MiB; an sbatch script holds "
                          f"at most {MAX_BUNDLE_BYTES // 2**20} MiB of it (leave data out of the recipe's folder)")
-    directives = [f"#SBATCH --job-name={batch.job_name}", "#SBATCH --output=%x-%j.out", "#SBATCH --open-mode=append",
+    directives = [f"#SBATCH {_directive('--job-name=' + batch.job_name)}", "#SBATCH --output=%x-%j.out",
+                  "#SBATCH --open-mode=append",
                   *(f"#SBATCH {_directive(arg)}" for arg in replace(slurm, nodes=batch.nodes).sbatch_args())]
     if batch.requeue:
         directives += ["#SBATCH --requeue", f"#SBATCH --signal=B:USR1@{batch.grace_s}"]
@@ -68,21 +69,24 @@ def sbatch_script(batch: SlurmBatch) -> str:
     setup = "\n".join(f"srun --ntasks-per-node=1 sh -c {shlex.quote(command)}" for command in cluster.setup)
     env = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(cluster.env.items()))
     checkpoint = ["--checkpoint-dir", spec.checkpoint_dir] if spec.checkpoint_dir else []
-    node = [slurm.python, "-m", "distrun", "node", "--bundle", "$job_dir/bundle.tar.gz", "--spec",
-            "$job_dir/spec.json", "--recipe", bundle.recipe, "--nnodes", str(batch.nodes),
-            "--nproc-per-node", str(batch.slots), "--master-addr", "$master", "--master-port", "$port",
-            "--node-hosts", "$hosts", "--run-id", "$SLURM_JOB_ID", *checkpoint]
-    node_line = " ".join(_shell_word(word) for word in node)
+    requeue = ["--preempted-file", _Var("job_dir", "/preempted")] if batch.requeue else []
+    node: list[str | _Var] = [
+        slurm.python, "-m", "distrun", "node", "--bundle", _Var("job_dir", "/bundle.tar.gz"),
+        "--spec", _Var("job_dir", "/spec.json"), "--recipe", bundle.recipe, "--nnodes", str(batch.nodes),
+        "--nproc-per-node", str(batch.slots), "--master-addr", _Var("master"), "--master-port", _Var("port"),
+        "--node-hosts", _Var("hosts"), "--run-id", _Var("SLURM_JOB_ID"), *checkpoint, *requeue]
+    node_line = " ".join(word.shell() if isinstance(word, _Var) else shlex.quote(word) for word in node)
     step = f"srun --nodes={batch.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {node_line}"
     launch = [step] if not batch.requeue else _REQUEUE.format(step=step).splitlines()
     payload = "\n".join(textwrap.wrap(base64.b64encode(bundle.data).decode(), 76))
     return "\n".join([
         "#!/bin/bash",
         *directives,
-        f"# Written by `distrun export slurm` (distrun {__version__}): {bundle.recipe} under --strategy "
+        f"# Written by `distrun export slurm` (distrun {__version__}): {bundle.recipe!r} under --strategy "
         f"{spec.strategy.value}, {batch.slots} rank(s) per node. Submit with `sbatch FILE`.",
         "set -euo pipefail",
         "umask 077",
+        *(_WARNED if batch.requeue else []),
         'job_dir="$SLURM_SUBMIT_DIR/.distrun-jobs/$SLURM_JOB_ID"  # shared with every node',
         'mkdir -p "$job_dir"',
         "base64 -d > \"$job_dir/bundle.tar.gz\" <<'DISTRUN_BUNDLE'",
@@ -105,21 +109,43 @@ def sbatch_script(batch: SlurmBatch) -> str:
     ])
 
 
+@dataclass(frozen=True)
+class _Var:
+    """A variable the script itself sets (``$job_dir``), expanded in double quotes; any other word
+    (paths, the recipe's name) is a literal for ``shlex.quote``, so nothing of the user's expands."""
+
+    name: str
+    suffix: str = ""
+
+    def shell(self) -> str:
+        return f'"${{{self.name}}}"{shlex.quote(self.suffix) if self.suffix else ""}'
+
+
+#: Under ``--requeue``, before anything else: Slurm's warning may come while the bundle is being
+#: written or setup runs; it is noted, and handed on once the step runs.
+_WARNED = [
+    'warned=0; signalled=0; step=""',
+    'trap \'warned=1; signalled=1; [ -z "$step" ] || kill -USR1 "$step" 2>/dev/null\' USR1',
+]
+
 #: The run under ``--requeue``: a requeued run resumes; Slurm's SIGUSR1 goes on to every node's
-#: ``distrun node`` (srun hands it on); exit 75 means every rank checkpointed, so requeue.
+#: ``distrun node`` (srun hands it on). A node whose ranks checkpointed and stopped writes
+#: ``$job_dir/preempted`` before it exits 75; the ranks exit only after every rank's part of the
+#: checkpoint is written, so the first such file means the checkpoint is whole, even when srun
+#: (``--kill-on-bad-exit``) then ends the other nodes before they say so.
 _REQUEUE = """\
+rm -f "$job_dir/preempted"
 resume=""
-step=""
 if [ "${{SLURM_RESTART_COUNT:-0}}" -gt 0 ]; then resume="--resume-if-any"; fi
 set +e
-signalled=0
-trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1
 {step} ${{resume:+"$resume"}} &
 step=$!
+if [ "$warned" = 1 ]; then kill -USR1 "$step" 2>/dev/null; fi
 while :; do signalled=0; wait "$step"; code=$?; [ "$signalled" = 1 ] || break; done
-if [ "$code" -eq 75 ]; then
+if [ -e "$job_dir/preempted" ]; then
   echo "distrun: every rank checkpointed at Slurm's warning; requeueing job $SLURM_JOB_ID" >&2
   scontrol requeue "$SLURM_JOB_ID"
+  exit 0
 fi
 exit "$code"
 """
@@ -131,11 +157,3 @@ def _directive(arg: str) -> str:
     if not any(c.isspace() or c in '"\\' for c in arg):
         return arg
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _shell_word(word: str) -> str:
-    """Quote a word, but let ``$VAR`` references the script itself sets expand (in double quotes)."""
-    if word.startswith("$"):
-        name, _, rest = word[1:].partition("/")
-        return f'"${{{name}}}{"/" + rest if rest else ""}"'
-    return shlex.quote(word)

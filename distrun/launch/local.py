@@ -21,7 +21,8 @@ Guarantees (each held by a test):
   one, and among equals the earliest wins;
 * ``preempt()`` (a scheduler's warning that the job will end) hands SIGUSR1 to each rank
   alone, not its group (a DataLoader worker would die of it); ranks that then exit with
-  ``PREEMPTED_EXIT_CODE`` (checkpoint written) stop no one, and the run ends ``preempted``;
+  ``PREEMPTED_EXIT_CODE`` (checkpoint written) stop no one, and the run ends ``preempted``.
+  Exit 75 from a rank nobody told is a failure like any other;
 * ``--elastic``: an agent process beside the ranks hosts the rendezvous store, which
   outlives every rank (``launch/_agent``). A rank that dies without saying why (a
   signal) stops no one: the agent marks it lost, the others form a new group, and it is
@@ -354,8 +355,8 @@ class LocalLauncher:
             self._drain_proc(proc, deadline=time.monotonic() + 0.5)
             now = time.time()
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
-            if rc == PREEMPTED_EXIT_CODE and not proc.signalled:
-                self._preempted.add(proc.rank)  # it checkpointed with the others: not a failure
+            if rc == PREEMPTED_EXIT_CODE and self._preempt_sent and not proc.signalled:
+                self._preempted.add(proc.rank)  # told to, it checkpointed with the others: not a failure
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 self._respawn(proc)
             elif (rc != 0 and not proc.signalled and self._spec.elastic

@@ -72,8 +72,12 @@ class CommandStream:
         try:
             self._proc.wait(timeout=_EXIT_WAIT_S)
         except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+            self._proc.terminate()  # srun ends its step on SIGTERM; a SIGKILLed srun cannot
+            try:
+                self._proc.wait(timeout=_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         self._reader.join(1.0)
         if self._proc.stderr is not None and not self._reader.is_alive():
             self._proc.stderr.close()

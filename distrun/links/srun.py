@@ -32,6 +32,32 @@ _GONE = re.compile(r"Invalid job id|Unable to confirm allocation|Job has expired
 #: srun's own report of a task's exit: the task's last line says more.
 _TASK_EXIT = re.compile(r"^srun: error: \S+: task \d+: (?:Exited with exit code \d+|Killed)\s*$")
 
+#: Starts a step detached from the command that starts it: its stdin (a configuration) goes
+#: in through a file unlinked once open, so it never shows in ps; the step's first line of
+#: output that says ``"ready"`` or ``"error"`` (the worker server's ready message) comes
+#: back; the step goes on in a session of its own after this command returns. A step that
+#: neither answers nor ends within $LIMIT ticks of 0.05 s is ended.
+_DETACH = r"""
+umask 077
+conf=$(mktemp) && out=$(mktemp) || exit 1
+cat >"$conf"
+exec 3<"$conf"
+rm -f -- "$conf"
+setsid "$@" <&3 >"$out" 2>&1 &
+pid=$!
+exec 3<&-
+n=0
+while kill -0 "$pid" 2>/dev/null && ! grep -qE '"(port|error)"' "$out" && [ "$n" -lt "$LIMIT" ]; do
+  sleep 0.05; n=$((n + 1))
+done
+said=$(cat -- "$out")
+rm -f -- "$out"
+printf '%s\n' "$said"
+case "$said" in *'"port"'*) kill -0 "$pid" 2>/dev/null && exit 0 ;; esac
+kill "$pid" 2>/dev/null
+exit 1
+"""
+
 
 def srun_argv(job_id: str, node: str, argv: Sequence[str], *, step_name: str = "distrun",
               whole: bool = False) -> list[str]:
@@ -89,6 +115,17 @@ class SrunLink:
         result = self.run_raw(["sh", "-c", script, "sh", tmp, path], stdin=data, timeout_s=600.0)
         if result.exited != 0:
             raise HostError(self.label, f"cannot write {path}: {result.text().last_line()}")
+
+    def start_detached(self, argv: Sequence[str], *, stdin: bytes, step_name: str, timeout_s: float) -> Result:
+        """``argv`` as a step of its own on the node (``--whole``: all the job holds there) that
+        outlives this call, held by an ``srun`` in a session of its own where Slurm's commands
+        run. A step's processes end with the step, so a long-lived process (the worker
+        server) must be a step, not a daemon a short step leaves behind. The result's stdout
+        is the step's first line that says ``"port"`` or ``"error"``."""
+        step = srun_argv(self.job_id, self.node, argv, step_name=step_name, whole=True)
+        ticks = str(max(1, int(timeout_s / 0.05)))
+        return self.runner.run_raw(["env", f"LIMIT={ticks}", "sh", "-c", _DETACH, "sh", *step], stdin=stdin,
+                                   timeout_s=timeout_s + 30).text()
 
     def open_command(self, argv: Sequence[str]) -> Stream:
         return self.runner.open_command(srun_argv(self.job_id, self.node, argv))

@@ -155,6 +155,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     if ckpt_dir and last_saved != strategy.step:
                         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
                     strategy.wait_for_checkpoint()
+                    strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
             epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
             if epoch_done and eval_source is not None and strategy.evaluates:

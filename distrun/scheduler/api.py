@@ -50,6 +50,10 @@ class Scheduler(Protocol):
         (a Slurm allocation cancelled, out of time, a node failed). Asked about once a second."""
         ...
 
+    def close(self) -> None:
+        """Close what ``ended()`` kept open between its calls."""
+        ...
+
     def release(self) -> str | None:
         """``down``'s last step: give back what ``resolve(allocate=True)`` took; what was done, or None."""
         ...

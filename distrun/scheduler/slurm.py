@@ -24,14 +24,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from distrun.config import Allocation, ClusterSpec, HostSpec, Role, SshSpec
 from distrun.errors import HostError
-from distrun.links import CommandFailed, Connection, LocalConnection, Remote, Result, SrunLink, srun_argv
+from distrun.links import CommandFailed, Connection, LocalConnection, Remote, Result, SrunLink
+from distrun.scheduler._squeue import FORMAT, NEVER_STARTS, WAITING, Job, parse_squeue, why_ended
 from distrun.scheduler.api import NoAllocation, Progress, quiet
 
 __all__ = ["SlurmScheduler", "JOB_NAME_PREFIX", "SERVER_STEP_NAME"]
@@ -40,46 +42,14 @@ JOB_NAME_PREFIX = "distrun-"
 SERVER_STEP_NAME = "distrun-server"
 #: How often `up` asks squeue about a pending allocation.
 POLL_S = 0.5
-#: How long `down` waits for a cancelled allocation to leave squeue's running jobs.
-RELEASE_WAIT_S = 15.0
+#: squeue failures in a row `up` sits out while it waits (slurmctld busy, rate-limited).
+TRANSIENT_FAILURES = 20
+#: How long `down` waits for a cancelled allocation to leave squeue (Slurm's KillWait is 30 s by default).
+RELEASE_WAIT_S = 90.0
 #: How long a node's server may take to start (setup is done before, in steps of its own).
 SERVER_START_S = 60.0
 
-#: Starts the server step detached from this command: its config goes in on stdin
-#: (through a file unlinked once open, so it never shows in ps), its first line of
-#: output (the server's ready message, or an error) comes back, and the step goes
-#: on in a session of its own after this command returns.
-_LAUNCH = r"""
-umask 077
-conf=$(mktemp) && out=$(mktemp) || exit 1
-cat >"$conf"
-exec 3<"$conf"
-rm -f -- "$conf"
-setsid "$@" <&3 >"$out" 2>&1 &
-pid=$!
-exec 3<&-
-n=0
-while kill -0 "$pid" 2>/dev/null && ! grep -qE '"(port|error)"' "$out" && [ "$n" -lt "$LIMIT" ]; do
-  sleep 0.05; n=$((n + 1))
-done
-said=$(cat -- "$out")
-rm -f -- "$out"
-printf '%s\n' "$said"
-case "$said" in *'"port"'*) kill -0 "$pid" 2>/dev/null && exit 0 ;; esac
-kill "$pid" 2>/dev/null
-exit 1
-"""
-
 _NODE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}$")
-_WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "RESIZING"}
-
-
-@dataclass(frozen=True)
-class _Job:
-    job_id: str
-    state: str
-    reason: str
-    nodelist: str
 
 
 class SlurmScheduler:
@@ -94,6 +64,8 @@ class SlurmScheduler:
         self.inside = env.get("SLURM_JOB_ID") if self.spec.login is None else None
         self.job_name = f"{JOB_NAME_PREFIX}{cluster.name}"
         self.label = "slurm" if self.spec.login is None else f"slurm@{self.spec.login.label}"
+        self._watch_runner: Remote | None = None  # ended() asks once a second: one connection, kept
+        self._watch_lock = threading.Lock()
 
     # -- where Slurm's commands run
 
@@ -116,21 +88,21 @@ class SlurmScheduler:
     def resolve(self, *, allocate: bool = False, progress: Progress = quiet) -> ClusterSpec:
         runner = self.runner()
         try:
-            job = self._find(runner)
+            job, owned = self._find(runner)
             if job is None:
                 if not allocate:
                     raise NoAllocation(self.label, f"no Slurm allocation for cluster {self.cluster.name!r}; run "
-                                                f"`distrun up {self.cluster.source or ''}`".rstrip() + " first")
-                job = self._request(runner, progress)
+                                                   f"`distrun up {self.cluster.source or ''}`".rstrip() + " first")
+                job, owned = self._request(runner, progress), True
             if job.state != "RUNNING":
                 if not allocate:
                     raise HostError(self.label, f"Slurm job {job.job_id} is {job.state.lower()} ({job.reason}); "
                                                 "`distrun up` waits for it")
-                job = self._wait_running(runner, job, progress, cancel_on_interrupt=self.inside is None)
+                job = self._wait_running(runner, job, progress, owned=owned)
             nodes = self._expand(runner, job.nodelist)
         finally:
             runner.close()
-        allocation = Allocation(job_id=job.job_id, nodes=nodes, owned=self.inside is None)
+        allocation = Allocation(job_id=job.job_id, nodes=nodes, owned=owned)
         hosts = tuple(HostSpec(address=node, roles=(Role.CHIEF, Role.WORKER) if index == 0 else (Role.WORKER,),
                                ssh=SshSpec(), python=self.spec.python, gpus=self.spec.gpus_per_node)
                       for index, node in enumerate(nodes))
@@ -142,13 +114,11 @@ class SlurmScheduler:
         return SrunLink(self.runner(), job_id=allocation.job_id, node=host.address, python=host.python)
 
     def start_server(self, remote: Remote, host: HostSpec, state_dir: str, config: dict[str, Any]) -> Result:
-        assert isinstance(remote, SrunLink)
-        step = srun_argv(remote.job_id, remote.node,
-                         [host.python, "-m", "distrun.server", "start", "--attach", "--state-dir", state_dir],
-                         step_name=SERVER_STEP_NAME, whole=True)
-        limit = str(int(SERVER_START_S / 0.05))
-        result = remote.runner.run(["env", f"LIMIT={limit}", "sh", "-c", _LAUNCH, "sh", *step],
-                                   stdin=json.dumps(config), timeout_s=SERVER_START_S + 30)
+        if not isinstance(remote, SrunLink):
+            raise TypeError(f"a Slurm node is reached through an SrunLink, not {type(remote).__name__}")
+        result = remote.start_detached(
+            [host.python, "-m", "distrun.server", "start", "--attach", "--state-dir", state_dir],
+            stdin=json.dumps(config).encode(), step_name=SERVER_STEP_NAME, timeout_s=SERVER_START_S)
         said = _ready_message(result.stdout)
         if result.ok and "port" in said:
             return result
@@ -158,56 +128,51 @@ class SlurmScheduler:
     def ended(self) -> str | None:
         allocation = self.cluster.allocation
         assert allocation is not None, "resolve() first"
-        runner = self.runner()
-        try:
-            out = runner.run(["squeue", "--noheader", f"--jobs={allocation.job_id}", "--states=all",
-                              "--format=%i|%T|%r|%N"], timeout_s=10.0)
-            if not out.ok and "Invalid job id" not in out.stderr:
-                return None  # squeue itself failed (slurmctld busy): not a verdict on the job
-            jobs = [job for job in _parse_squeue(out.stdout) if job.job_id == allocation.job_id]
-            nodes = ", ".join(allocation.nodes)
-            if not jobs:
-                return f"Slurm job {allocation.job_id} on {nodes} is gone: Slurm no longer lists it"
-            job = jobs[0]
-            if job.state == "RUNNING":
+        with self._watch_lock:
+            if self._watch_runner is None:
+                self._watch_runner = self.runner()
+            runner = self._watch_runner
+            try:
+                out = runner.run(["squeue", "--noheader", f"--jobs={allocation.job_id}", "--states=all", FORMAT],
+                                 timeout_s=10.0)
+                if not out.ok and "Invalid job id" not in out.stderr:
+                    return None  # squeue itself failed (slurmctld busy): not a verdict on the job
+                jobs = [job for job in parse_squeue(out.stdout) if job.job_id == allocation.job_id]
+                nodes = ", ".join(allocation.nodes)
+                if not jobs:
+                    return f"Slurm job {allocation.job_id} on {nodes} is gone: Slurm no longer lists it"
+                job = jobs[0]
+                if job.state == "RUNNING":
+                    return None
+                down = runner.run(["sinfo", "--noheader", "--list-reasons", f"--nodes={','.join(allocation.nodes)}",
+                                   "--format=%N: %E"], timeout_s=10.0)
+                shown = runner.run(["scontrol", "show", "job", allocation.job_id], timeout_s=10.0)
+                why = why_ended(job, scontrol=shown.stdout, nodes_down=down.stdout if down.ok else "")
+                return f"Slurm job {allocation.job_id} on {nodes} ended: {why}"
+            except HostError:
+                runner.close()  # a dropped login connection: open a new one next time
+                self._watch_runner = None
                 return None
-            return f"Slurm job {allocation.job_id} on {nodes} ended: {self._why(runner, job, allocation)}"
-        except HostError:
-            return None
-        finally:
-            runner.close()
 
-    def _why(self, runner: Remote, job: _Job, allocation: Allocation) -> str:
-        """Slurm's state and reason. While Slurm still ends the job's processes (COMPLETING, as long
-        as KillWait) it shows no cause, so the cause is read from what else it says: the run time
-        against the limit, the nodes' own state."""
-        down = runner.run(["sinfo", "--noheader", "--list-reasons", f"--nodes={','.join(allocation.nodes)}",
-                           "--format=%N: %E"], timeout_s=10.0)
-        failed = "; ".join(line.strip() for line in down.stdout.splitlines() if line.strip()) if down.ok else ""
-        if job.state != "COMPLETING":
-            why = "" if job.reason in ("", "None") else f", reason {job.reason}"
-            return f"{job.state}{why}" + (f" (nodes down: {failed})" if failed and job.state == "NODE_FAIL" else "")
-        shown = runner.run(["scontrol", "show", "job", allocation.job_id], timeout_s=10.0).stdout
-        fields = dict(item.split("=", 1) for item in shown.split() if "=" in item)
-        ran_s, limit_s = _seconds(fields.get("RunTime", "")), _seconds(fields.get("TimeLimit", ""))
-        if ran_s is not None and limit_s is not None and ran_s >= limit_s:
-            return f"TIMEOUT (ran {fields['RunTime']} of its {fields['TimeLimit']} limit)"
-        if failed:
-            return f"NODE_FAIL (nodes down: {failed})"
-        return "CANCELLED (scancel, or its batch script ended; no time limit reached, no node down)"
+    def close(self) -> None:
+        with self._watch_lock:
+            if self._watch_runner is not None:
+                self._watch_runner.close()
+                self._watch_runner = None
 
     def release(self) -> str | None:
-        if self.inside is not None:
-            return None  # the user's own allocation: its servers are stopped, the allocation is theirs
+        """End distrun's allocation for the cluster whatever its state: a request still pending
+        (an `up` that was killed) must not start later and hold nodes to its time limit."""
         runner = self.runner()
         try:
-            job = self._find(runner)
+            job = self._named(runner)
             if job is None:
-                return None
+                return None  # nothing of distrun's; the user's own allocation (SLURM_JOB_ID) is theirs
             self._slurm(runner, ["scancel", job.job_id], f"scancel {job.job_id}")
             deadline = time.monotonic() + RELEASE_WAIT_S
             while time.monotonic() < deadline:
-                if self._find(runner) is None:
+                out = self._slurm(runner, ["squeue", "--noheader", f"--jobs={job.job_id}", FORMAT], "squeue").stdout
+                if not parse_squeue(out):  # COMPLETING too: gone means squeue shows nothing of it
                     return f"ended Slurm job {job.job_id}"
                 time.sleep(POLL_S)
             raise HostError(self.label, f"Slurm job {job.job_id} is still listed {RELEASE_WAIT_S:g} s after scancel")
@@ -216,50 +181,68 @@ class SlurmScheduler:
 
     # -- steps
 
-    def _find(self, runner: Remote) -> _Job | None:
-        fmt = "--format=%i|%T|%r|%N"
-        if self.inside is not None:
-            out = self._slurm(runner, ["squeue", "--noheader", f"--jobs={self.inside}", fmt], "squeue").stdout
-            jobs = _parse_squeue(out)
-            if not jobs:
-                raise HostError(self.label, f"SLURM_JOB_ID={self.inside} names no live Slurm job; unset it to "
-                                            "let `distrun up` ask for an allocation")
-            return jobs[0]
-        out = self._slurm(runner, ["squeue", "--noheader", "--me", f"--name={self.job_name}", fmt], "squeue").stdout
-        jobs = [job for job in _parse_squeue(out) if job.state not in ("COMPLETING",)]
+    def _named(self, runner: Remote) -> Job | None:
+        """distrun's own allocation for this cluster (``distrun-<name>``), in any live state."""
+        out = self._slurm(runner, ["squeue", "--noheader", "--me", f"--name={self.job_name}", FORMAT],
+                          "squeue").stdout
+        jobs = [job for job in parse_squeue(out) if job.state != "COMPLETING"]
         if len(jobs) > 1:
             ids = ", ".join(job.job_id for job in jobs)
             raise HostError(self.label, f"{len(jobs)} Slurm jobs are named {self.job_name} ({ids}); "
                                         "`scancel` all but one")
         return jobs[0] if jobs else None
 
-    def _request(self, runner: Remote, progress: Progress) -> _Job:
+    def _find(self, runner: Remote) -> tuple[Job | None, bool]:
+        """(the allocation, whether distrun asked for it). distrun's own comes first: a command run
+        from some other salloc shell must not be pointed at that shell's nodes."""
+        named = self._named(runner)
+        if named is not None or self.inside is None:
+            return named, True
+        out = self._slurm(runner, ["squeue", "--noheader", f"--jobs={self.inside}", FORMAT], "squeue").stdout
+        jobs = parse_squeue(out)
+        if not jobs:
+            raise HostError(self.label, f"SLURM_JOB_ID={self.inside} names no live Slurm job; unset it to "
+                                        "let `distrun up` ask for an allocation")
+        return jobs[0], False
+
+    def _request(self, runner: Remote, progress: Progress) -> Job:
         progress(self.label, "asking for an allocation (sbatch)")
-        argv = ["sbatch", "--parsable", f"--job-name={self.job_name}", "--output=/dev/null",
+        # --no-requeue: after a node failure the holder must not come back on new nodes without servers.
+        argv = ["sbatch", "--parsable", f"--job-name={self.job_name}", "--output=/dev/null", "--no-requeue",
                 *self.spec.sbatch_args(), "--wrap=exec sleep infinity"]
         out = self._slurm(runner, argv, "asking for an allocation (sbatch)").stdout.strip()
         job_id = out.split(";", 1)[0]
         if not job_id.isdigit():
             raise HostError(self.label, f"sbatch answered {out[:80]!r}, not a job id")
-        return _Job(job_id, "PENDING", "submitted", "")
+        return Job(job_id, "PENDING", "submitted", "")
 
-    def _wait_running(self, runner: Remote, job: _Job, progress: Progress, *, cancel_on_interrupt: bool) -> _Job:
+    def _wait_running(self, runner: Remote, job: Job, progress: Progress, *, owned: bool) -> Job:
+        failures = 0
         try:
             while True:
-                out = self._slurm(runner, ["squeue", "--noheader", f"--jobs={job.job_id}",
-                                           "--format=%i|%T|%r|%N"], "squeue").stdout
-                found = _parse_squeue(out)
+                result = runner.run(["squeue", "--noheader", f"--jobs={job.job_id}", FORMAT], timeout_s=30.0)
+                if not result.ok and "Invalid job id" not in result.stderr:
+                    failures += 1  # slurmctld busy: a long wait must not end on one refusal
+                    if failures >= TRANSIENT_FAILURES:
+                        raise CommandFailed(self.label, result, "squeue")
+                    time.sleep(POLL_S * 2)
+                    continue
+                failures = 0
+                found = parse_squeue(result.stdout)
                 if not found:
                     raise HostError(self.label, f"Slurm job {job.job_id} ended before it started")
                 job = found[0]
                 if job.state == "RUNNING":
                     return job
-                if job.state not in _WAITING:
+                if job.state not in WAITING:
                     raise HostError(self.label, f"Slurm job {job.job_id} is {job.state.lower()} ({job.reason})")
+                if job.reason.split(",")[0] in NEVER_STARTS:  # withdrawn below, as on any error
+                    raise HostError(self.label, f"Slurm job {job.job_id} cannot start: {job.reason}"
+                                                + ("; the request was withdrawn (scancel)" if owned else ""))
                 progress(self.label, f"job {job.job_id} {job.state.lower()}: {job.reason}")
                 time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            if cancel_on_interrupt:  # a request nobody waits for any more must not start later
+        except BaseException:
+            if owned:  # a request nobody waits for any more (Ctrl-C, SIGTERM, an error) must not start later
                 runner.run(["scancel", job.job_id])
             raise
 
@@ -270,15 +253,6 @@ class SlurmScheduler:
         if not nodes or bad:
             raise HostError(self.label, f"Slurm named the nodes {nodelist!r}, which distrun cannot use as host names")
         return nodes
-
-
-def _parse_squeue(out: str) -> list[_Job]:
-    jobs = []
-    for line in out.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) == 4 and parts[0]:
-            jobs.append(_Job(*parts))
-    return jobs
 
 
 def _ready_message(stdout: str) -> dict[str, Any]:
@@ -292,18 +266,6 @@ def _ready_message(stdout: str) -> dict[str, Any]:
             if isinstance(message, dict):
                 return message
     return {}
-
-
-def _seconds(text: str) -> int | None:
-    """Slurm's ``[D-]HH:MM:SS`` (or ``MM:SS``) in seconds; None for UNLIMITED or anything else."""
-    days, _, clock = text.rpartition("-")
-    parts = clock.split(":")
-    if not all(part.isdigit() for part in parts) or not 2 <= len(parts) <= 3 or (days and not days.isdigit()):
-        return None
-    seconds = 0
-    for part in parts:
-        seconds = seconds * 60 + int(part)
-    return seconds + int(days or 0) * 86400
 
 
 def _last_line(text: str) -> str:

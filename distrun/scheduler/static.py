@@ -31,5 +31,8 @@ class StaticHosts:
     def ended(self) -> str | None:
         return None  # listed hosts do not end; a lost one is named by its link
 
+    def close(self) -> None:
+        pass
+
     def release(self) -> str | None:
         return None

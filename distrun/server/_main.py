@@ -81,40 +81,61 @@ def main(argv: list[str] | None = None) -> int:
     return _start(args.state_dir, config)
 
 
-def _attach(state_dir_path: str, config: dict[str, Any]) -> int:
-    """Become the server: its stderr (the log) to the state folder, the ready line to stdout."""
-    from distrun.protocol.cluster import config_digest
-    from distrun.server._state import StateDir
+#: A Slurm step's own variables, which the server's step carries and must not hand on to the
+#: ranks it starts: a framework that reads them (Lightning's SLURMEnvironment) would take the
+#: one-task server step for the job. The allocation's (SLURM_JOB_ID, the node list) stay.
+_STEP_VARS = ("SLURM_STEP", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS",
+              "SLURM_TASK", "SLURM_SRUN", "SLURM_CPU_BIND", "SLURM_DISTRIBUTION", "SLURM_LAUNCH", "SLURM_GTIDS",
+              "SLURM_UMASK", "SLURM_PRIO_PROCESS", "SLURM_SUBMIT", "SLURM_TASKS_PER_NODE", "SLURM_NNODES",
+              "SLURM_JOB_NUM_NODES", "SLURM_CPUS_PER_TASK", "SLURM_OVERLAP", "SLURM_WHOLE", "SLURM_JOB_NAME")
+
+
+def _server_env(state_dir: Any, config: dict[str, Any], *, scrub_step: bool) -> dict[str, str]:
     from distrun.server._sweep import SERVER_DIR_ENV
+
+    base = {key: value for key, value in os.environ.items()
+            if not (scrub_step and key.startswith(_STEP_VARS))}
+    return {**base, **config.get("env", {}), SERVER_DIR_ENV: str(state_dir.path)}
+
+
+def _open_state(state_dir_path: str) -> tuple[Any, int] | str:
+    """The state folder, created, and its log opened for appending; or why not."""
+    from distrun.server._state import StateDir
 
     state_dir = StateDir(state_dir_path)
     try:
         state_dir.create()
-        log_fd = os.open(state_dir.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        return state_dir, os.open(state_dir.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     except OSError as exc:
-        print(json.dumps({"error": f"cannot create {state_dir.path}: {exc}"}), flush=True)
+        return f"cannot create {state_dir.path}: {exc}"
+
+
+def _attach(state_dir_path: str, config: dict[str, Any]) -> int:
+    """Become the server: its stderr (the log) to the state folder, the ready line to stdout."""
+    from distrun.protocol.cluster import config_digest
+
+    opened = _open_state(state_dir_path)
+    if isinstance(opened, str):
+        print(json.dumps({"error": opened}), flush=True)
         return 1
+    state_dir, log_fd = opened
     sys.stdout.flush()
     os.dup2(log_fd, 2)
     os.close(log_fd)
-    env = {**os.environ, **config.get("env", {}), SERVER_DIR_ENV: str(state_dir.path)}
+    env = _server_env(state_dir, config, scrub_step=True)
     os.execve(sys.executable, [sys.executable, "-m", "distrun.server", "serve", "--state-dir", str(state_dir.path),
                                "--config-sha256", config_digest(config), "--ready-fd", "1"], env)
 
 
 def _start(state_dir_path: str, config: dict[str, Any]) -> int:
     from distrun.protocol.cluster import config_digest
-    from distrun.server._state import StateDir
-    from distrun.server._sweep import SERVER_DIR_ENV
 
-    state_dir = StateDir(state_dir_path)
-    try:
-        state_dir.create()
-        log_fd = os.open(state_dir.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    except OSError as exc:
-        print(f"cannot create {state_dir.path}: {exc}", file=sys.stderr)
+    opened = _open_state(state_dir_path)
+    if isinstance(opened, str):
+        print(opened, file=sys.stderr)
         return 1
-    env = {**os.environ, **config.get("env", {}), SERVER_DIR_ENV: str(state_dir.path)}
+    state_dir, log_fd = opened
+    env = _server_env(state_dir, config, scrub_step=False)
     read_fd, write_fd = os.pipe()
     argv = [sys.executable, "-m", "distrun.server", "serve", "--state-dir", str(state_dir.path),
             "--config-sha256", config_digest(config), "--ready-fd", str(write_fd)]

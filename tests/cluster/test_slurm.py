@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -184,6 +185,7 @@ def test_inside_an_allocation_up_uses_it_and_down_leaves_it(bed: Bed, one_device
         f"{bed.root / 'inside'} --epochs 2 -- --samples 99 > train.json || exit 2",
         f"{distrun} down {cluster} --json > down.json || exit 3",
         "squeue --noheader --jobs=$SLURM_JOB_ID --format=%T > still.txt",
+        "squeue --noheader --steps --jobs=$SLURM_JOB_ID --format=%j > steps.txt",
         "",
     ]))
     submitted = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", "--nodes=2", "--job-name=users-own",
@@ -202,6 +204,11 @@ def test_inside_an_allocation_up_uses_it_and_down_leaves_it(bed: Bed, one_device
     assert down["hosts"][-1]["host"] == f"slurm job {job_id}" and down["hosts"][-1]["status"] == "not running"
     assert "left running" in down["hosts"][-1]["message"]
     assert (bed.root / "still.txt").read_text().strip() == "RUNNING"
+    steps = (bed.root / "steps.txt").read_text().split()
+    assert not [step for step in steps if step.startswith("distrun")], steps  # no server or relay step left
+    assert not [proc for proc in psutil.process_iter(["cmdline"])
+                if "distrun.server" in " ".join(proc.info["cmdline"] or []) and str(bed.root) in
+                " ".join(proc.info["cmdline"] or [])]
     assert distrun_processes(bed.root) == []
 
 
@@ -271,17 +278,19 @@ def test_from_the_laptop_through_the_login_node(bed: Bed, one_device: tuple[Path
 
 
 def test_up_waits_for_a_pending_allocation_and_says_why(bed: Bed) -> None:
-    """Another job holds every node: `up` shows squeue's reason while it waits, then starts the servers."""
+    """Another job holds every node: `up` shows squeue's reason while it waits. A request nobody
+    waits for is withdrawn (SIGTERM to `up`, or `down` meanwhile); the one waited for starts."""
     hog = bed.slurm.client(bed.client_ns, ["sbatch", "--parsable", "--exclusive", "--nodes=2", "--job-name=hog",
                                            "--output=/dev/null", "--wrap=exec sleep 600"]).stdout.strip()
     deadline = time.monotonic() + 30
     while not any(line.endswith("RUNNING n[1-2]") for line in bed.named("hog")) and time.monotonic() < deadline:
         time.sleep(0.2)
     cluster = bed.cluster("waits")
-    up = subprocess.Popen(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", "up",
-                           str(cluster), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          cwd=bed.root, env=bed.slurm.env)
-    try:
+
+    def pending_up() -> tuple[subprocess.Popen, list[str]]:
+        up = subprocess.Popen(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", "up",
+                               str(cluster), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=bed.root, env=bed.slurm.env)
         assert up.stderr is not None
         said = []
         for line in up.stderr:
@@ -289,11 +298,29 @@ def test_up_waits_for_a_pending_allocation_and_says_why(bed: Bed) -> None:
             if "pending: Resources" in line:
                 break
         assert said[-1].startswith("slurm: job ") and said[-1].endswith(" pending: Resources"), said
+        return up, said
+
+    try:
+        up, _ = pending_up()  # killed while it waits: the request goes with it
+        up.terminate()
+        up.communicate(timeout=30)
+        assert up.returncode != 0 and bed.named("distrun-waits") == []
+
+        up, _ = pending_up()  # `down` while it waits: the request is withdrawn, `up` says so
+        down = bed.cli("down", str(cluster), "--json")
+        assert down.returncode == 0, down.stdout + down.stderr
+        assert json.loads(down.stdout)["hosts"][-1]["message"].startswith("ended Slurm job ")
+        out, err = up.communicate(timeout=30)
+        assert up.returncode == 6 and "ended before it started" in err, out + err
+        assert bed.named("distrun-waits") == []
+
+        up, _ = pending_up()
         bed.slurm.client(bed.client_ns, ["scancel", hog])
         out, err = up.communicate(timeout=120)
     finally:
         if up.poll() is None:
             up.kill()
+        bed.slurm.client(bed.client_ns, ["scancel", hog], check=False)
     assert up.returncode == 0, out + err
     assert [row["status"] for row in json.loads(out)["hosts"]] == ["started", "started"]
     down = bed.cli("down", str(cluster), "--json")
