@@ -13,6 +13,7 @@ place and docs/cli.md can list it::
     ├── HostError                6  a host cannot be reached, logged into or used
     │   ├── HostUnreachable      6  no connection or no login (the host's row says "down")
     │   └── HostKeyError         7  a host's SSH key is unknown or changed (refused)
+    ├── Preempted               75  told the job would end (Slurm), it checkpointed and stopped
     └── Interrupted            130  Ctrl-C (SIGINT) or SIGTERM stopped the job
 
 Messages are one line and name the file, key, rank or host they are about; the
@@ -33,6 +34,7 @@ __all__ = [
     "HostError",
     "HostUnreachable",
     "HostKeyError",
+    "Preempted",
     "Interrupted",
     "EXIT_CODES",
 ]
@@ -116,6 +118,13 @@ class HostKeyError(HostError):
     exit_code = 7
 
 
+class Preempted(DistrunError):
+    """The scheduler warned that the job's hosts will go (a Slurm time limit or preemption):
+    every rank wrote its part of a checkpoint at one step and stopped. BSD's EX_TEMPFAIL."""
+
+    exit_code = 75
+
+
 class Interrupted(DistrunError):
     """The user interrupted the job; every replica was stopped."""
 
@@ -125,5 +134,5 @@ class Interrupted(DistrunError):
 EXIT_CODES: dict[str, int] = {
     cls.__name__: cls.exit_code
     for cls in (DistrunError, UsageError, ConfigError, RecipeError, TrainingError, CheckpointError, HostError,
-                HostUnreachable, HostKeyError, Interrupted)
+                HostUnreachable, HostKeyError, Preempted, Interrupted)
 }

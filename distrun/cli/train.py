@@ -153,6 +153,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
                              "all-reduce across two or more worker hosts")
         if elastic is not None:
             spec = dataclasses.replace(spec, **job.elastic.elastic_range(elastic))
+        if cluster.slurm is not None and spec.checkpoint_dir and spec.strategy.collective and not spec.elastic:
+            # The allocation's warning before its time limit: checkpoint at an agreed step, stop (exit 75).
+            spec = dataclasses.replace(spec, preemptible=True)
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s)
     except BaseException:

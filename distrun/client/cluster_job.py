@@ -36,7 +36,7 @@ from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
 from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
-from distrun.errors import ConfigError, HostError, Interrupted, TrainingError, UsageError
+from distrun.errors import ConfigError, HostError, Interrupted, Preempted, TrainingError, UsageError
 from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
 from distrun.protocol.secret import new_job_secret
 
@@ -96,6 +96,7 @@ class ClusterJob:
         self.max_restarts = 0
         self._user_cancelled = False
         self._saw_checkpoint = False
+        self._last_checkpoint: tuple[int, str] | None = None  # (step, path) of the newest checkpoint seen
         self.bundle_sent_to: tuple[str, ...] = ()
         self._port: int | None = None  # the current attempt's rendezvous port
         self._secret = ""  # the current attempt's data-plane secret (hex; protocol/secret)
@@ -301,6 +302,8 @@ class ClusterJob:
             return False
         if self._watch is not None and self._watch.reason is not None:
             return False  # the hosts are gone: nothing to restart on
+        if any(result.get("state") == "preempted" for result in self._results.values()):
+            return False  # the allocation is about to end: a restart would be killed with it
         states = [result.get("state") for result in self._results.values()]
         return len(states) == len(self._links) and not self._succeeded(states)
 
@@ -326,12 +329,13 @@ class ClusterJob:
                     for raw in item.get("events", ()):
                         if raw.get("type") == "checkpoint":
                             self._saw_checkpoint = True
+                            self._last_checkpoint = (int(raw["step"]), str(raw["path"]))
                             if self._relay is not None:
                                 self._relay.offer(link, str(raw["path"]), int(raw["step"]))
                         self._events.put(decode_event(json.dumps(raw)))
                     if "result" in item:
                         self._results[link.label] = item["result"]
-                        if item["result"].get("state") != "succeeded":
+                        if item["result"].get("state") not in ("succeeded", "preempted"):
                             self._cancel_attempt(f"{link.label} ended: {item['result'].get('state')}")
         except HostError as exc:
             if self._detaching:
@@ -400,6 +404,10 @@ class ClusterJob:
         states = {label: result.get("state") for label, result in self._results.items()}
         if self._succeeded(list(states.values())) and len(states) == len(self._links):
             return JobOutcome(self.summary("succeeded"), None)
+        if "preempted" in states.values() and all(s in ("preempted", "stopped") for s in states.values()):
+            step, where = self._last_checkpoint or (0, "")
+            raise Preempted(f"the allocation warned that it will end: every rank checkpointed at step {step} "
+                            f"({where}) and stopped; after `distrun up`, the same command with --resume goes on")
         failures = []
         for label, result in self._results.items():
             raw = result.get("failure")

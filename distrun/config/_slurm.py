@@ -20,7 +20,7 @@ __all__ = ["SlurmSpec", "Allocation", "SLURM_KEYS", "TIME_PATTERN", "NAME_PATTER
            "REFUSED_EXTRA_ARGS"]
 
 SLURM_KEYS = ("nodes", "partition", "time", "gpus_per_node", "cpus_per_task", "account", "qos", "constraint",
-              "extra_args", "login")
+              "extra_args", "login", "grace_s")
 
 #: sbatch's --time forms: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or UNLIMITED.
 TIME_PATTERN = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(?::\d{1,2}(?::\d{1,2})?)?|UNLIMITED)$")
@@ -50,6 +50,9 @@ class SlurmSpec:
     constraint: str | None = None
     extra_args: tuple[str, ...] = ()
     login: HostSpec | None = None
+    #: Slurm warns the allocation's steps this long before its time limit (SIGUSR1): a running
+    #: job with a checkpoint folder writes a checkpoint and stops.
+    grace_s: int = 120
 
     def sbatch_args(self) -> list[str]:
         """The request as sbatch options (argv elements), one task per node."""

@@ -337,8 +337,9 @@ class _Parser:
         login = None
         if raw.get("login") is not None:
             login = self.host(raw["login"], "slurm.login", ssh, python)
+        grace_s = self.integer(raw.get("grace_s", 120), "slurm.grace_s", low=10, high=65535)
         return SlurmSpec(nodes=nodes, python=python, time=time_limit, constraint=constraint, extra_args=tuple(extra_args),
-                         login=login, **names, **counts)
+                         login=login, grace_s=grace_s, **names, **counts)
 
     def ssh(self, value: Any, path: str, base: SshSpec) -> SshSpec:
         raw = self.mapping(value, path, _SSH_KEYS)

@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preload", nargs="*", default=list(PRELOAD))
     parser.add_argument("--parent", type=int, default=None, help="exit if this pid is not our parent")
     args = parser.parse_args(argv)
+    # On Slurm a warning (SIGUSR1) goes to every process of the server's step: the zygote lives
+    # on, and what it forks keeps ignoring it until the rank sets its own handler.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     _die_with_parent()
     if args.parent is not None and os.getppid() != args.parent:
         return 1

@@ -355,7 +355,7 @@ class LocalLauncher:
             self._drain_proc(proc, deadline=time.monotonic() + 0.5)
             now = time.time()
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
-            if rc == PREEMPTED_EXIT_CODE and self._preempt_sent and not proc.signalled:
+            if rc == PREEMPTED_EXIT_CODE and self._preempt_requested.is_set() and not proc.signalled:
                 self._preempted.add(proc.rank)  # told to, it checkpointed with the others: not a failure
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 self._respawn(proc)

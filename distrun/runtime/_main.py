@@ -48,8 +48,7 @@ def main() -> None:
     phase = "setup"
     reporter: EventReporter | None = None
     error_file = prepare_error_file(launch.rank)
-    if spec.preemptible:
-        install_preempt_handler()
+    install_preempt_handler()  # noted always; acted on (a checkpoint, then exit 75) when preemptible
     try:
         info = inspect_recipe(spec.recipe)
         ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas

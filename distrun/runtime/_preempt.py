@@ -35,7 +35,9 @@ def _note(signum: int, frame: FrameType | None) -> None:
 
 
 def install_preempt_handler() -> None:
-    """From the rank's first moments: a SIGUSR1 before training starts is kept, not fatal."""
+    """From the rank's first moments: a SIGUSR1 before training starts is kept, not fatal. Every
+    rank installs it: on Slurm the warning reaches every process of the step, and a job that
+    is not preemptible (no checkpoint folder) goes on to the end it was warned of."""
     signal.signal(signal.SIGUSR1, _note)
 
 

@@ -208,8 +208,9 @@ class SlurmScheduler:
     def _request(self, runner: Remote, progress: Progress) -> Job:
         progress(self.label, "asking for an allocation (sbatch)")
         # --no-requeue: after a node failure the holder must not come back on new nodes without servers.
+        # --signal: the warning before the time limit goes to every step (the servers pass it on).
         argv = ["sbatch", "--parsable", f"--job-name={self.job_name}", "--output=/dev/null", "--no-requeue",
-                *self.spec.sbatch_args(), "--wrap=exec sleep infinity"]
+                f"--signal=USR1@{self.spec.grace_s}", *self.spec.sbatch_args(), "--wrap=trap '' USR1; exec sleep infinity"]
         out = self._slurm(runner, argv, "asking for an allocation (sbatch)").stdout.strip()
         job_id = out.split(";", 1)[0]
         if not job_id.isdigit():

@@ -370,6 +370,14 @@ class JobManager:
         with self._lock:
             return sum(1 for job in self._jobs.values() if job.state == "running")
 
+    def preempt_all(self) -> None:
+        """The allocation warned it will end (Slurm's SIGUSR1): every running job's ranks
+        checkpoint at an agreed step and stop (a ``preemptible`` job's; others go on)."""
+        with self._lock:
+            launchers = [job.launcher for job in self._jobs.values() if job.launcher is not None]
+        for launcher in launchers:
+            launcher.preempt()
+
     def stop_all(self, reason: str) -> None:
         with self._lock:
             jobs = list(self._jobs.values())

@@ -10,6 +10,7 @@ does: the client closing the step's stdin, or the server closing the connection.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import threading
@@ -18,6 +19,7 @@ _CHUNK_BYTES = 1 << 16
 
 
 def relay(port: int) -> int:
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # Slurm's warning to every step is not for a relay
     try:
         server = socket.create_connection(("127.0.0.1", port), timeout=10.0)
     except OSError as exc:

@@ -125,6 +125,9 @@ class WorkerServer:
         """Accept until shutdown or SIGTERM; then remove the state file."""
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(signum, lambda *_: self._stop.set())
+        # Slurm's warning before a time limit (--signal=USR1@N): passed on to the jobs, from a
+        # thread of its own (the handler may interrupt a holder of the jobs' lock).
+        signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=self.jobs.preempt_all, daemon=True).start())
         log.info("serving on 127.0.0.1:%d (pid %d, distrun %s)", self.state().port, os.getpid(), __version__)
         self.warm.start()
         try:

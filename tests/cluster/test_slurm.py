@@ -374,3 +374,54 @@ def test_a_requeued_job_resumes_from_the_checkpoint_it_wrote_at_slurms_warning(
     assert resumed[0] == stopped_at + 1, resumed  # no step lost, none done twice
     _assert_same_model(bed.root / "requeue-ckpt", reference)
     assert distrun_processes(bed.root) == []
+
+
+def test_a_job_on_an_allocation_checkpoints_at_its_warning_and_resumes(
+        bed: Bed, one_device: tuple[Path, dict]) -> None:
+    """Slurm warns the allocation's steps before its time limit (`--signal=USR1@N`, sent here at
+    once with scancel): the servers pass it on, every rank checkpoints at one step and stops,
+    the client says where (exit 75), and `--resume` after goes on to one device's parameters."""
+    cluster = bed.cluster("warned")
+    _, reference = one_device
+    recipe = bed.root / "slow2" / "equiv.py"
+    recipe.parent.mkdir(exist_ok=True)
+    recipe.write_text(EQUIV.replace("def loss(outputs, batch):",
+                                    "def loss(outputs, batch):\n    import time; time.sleep(0.3)"))
+    up = bed.cli("up", str(cluster), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    (job_line,) = bed.named("distrun-warned")
+    job_id = job_line.split()[0]
+    args = [str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json", "--checkpoint-dir",
+            str(bed.root / "warned-ckpt"), "--epochs", "2", "--", "--samples", "99"]
+    train = subprocess.Popen(["ip", "netns", "exec", bed.client_ns, sys.executable, "-m", "distrun", "train", *args],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=bed.root,
+                             env=bed.slurm.env)
+    try:
+        assert train.stdout is not None
+        seen = 0
+        for line in train.stdout:
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("type") == "step":
+                seen = max(seen, event["step"])
+                if seen >= 3:
+                    break
+        bed.slurm.client(bed.client_ns, ["scancel", "--signal=USR1", job_id])  # every step, not the batch shell
+        out, err = train.communicate(timeout=60)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 75, out[-2000:] + err[-2000:]
+    saved = [json.loads(line)["step"] for line in out.splitlines()
+             if line.startswith("{") and json.loads(line)["type"] == "checkpoint"]
+    assert saved and seen <= saved[-1] <= seen + 3, (seen, saved)
+    assert f"every rank checkpointed at step {saved[-1]}" in err.strip().splitlines()[-1], err[-2000:]
+    assert bed.named("distrun-warned") == [job_line]  # the allocation itself goes on to its end
+
+    resumed = bed.cli("train", *args[:-3], "--resume", "--", "--samples", "99")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    first = next(json.loads(line)["step"] for line in resumed.stdout.splitlines()
+                 if line.startswith("{") and json.loads(line)["type"] == "step")
+    assert first == saved[-1] + 1
+    _assert_same_model(bed.root / "warned-ckpt", reference)
+    down = bed.cli("down", str(cluster), "--json")
+    assert down.returncode == 0, down.stdout + down.stderr

@@ -106,7 +106,7 @@ def test_a_slurm_cluster_file_becomes_sbatch_options() -> None:
     assert cluster.slurm.sbatch_args() == [
         "--nodes=2", "--ntasks-per-node=1", "--partition=gpu", "--time=02:00:00", "--account=ml", "--qos=high",
         "--constraint=a100&ib", "--gpus-per-node=8", "--cpus-per-task=16", "--exclusive", "--mem=0"]
-    assert cluster.slurm.python == "/opt/venv/bin/python"
+    assert cluster.slurm.python == "/opt/venv/bin/python" and cluster.slurm.grace_s == 120
     login = cluster.slurm.login
     assert login is not None and (login.address, login.ssh.port, login.ssh.user) == ("login1", 2222, "alice")
     assert parse_cluster("scheduler: slurm\nslurm: {nodes: 1, time: 90}\n").slurm.time == "90"  # minutes
@@ -131,6 +131,8 @@ def test_a_slurm_cluster_file_becomes_sbatch_options() -> None:
      "Received: 'tomorrow'"),
     ("scheduler: slurm\nslurm: {nodes: 2, constraint: 'a100;id'}\n",
      "c.yaml:2: slurm.constraint: is not a Slurm constraint of feature names and & | , [ ]. Received: 'a100;id'"),
+    ("scheduler: slurm\nslurm: {nodes: 2, grace_s: 5}\n",
+     "c.yaml:2: slurm.grace_s: must be between 10 and 65535. Received: 5"),
     ("scheduler: slurm\nslurm: {nodes: 2, gpus_per_node: 0}\n",
      "c.yaml:2: slurm.gpus_per_node: must be >= 1. Received: 0"),
     ("scheduler: slurm\nslurm: {nodes: 2, login: {address: '-oProxyCommand=id'}}\n",
