@@ -124,6 +124,28 @@ def test_up_train_down_on_an_allocation(bed: Bed, one_device: tuple[Path, dict])
     doctor = bed.cli("doctor", str(cluster), "--json")
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert [json.loads(line)["host"] for line in doctor.stdout.splitlines()] == ["n1", "n2"]
+    pulled = bed.cli("pull", job, "--cluster", str(cluster), "--to", str(bed.root / "pulled"))
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(pulled.stdout.strip()).read_bytes() == latest_checkpoint(bed.root / "mw").read_bytes()
+    detached = bed.cli("train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--detach",
+                       "--steps", "100000", "--", "--samples", "99")
+    assert detached.returncode == 0, detached.stderr
+    running = detached.stdout.strip()
+    cancelled = bed.cli("cancel", running, "--cluster", str(cluster))
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = [json.loads(line)["state"] for line in
+                  bed.cli("jobs", "--cluster", str(cluster), "--json").stdout.splitlines()
+                  if json.loads(line)["job"] == running]
+        if states and states[0] != "running":
+            break
+        time.sleep(0.5)
+    assert states == ["stopped"], states
+    replay = bed.cli("attach", running, "--cluster", str(cluster), "--json")  # replays the ended job to its end
+    summaries = [json.loads(line) for line in replay.stdout.splitlines()
+                 if line.startswith("{") and json.loads(line)["type"] == "summary"]
+    assert summaries and summaries[-1]["status"] != "succeeded", replay.stdout[-2000:] + replay.stderr[-2000:]
 
     down = bed.cli("down", str(cluster), "--json")
     assert down.returncode == 0, down.stdout + down.stderr
