@@ -82,6 +82,14 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
     return recipe, torch.load(latest_checkpoint(root / "one"), weights_only=True)["model"]
 
 
+def _slow_recipe(folder: Path) -> Path:
+    """The equivalence recipe at 0.3 s a step: time to warn it mid-run (the sleep changes no number)."""
+    folder.mkdir(exist_ok=True)
+    recipe = folder / "equiv.py"
+    recipe.write_text(EQUIV.replace("def loss(outputs, batch):", "def loss(outputs, batch):\n    import time; time.sleep(0.3)"))
+    return recipe
+
+
 def _assert_same_model(checkpoint_dir: Path, reference: dict[str, torch.Tensor]) -> None:
     trained = torch.load(latest_checkpoint(checkpoint_dir), weights_only=True)
     assert trained["step"] == 14
@@ -357,10 +365,7 @@ def test_a_requeued_job_resumes_from_the_checkpoint_it_wrote_at_slurms_warning(
     resumes there and ends with one device's parameters."""
     cluster = bed.cluster("pre")
     _, reference = one_device
-    recipe = bed.root / "slow" / "equiv.py"
-    recipe.parent.mkdir(exist_ok=True)
-    recipe.write_text(EQUIV.replace("def loss(outputs, batch):",
-                                    "def loss(outputs, batch):\n    import time; time.sleep(0.3)"))
+    recipe = _slow_recipe(bed.root / "slow")
     script = bed.root / "requeue.sbatch"
     written = run_cli("export", "slurm", str(cluster), str(recipe), "--strategy", "multi-worker", "--epochs", "2",
                       "--checkpoint-dir", "requeue-ckpt", "--requeue", "--grace-s", "60",
@@ -405,10 +410,7 @@ def test_a_job_on_an_allocation_checkpoints_at_its_warning_and_resumes(
     the client says where (exit 75), and `--resume` after goes on to one device's parameters."""
     cluster = bed.cluster("warned")
     _, reference = one_device
-    recipe = bed.root / "slow2" / "equiv.py"
-    recipe.parent.mkdir(exist_ok=True)
-    recipe.write_text(EQUIV.replace("def loss(outputs, batch):",
-                                    "def loss(outputs, batch):\n    import time; time.sleep(0.3)"))
+    recipe = _slow_recipe(bed.root / "slow2")
     up = bed.cli("up", str(cluster), "--json")
     assert up.returncode == 0, up.stdout + up.stderr
     (job_line,) = bed.named("distrun-warned")
