@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import typer
 
 from distrun.cli._app import app, stderr
+from distrun.client._results import CHECKPOINT_NAME
 from distrun.client.local import failure_message
 from distrun.config import JobSpec
 from distrun.errors import TrainingError, UsageError
@@ -119,12 +119,10 @@ def node(
     raise typer.Exit(TrainingError.exit_code)
 
 
-_CHECKPOINT_NAME = re.compile(r"^ckpt-\d+(?:\.pt)?$")
-
 
 def _has_checkpoint(folder: Path) -> bool:
     """A published checkpoint in ``folder`` (either format; a ``.tmp-`` one is not published)."""
     try:
-        return any(_CHECKPOINT_NAME.match(entry.name) for entry in folder.iterdir())
+        return any(CHECKPOINT_NAME.match(entry.name) for entry in folder.iterdir())
     except OSError:
         return False

@@ -23,7 +23,7 @@ def artifacts(link: HostLink, job_id: str) -> dict:
 #: What a checkpoint may be called (a plain file, or a sharded checkpoint's folder), and what a
 #: file inside such a folder may be called: a server's answer names them, and nothing it names
 #: may reach outside the folder the client writes into.
-_CHECKPOINT_NAME = re.compile(r"^ckpt-\d+(\.pt)?$")
+CHECKPOINT_NAME = re.compile(r"^ckpt-\d+(\.pt)?$")
 _PART_NAME = re.compile(r"^(?!\.\.?$)[A-Za-z0-9_.-]{1,128}$")
 
 
@@ -35,7 +35,7 @@ def checkpoint_parts(link: HostLink, answer: dict) -> tuple[str, str, list[str] 
         return None
     name = PurePosixPath(str(remote_path)).name
     parts = answer.get("checkpoint_files")
-    bad = [n for n in ([name] if not _CHECKPOINT_NAME.match(name) else [])
+    bad = [n for n in ([name] if not CHECKPOINT_NAME.match(name) else [])
            + [str(p) for p in (parts or ()) if not isinstance(p, str) or not _PART_NAME.match(p)]]
     if bad or (parts is not None and not isinstance(parts, list)):
         raise HostError(link.label, f"the server named a checkpoint file distrun does not write: {bad[:3]!r}")

@@ -6,9 +6,9 @@ remote commands are always argv lists quoted with ``shlex`` (``command_line``).
 """
 
 from distrun.links.ssh import Connection, known_hosts_name
-from distrun.links.api import CommandFailed, RawResult, Remote, Result, command_line
+from distrun.links.api import CommandFailed, RawResult, Remote, Result, command_line, last_line
 from distrun.links.local import LocalConnection
 from distrun.links.srun import SrunLink, srun_argv
 
 __all__ = ["Connection", "LocalConnection", "SrunLink", "Remote", "Result", "RawResult", "CommandFailed",
-           "command_line", "known_hosts_name", "srun_argv"]
+           "command_line", "known_hosts_name", "last_line", "srun_argv"]

@@ -15,6 +15,8 @@ import subprocess
 import threading
 from collections.abc import Sequence
 
+from distrun.links.api import last_line
+
 #: stderr kept for the message; a relay that talks more than this is not reporting an error.
 _STDERR_KEPT_BYTES = 8192
 #: How long ``close`` waits for the command to end on its own once its stdin is closed.
@@ -82,7 +84,3 @@ class CommandStream:
         if self._proc.stderr is not None and not self._reader.is_alive():
             self._proc.stderr.close()
 
-
-def last_line(text: bytes) -> str:
-    lines = [line.strip() for line in text.decode(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -17,7 +17,15 @@ from typing import Protocol
 from distrun.errors import HostError
 from distrun.protocol.wire import Stream
 
-__all__ = ["Result", "RawResult", "CommandFailed", "Remote", "command_line"]
+__all__ = ["Result", "RawResult", "CommandFailed", "Remote", "command_line", "last_line"]
+
+
+def last_line(text: str | bytes) -> str:
+    """The last non-empty line of a command's output, stripped ("" if none): a one-line error."""
+    if isinstance(text, bytes):
+        text = text.decode(errors="replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 @dataclass(frozen=True)
@@ -33,11 +41,7 @@ class Result:
 
     def last_line(self) -> str:
         """The most telling line of the output for a one-line error (stderr first)."""
-        for text in (self.stderr, self.stdout):
-            lines = [line.strip() for line in text.splitlines() if line.strip()]
-            if lines:
-                return lines[-1]
-        return f"exit code {self.exited}"
+        return last_line(self.stderr) or last_line(self.stdout) or f"exit code {self.exited}"
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 
 from distrun.errors import HostError, HostUnreachable
-from distrun.links.api import RawResult, Remote, Result
+from distrun.links.api import RawResult, Remote, Result, last_line
 from distrun.protocol.wire import Stream
 
 __all__ = ["SrunLink", "srun_argv"]
@@ -90,7 +90,8 @@ class SrunLink:
             return result
         text = result.stderr.decode(errors="replace")
         if _GONE.search(text) and "srun: error" in text:
-            raise HostUnreachable(self.label, f"Slurm job {self.job_id} is gone ({_last(text)}); "
+            why = last_line(text).removeprefix("srun: error: ") or "no reason given"
+            raise HostUnreachable(self.label, f"Slurm job {self.job_id} is gone ({why}); "
                                               "run `distrun up` for a new allocation")
         kept = "\n".join(line for line in text.splitlines() if not _TASK_EXIT.match(line.strip()))
         return RawResult(result.command, result.exited, result.stdout, kept.encode())
@@ -142,7 +143,3 @@ class SrunLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _last(text: str) -> str:
-    lines = [line.strip().removeprefix("srun: error: ") for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else "no reason given"

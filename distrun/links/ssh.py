@@ -28,7 +28,7 @@ import paramiko
 
 from distrun.config.cluster import DEFAULT_SSH_PORT, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
-from distrun.links.api import RawResult, Result, command_line
+from distrun.links.api import RawResult, Result, command_line, last_line
 from distrun.protocol.wire import Stream
 
 T = TypeVar("T")
@@ -338,8 +338,7 @@ class _ChannelStream:
             err = b""
             while self._channel.recv_stderr_ready():
                 err += self._channel.recv_stderr(4096)
-            lines = [line.strip() for line in err.decode(errors="replace").splitlines() if line.strip()]
-            raise ConnectionError(lines[-1] if lines else f"exit code {self._channel.recv_exit_status()}")
+            raise ConnectionError(last_line(err) or f"exit code {self._channel.recv_exit_status()}")
         return data
 
     def settimeout(self, timeout: float | None, /) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from distrun.config import Allocation, ClusterSpec, HostSpec, Role, SshSpec
 from distrun.errors import HostError
-from distrun.links import CommandFailed, Connection, LocalConnection, Remote, Result, SrunLink
+from distrun.links import CommandFailed, Connection, LocalConnection, Remote, Result, SrunLink, last_line
 from distrun.scheduler._squeue import FORMAT, NEVER_STARTS, WAITING, Job, parse_squeue, why_ended
 from distrun.scheduler.api import NoAllocation, Progress, quiet
 
@@ -122,7 +122,7 @@ class SlurmScheduler:
         said = _ready_message(result.stdout)
         if result.ok and "port" in said:
             return result
-        reason = said.get("error") or _last_line(result.stdout) or result.last_line()
+        reason = said.get("error") or last_line(result.stdout) or result.last_line()
         return Result(result.command, result.exited or 1, "", str(reason))
 
     def ended(self) -> str | None:
@@ -268,7 +268,3 @@ def _ready_message(stdout: str) -> dict[str, Any]:
                 return message
     return {}
 
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
