@@ -34,8 +34,8 @@ from distrun.config import (
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.protocol import Event, Heartbeat, JobSummary, Output, event_to_dict
-from distrun.ui import render_progress, render_summary
+from distrun.protocol import Diagnosed, Event, Heartbeat, JobSummary, Output, event_to_dict
+from distrun.ui import render_diagnosis, render_progress, render_summary
 
 #: Global batch size when neither the flag nor the recipe's defaults give one.
 DEFAULT_GLOBAL_BATCH_SIZE = 64
@@ -157,7 +157,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             # The allocation's warning before its time limit: checkpoint at an agreed step, stop (exit 75).
             spec = dataclasses.replace(spec, preemptible=True)
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
-                  hang_timeout_s=hang_timeout_s)
+                  hang_timeout_s=hang_timeout_s,
+                  debug_dir=((results_dir or Path("distrun-results")) / job.job_id / "debug").resolve())
     except BaseException:
         job.close()
         raise
@@ -320,6 +321,8 @@ def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callab
                 else:
                     where = f"{host_of_rank(ev.rank)} rank {ev.rank}" if host_of_rank else f"rank {ev.rank}"
                 live.console.print(f"[{where}] {ev.line}", markup=False, highlight=False)
+            elif isinstance(ev, Diagnosed):  # --hang-timeout-s: every rank's stack and last collective
+                live.console.print(render_diagnosis(ev))
             live.update(render_progress(job.snapshot()))
 
         _drain(job, show)

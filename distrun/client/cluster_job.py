@@ -34,10 +34,23 @@ from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_te
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
+from distrun.client.diagnose import diagnose_hosts
 from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
 from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
 from distrun.errors import ConfigError, HostError, Interrupted, Preempted, TrainingError, UsageError
-from distrun.protocol import EVALUATOR_RANK, PEER_LOST, SERVER_RANK, Event, Failed, JobSnapshot, JobSummary, Output, decode_event
+from distrun.protocol import (
+    EVALUATOR_RANK,
+    PEER_LOST,
+    SERVER_RANK,
+    Diagnosed,
+    Event,
+    Failed,
+    Hung,
+    JobSnapshot,
+    JobSummary,
+    Output,
+    decode_event,
+)
 from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement"]
@@ -91,6 +104,7 @@ class ClusterJob:
         # Guards _clients with _detaching: a follower still connecting when Ctrl-C detaches
         # must see it, or its stream (opened after the others were closed) follows forever.
         self._clients_lock = threading.Lock()
+        self._debug_dir: Path | None = None
         self.attempt_id = job_id  # the id servers know the current attempt by: JOB, then JOB-r1, JOB-r2, ...
         self.restarts = 0
         self.max_restarts = 0
@@ -188,12 +202,13 @@ class ClusterJob:
     # -- start
 
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0,
-              hang_timeout_s: float | None = None) -> None:
+              hang_timeout_s: float | None = None, debug_dir: Path | None = None) -> None:
         """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``.
 
         ``max_restarts``: when a rank fails, restart every rank (from the newest
         checkpoint, if one was written) up to this many times. The client drives
         restarts, so they need a followed job, not ``detach``.
+        ``debug_dir``: where a hang's Flight Recorder dumps come home (None: only stacks are read).
         """
         if detach and max_restarts:
             raise UsageError("--max-restarts needs the client attached (restarts are driven by it); drop --detach")
@@ -201,10 +216,11 @@ class ClusterJob:
         self.max_restarts = max_restarts
         self._bundle = bundle
         self._detach = detach
+        self._debug_dir = debug_dir
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
                                           host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
                                           **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s, on_hang=self.elastic.lose_hung if spec.elastic else None)
+                               hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
@@ -217,6 +233,17 @@ class ClusterJob:
             self._start_following()
             if spec.elastic:
                 self.elastic.watch_for_hosts()
+
+    def _on_hang(self, hang: Hung) -> None:
+        """Every host's stacks and Flight Recorders first; then ``--elastic`` loses the stuck host."""
+        assert self._feed is not None
+        self._feed.put(self.diagnose("hang", dest=self._debug_dir))
+        if self.spec is not None and self.spec.elastic:
+            self.elastic.lose_hung(hang)
+
+    def diagnose(self, reason: str = "asked", *, native: bool = False, dest: Path | None = None) -> Diagnosed:
+        """Every running rank's stack, from every host; with ``dest``, the Flight Recorder dumps too."""
+        return diagnose_hosts(self._links, self.attempt_id, reason, native=native, dest=dest)
 
     def _submit(self, attempt_id: str, spec: JobSpec) -> None:
         rank0 = self._links[0]

@@ -88,7 +88,7 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
 
 
 @contextmanager
-def _job_hosts(cluster: ClusterSpec, job_id: str) -> Iterator[list[HostLink]]:
+def job_hosts(cluster: ClusterSpec, job_id: str) -> Iterator[list[HostLink]]:
     """Every host's link, open; yields those that run ``job_id`` (UsageError if none does)."""
     links = _links(cluster)
     try:
@@ -103,7 +103,7 @@ def _job_hosts(cluster: ClusterSpec, job_id: str) -> Iterator[list[HostLink]]:
 
 def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
     """Cancel ``job_id`` on every host that has it; return those hosts."""
-    with _job_hosts(cluster, job_id) as holders:
+    with job_hosts(cluster, job_id) as holders:
         for link in holders:
             link.call("cancel", job=job_id, reason="cancelled by `distrun cancel`")
         return [link.label for link in holders]
@@ -112,7 +112,7 @@ def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
 def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
     """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it, and any
     ``--tensorboard`` files into ``dest``/tensorboard."""
-    with _job_hosts(cluster, job_id) as holders:
+    with job_hosts(cluster, job_id) as holders:
         found = {link.label: artifacts(link, job_id) for link in holders}  # one call per host for both
         for link in holders:
             fetch_tensorboard(link, job_id, dest / "tensorboard", found[link.label])
@@ -125,7 +125,7 @@ def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
 
 def job_output(cluster: ClusterSpec, job_id: str, *, follow: bool) -> Iterator[tuple[str, Output]]:
     """(host, output line) of every rank, host by host; with ``follow``, until the job ends."""
-    with _job_hosts(cluster, job_id) as holders:
+    with job_hosts(cluster, job_id) as holders:
         for link in holders:
             with link.client() as client:
                 for item in client.stream("follow", job=job_id, offset=0, until_now=not follow, silence_s=30.0):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker, tracker_settings
+from distrun.client.diagnose import diagnose_launcher
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import (
     CheckpointError,
@@ -28,7 +30,7 @@ from distrun.errors import (
     TrainingError,
 )
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Event, Failed, Hung, JobSnapshot, JobSummary
+from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
@@ -53,6 +55,7 @@ class LocalJob:
         passes the embedded server's zygote (``client.warm``); nothing else differs."""
         self.spec = spec
         self._t0 = time.time()
+        run_id = f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
         worker = WorkerSpec(
             argv=(python or sys.executable, "-m", "distrun.runtime"),
             local_world_size=spec.world_size,
@@ -62,21 +65,29 @@ class LocalJob:
             independent_ranks=independent_ranks(spec),
             elastic=spec.elastic,
             respawns=ELASTIC_RESPAWNS if spec.elastic else 0,
-            run_id=f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}",
+            run_id=run_id,
+            # Flight Recorder dumps of a hang; removed at the end when nothing was dumped.
+            debug_dir=os.path.join(tempfile.gettempdir(), f"distrun-debug-{run_id}"),
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s, on_hang=self._lose_hung if spec.elastic else None)
+                               hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         self._launcher = LocalLauncher(worker, self._feed.put, starter=starter)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
         self._interrupted = False
 
-    def _lose_hung(self, hang: Hung) -> None:
-        """``--elastic``: a stuck rank is treated as lost (killed, the others go on, it rejoins)."""
-        if hang.rank >= 0:
+    def _on_hang(self, hang: Hung) -> None:
+        """Every rank's stack and Flight Recorder, then (``--elastic``) the stuck rank is
+        treated as lost (killed, the others go on, it rejoins)."""
+        self._feed.put(self.diagnose("hang"))
+        if self.spec.elastic and hang.rank >= 0:
             self._launcher.lose_rank(hang.rank, f"hung for {hang.stalled_s:.0f} s {hang.where}")
+
+    def diagnose(self, reason: str = "asked", *, native: bool = False) -> Diagnosed:
+        """Every running rank's stack, and its Flight Recorder dumped into the debug folder."""
+        return diagnose_launcher(self._launcher, reason, native=native)
 
     def __enter__(self) -> LocalJob:
         self._thread.start()

@@ -70,6 +70,9 @@ class WorkerSpec:
     #: The job's data-plane secret (hex, ``protocol/secret``): every host's launcher of one job
     #: holds the same. Empty: this launcher draws one (a job on this machine alone).
     job_secret: str = field(default="", repr=False)
+    #: Where ranks write their Flight Recorder dumps (``--hang-timeout-s``, ``distrun stacks``,
+    #: NCCL's own dump on a timeout); None: nowhere (dumps are not asked for).
+    debug_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

@@ -23,6 +23,9 @@ Guarantees (each held by a test):
   alone, not its group (a DataLoader worker would die of it); ranks that then exit with
   ``PREEMPTED_EXIT_CODE`` (checkpoint written) stop no one, and the run ends ``preempted``.
   Exit 75 from a rank nobody told is a failure like any other;
+* ``stacks()`` and ``dump_flight_recorder()`` look inside running ranks without stopping
+  them (``distrun stacks``, ``--hang-timeout-s``): py-spy reads each rank's stack, and a
+  byte on each rank's diagnose pipe asks it for its Flight Recorder (``runtime/_flight_recorder``);
 * ``--elastic``: an agent process beside the ranks hosts the rendezvous store, which
   outlives every rank (``launch/_agent``). A rank that dies without saying why (a
   signal) stops no one: the agent marks it lost, the others form a new group, and it is
@@ -44,11 +47,18 @@ from dataclasses import dataclass, field
 from distrun.launch._agent import ElasticAgent
 from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
+from distrun.launch._pyspy import StackUnavailable, read_stack
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._store_relay import StoreFront, StoreRelay
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import SERVER_RANK, Event, EventDecodeError, Exited, Failed, Output, decode_event
+from distrun.protocol.diagnosis import RankStack, flight_recorder_file
 from distrun.protocol.environment import (
+    DEBUG_DIR_VAR,
+    DIAGNOSE_FD_VAR,
+    FLIGHT_RECORDER_ENTRIES,
+    FLIGHT_RECORDER_VAR,
+    SUPERVISOR_PID_VAR,
     ELASTIC_JOINER_VAR,
     EVENT_FD_VAR,
     INCARNATION_VAR,
@@ -90,6 +100,7 @@ class _Proc:
     signalled: bool = False  # we sent it SIGTERM/SIGKILL: its death is ours, not its own failure
     lost_reason: str | None = None  # --elastic: why we killed it as lost (a hang), said when it is started again
     incarnation: int = 0  # how many times this rank was started before this process
+    diagnose_w: int | None = None  # write end of its diagnose pipe: a byte asks for its Flight Recorder
 
 
 class LocalLauncher:
@@ -129,6 +140,7 @@ class LocalLauncher:
         self._preempt_requested = threading.Event()
         self._preempt_sent = False
         self._preempted: set[int] = set()  # ranks that checkpointed and stopped to be requeued
+        self._diagnose_lock = threading.Lock()  # a diagnose pipe is written from any thread, closed by ours
 
     # -- public ---------------------------------------------------------------
 
@@ -143,6 +155,7 @@ class LocalLauncher:
             self._close_store_access()
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
+            self._close_diagnose_pipes()
         return RunResult(
             state=state,
             returncodes={p.rank: (p.returncode if p.returncode is not None else -signal.SIGKILL) for p in self._procs},
@@ -177,6 +190,47 @@ class LocalLauncher:
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self._procs]
 
+    def stacks(self, *, native: bool = False, host: str = "") -> list[RankStack]:
+        """Every running rank's main-thread stack now, read by py-spy (one at a time: each
+        read pauses its rank for a moment). Thread-safe; a rank py-spy cannot read says why."""
+        found = []
+        for proc in sorted(self._running(), key=lambda p: p.rank):
+            pid = proc.popen.pid
+            try:
+                found.append(RankStack(rank=proc.rank, host=host, pid=pid, frames=read_stack(pid, native=native)))
+            except StackUnavailable as exc:
+                found.append(RankStack(rank=proc.rank, host=host, pid=pid, error=str(exc)))
+        return found
+
+    def dump_flight_recorder(self, timeout_s: float = 10.0) -> dict[int, str]:
+        """Ask every running rank for its Flight Recorder; {rank: the dump's path} for the dumps
+        written within ``timeout_s`` (a rank stuck holding the GIL writes none). Thread-safe."""
+        folder = self._spec.debug_dir
+        if folder is None:
+            return {}
+        asked: dict[int, str] = {}
+        with self._diagnose_lock:
+            for proc in self._running():
+                path = os.path.join(folder, flight_recorder_file(proc.rank))
+                try:
+                    os.unlink(path)  # an older dump must not pass for this one
+                except FileNotFoundError:
+                    pass
+                if proc.diagnose_w is None:
+                    continue
+                try:
+                    os.write(proc.diagnose_w, b"d")
+                except OSError:  # it exited, or its pipe is full of unanswered asks
+                    continue
+                asked[proc.rank] = path
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not all(os.path.exists(p) for p in asked.values()):
+            time.sleep(0.05)
+        return {rank: path for rank, path in asked.items() if os.path.exists(path)}
+
+    def _running(self) -> list[_Proc]:
+        return [p for p in list(self._procs) if p.returncode is None]
+
     # -- start ----------------------------------------------------------------
 
     def _start(self) -> None:
@@ -184,6 +238,8 @@ class LocalLauncher:
             raise RuntimeError("a LocalLauncher runs once")
         self._started = True
         spec = self._spec
+        if spec.debug_dir:
+            os.makedirs(spec.debug_dir, mode=0o700, exist_ok=True)  # NCCL's own dump on a timeout goes here too
         store_listener: socket.socket | None = None  # the store's own socket, on loopback
         if self._listener is not None or spec.master_port is None:  # this launcher hosts the store
             store_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -239,6 +295,11 @@ class LocalLauncher:
         env.update(self._spec.env)
         env.update(rank_env(self._spec, local_rank, self._port, self._store_port))
         env[JOB_SECRET_VAR] = self._secret.hex()
+        env[SUPERVISOR_PID_VAR] = str(os.getpid())
+        env.setdefault(FLIGHT_RECORDER_VAR, str(FLIGHT_RECORDER_ENTRIES))  # the user's setting wins (0: off)
+        if self._spec.debug_dir:
+            env[DEBUG_DIR_VAR] = self._spec.debug_dir
+            env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(self._spec.debug_dir, "nccl-trace-rank-"))
         if self._spec.master_addr in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env and _LOOPBACK_IFNAME:
             env["GLOO_SOCKET_IFNAME"] = _LOOPBACK_IFNAME  # gloo's listeners stay on loopback too
         return env
@@ -249,13 +310,16 @@ class LocalLauncher:
         event_r, event_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        diagnose_r, diagnose_w = os.pipe()
+        os.set_blocking(diagnose_w, False)
         env = self._environment(local_rank)
         env[EVENT_FD_VAR] = str(event_w)
+        env[DIAGNOSE_FD_VAR] = str(diagnose_r)
         env.pop(STORE_ROLE_VAR, None)
         if joiner:
             env[ELASTIC_JOINER_VAR] = "1"
         env[INCARNATION_VAR] = str(self._respawned.get(rank, 0))
-        pass_fds = [event_w]
+        pass_fds = [event_w, diagnose_r]
         if listener is not None and rank == 0:
             env[STORE_FD_VAR] = str(listener.fileno())
             pass_fds.append(listener.fileno())
@@ -272,13 +336,14 @@ class LocalLauncher:
             if isinstance(self._starter, PopenStarter):
                 self._cold_starts += 1
         except BaseException:
-            for fd in (event_r, out_r, err_r):
+            for fd in (event_r, out_r, err_r, diagnose_w):
                 os.close(fd)
             raise
         finally:
-            for fd in (event_w, out_w, err_w):
+            for fd in (event_w, out_w, err_w, diagnose_r):
                 os.close(fd)
-        proc = _Proc(local_rank=local_rank, rank=rank, popen=handle, incarnation=self._respawned.get(rank, 0))
+        proc = _Proc(local_rank=local_rank, rank=rank, popen=handle, incarnation=self._respawned.get(rank, 0),
+                     diagnose_w=diagnose_w)
         for fd, stream in ((out_r, "stdout"), (err_r, "stderr"), (event_r, "events")):
             os.set_blocking(fd, False)
             proc.fds[fd] = (stream, LineBuffer())
@@ -349,6 +414,7 @@ class LocalLauncher:
             if rc is None:
                 continue
             proc.returncode = rc
+            self._close_diagnose_pipe(proc)
             # Anything it spawned goes with it; then read its last words (its
             # Failed event) before deciding whether it failed.
             self._kill_group(proc, signal.SIGKILL)
@@ -440,6 +506,22 @@ class LocalLauncher:
             if proc.returncode is None:
                 proc.returncode = rc
                 self._sink(Exited(rank=proc.rank, time=time.time(), returncode=rc))
+
+    def _close_diagnose_pipe(self, proc: _Proc) -> None:
+        with self._diagnose_lock:  # never closed while another thread writes to it
+            if proc.diagnose_w is not None:
+                os.close(proc.diagnose_w)
+                proc.diagnose_w = None
+
+    def _close_diagnose_pipes(self) -> None:
+        for proc in self._procs:
+            self._close_diagnose_pipe(proc)
+        folder = self._spec.debug_dir
+        if folder:
+            try:
+                os.rmdir(folder)  # only if nothing was dumped: an empty folder tells nobody anything
+            except OSError:
+                pass
 
     def _drain_proc(self, proc: _Proc, deadline: float) -> None:
         while time.monotonic() < deadline:

@@ -16,6 +16,14 @@ ELASTIC_JOINER_VAR = "DISTRUN_ELASTIC_JOINER"  # --elastic: this rank was starte
 CACHE_DIR_VAR = "DISTRUN_CACHE_DIR"  # a worker server's per-host cache folder (compiled kernels)
 JOB_SECRET_VAR = "DISTRUN_JOB_SECRET"  # the job's 256-bit secret (hex): the data plane's key (docs/security.md)
 CHIEF_ADDR_VAR = "DISTRUN_CHIEF_ADDR"  # the chief host's cluster address (MASTER_ADDR is the loopback store relay)
+DEBUG_DIR_VAR = "DISTRUN_DEBUG_DIR"  # where a rank writes its Flight Recorder dump (the job's debug folder)
+DIAGNOSE_FD_VAR = "DISTRUN_DIAGNOSE_FD"  # read end of a pipe: each byte asks for a Flight Recorder dump
+SUPERVISOR_PID_VAR = "DISTRUN_SUPERVISOR_PID"  # the launcher: it (and its py-spy) may ptrace the rank (Yama)
+
+#: torch's Flight Recorder: how many collectives each rank keeps (torch's default is 0: off).
+#: distrun turns it on for every job unless the user's environment sets it (0 turns it off).
+FLIGHT_RECORDER_VAR = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = 2000
 
 #: A rank's exit code after it wrote a checkpoint and stopped because it was told the job would
 #: end (SIGUSR1: Slurm's warning before a time limit or a preemption). BSD's EX_TEMPFAIL: try again.

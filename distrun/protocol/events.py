@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from distrun.errors import DistrunError
+from distrun.protocol.diagnosis import CollectiveRecord, RankStack
 
 __all__ = [
     "Event",
@@ -32,6 +33,7 @@ __all__ = [
     "Heartbeat",
     "HEARTBEAT_INTERVAL_S",
     "Hung",
+    "Diagnosed",
     "PsStats",
     "Compiled",
     "AllReduceChosen",
@@ -289,9 +291,33 @@ class Hung(Event):
         object.__setattr__(self, "waiting", tuple(self.waiting))  # JSON brings a list
 
 
+@dataclass(frozen=True)
+class Diagnosed(Event):
+    """Made by the client: every rank's stack and last collective, gathered from every host
+    (``reason``: ``"hang"`` when ``--hang-timeout-s`` fired, ``"asked"`` for ``distrun stacks``).
+
+    ``awaited`` names the collective most blocked ranks wait in (``"#5 gloo:all_reduce"``);
+    ``missing`` the ranks that never entered it; ``dump_dir`` where the Flight Recorder dumps
+    were brought (None: none was asked for).
+    """
+
+    type: ClassVar[str] = "diagnosis"
+    reason: str
+    stacks: tuple[RankStack, ...] = ()
+    collectives: tuple[CollectiveRecord, ...] = ()
+    awaited: str | None = None
+    missing: tuple[int, ...] = ()
+    dump_dir: str | None = None
+
+    def __post_init__(self) -> None:  # JSON brings lists of dicts
+        object.__setattr__(self, "stacks", tuple(RankStack.from_dict(s) for s in self.stacks))
+        object.__setattr__(self, "collectives", tuple(CollectiveRecord.from_dict(c) for c in self.collectives))
+        object.__setattr__(self, "missing", tuple(self.missing))
+
+
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, PsStats,
+    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, Diagnosed, PsStats,
                 Compiled, AllReduceChosen, MembershipChanged, Workload)
 }
 

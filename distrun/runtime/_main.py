@@ -29,6 +29,7 @@ from distrun.protocol.environment import (
     PREEMPTED_EXIT_CODE,
 )
 from distrun.runtime._failure import describe_failure
+from distrun.runtime._flight_recorder import allow_supervisor_to_trace, start_dump_listener
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._preempt import Preempted, install_preempt_handler
 from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
@@ -49,6 +50,8 @@ def main() -> None:
     reporter: EventReporter | None = None
     error_file = prepare_error_file(launch.rank)
     install_preempt_handler()  # noted always; acted on (a checkpoint, then exit 75) when preemptible
+    allow_supervisor_to_trace()  # distrun stacks: the launcher's py-spy may read this process
+    start_dump_listener(launch.rank)  # --hang-timeout-s: the Flight Recorder, dumped on the launcher's word
     try:
         info = inspect_recipe(spec.recipe)
         ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas

@@ -238,6 +238,7 @@ class JobManager:
             join=bool(args.get("join", False)) and spec.elastic,
             **_torchelastic_ids(job_id, int(args.get("respawns", 0))),
             job_secret=secret,
+            debug_dir=str(job.folder / "debug"),
         )
         starter = self._starter()
         with job.changed:  # the rendezvous lease's expiry checks the same state under this lock
@@ -341,6 +342,19 @@ class JobManager:
         if launcher is not None:
             launcher.lose_rank(rank, str(args.get("why", "lost"))[:200])
         return {"job": job.id}
+
+    def diagnose(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``distrun stacks`` and ``--hang-timeout-s``: this host's ranks' stacks (py-spy) and,
+        with ``flight_recorder``, the paths of their Flight Recorder dumps ({rank: path}), which
+        the client reads. A job that is not running here answers no stack."""
+        job = self._get(args)
+        launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
+        if launcher is None:
+            return {"stacks": [], "dumps": {}}
+        dumps = launcher.dump_flight_recorder() if args.get("flight_recorder") else {}
+        stacks = launcher.stacks(native=bool(args.get("native")))
+        return {"stacks": [dataclasses.asdict(stack) for stack in stacks],
+                "dumps": {str(rank): path for rank, path in dumps.items()}}
 
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
         """The newest checkpoint this host's ranks wrote for the job (from its event log), and

@@ -102,6 +102,7 @@ class WorkerServer:
             "doctor_listen": self._doctor_listen,
             "jobs": self.jobs.list,
             "artifacts": self.jobs.artifacts,
+            "diagnose": self.jobs.diagnose,
         }
         # Requests answered by a stream of frames, ended by {"end": true}.
         self._streams: dict[str, Stream] = {"follow": self.jobs.follow}

@@ -15,7 +15,7 @@ import pytest
 
 from distrun.client.jobs import collapse_ranks
 from distrun.ui import fmt_ranks
-from tests.cluster.conftest import Lab, json_lines, lab_cli, training_pids
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, training_pids
 
 SLOW = """
 import time
@@ -210,23 +210,55 @@ def loss(outputs, batch):
     time.sleep(0.05)''')
 
 
-def test_a_hung_rank_is_named_with_the_ranks_waiting_for_it(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+def test_a_hung_rank_is_named_with_its_stack_and_the_collective_it_never_entered(lab: Lab, tmp_path: Path) -> None:
+    """Four ranks on two hosts; rank 1 hangs in the recipe. --hang-timeout-s names it, prints every rank's
+    stack (the three waiting ranks collapse into one entry) and brings the Flight Recorder dumps home;
+    `distrun stacks` says the same from another client while the job is stuck."""
     recipe = tmp_path / "hang" / "hang.py"
     recipe.parent.mkdir()
     recipe.write_text(HANGS_ON_RANK_1)
-    proc = _start(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
-                  "--hang-timeout-s", "5")
-    assert proc.stdout is not None
-    hang = None
-    for line in proc.stdout:
-        if line.startswith('{"type":"hang"'):
-            hang = json.loads(line)
-            break
-        assert not line.startswith('{"type":"summary"'), "the job ended instead of hanging"
-    assert hang is not None
-    assert hang["rank"] == 1 and hang["waiting"] == [0] and hang["stalled_s"] >= 5
-    assert hang["where"].startswith("in recipe hang.py:")
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
-    assert proc.returncode == 130
-    _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
+    two_each = {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[worker]", "slots": "2"}}
+    with brought_up(lab, two_each, "lab4") as cluster:
+        proc = _start(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                      "--hang-timeout-s", "5")
+        assert proc.stdout is not None
+        hang = found = job = None
+        for line in proc.stdout:
+            if line.startswith('{"type":"job"'):
+                job = json.loads(line)["job"]
+            if line.startswith('{"type":"hang"'):
+                hang = json.loads(line)
+            if line.startswith('{"type":"diagnosis"'):
+                found = json.loads(line)
+                break
+            assert not line.startswith('{"type":"summary"'), "the job ended instead of hanging"
+        assert hang is not None and found is not None
+        assert hang["rank"] == 1 and hang["waiting"] == [0, 2, 3] and hang["stalled_s"] >= 5
+        assert hang["where"].startswith("in recipe hang.py:")
+        h1, h2 = lab.hosts["h1"][1], lab.hosts["h2"][1]
+        assert {(s["rank"], s["host"]) for s in found["stacks"]} == {(0, h1), (1, h1), (2, h2), (3, h2)}
+        by_rank = {s["rank"]: s["frames"] for s in found["stacks"]}
+        assert by_rank[0] == by_rank[2] == by_rank[3] and by_rank[1][0]["function"] == "loss"
+        assert found["missing"] == [1] and found["awaited"].endswith("gloo:all_reduce")
+        home = lab.root / "distrun-results" / job / "debug"
+        assert sorted(p.name for p in home.iterdir()) == [f"flight-recorder-rank-{r}.json" for r in range(4)]
+        assert found["dump_dir"] == str(home)
+
+        # Another client, while the job is stuck: the one running job, its stacks collapsed across hosts.
+        stacks = lab_cli(lab, "stacks", "--cluster", str(cluster))
+        assert stacks.returncode == 0, stacks.stderr
+        lines = stacks.stdout.splitlines()
+        assert any(line.startswith("ranks 0,2-3: ") for line in lines), stacks.stdout
+        assert any(line.startswith(f"rank 1 ({h1}): loss (hang.py:") for line in lines), stacks.stdout
+        with_fr = lab_cli(lab, "stacks", job, "--cluster", str(cluster), "--json", "--flight-recorder", "fr")
+        assert with_fr.returncode == 0, with_fr.stderr
+        asked = json_lines(with_fr)[0]
+        assert asked["job"] == job and asked["missing"] == [1] and len(asked["stacks"]) == 4
+        assert len(list((lab.root / "fr" / job).glob("flight-recorder-rank-*.json"))) == 4
+
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+        assert proc.returncode == 130
+        _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
+        none_left = lab_cli(lab, "stacks", "--cluster", str(cluster))
+        assert none_left.returncode == 2 and "no job is running" in none_left.stderr
