@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import fcntl
 import importlib
 import json
 import os
@@ -214,8 +215,10 @@ def _become_training_process(request: dict[str, Any], fds: list[int], targets: l
     for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(signum, fresh.get(signum, signal.SIG_DFL))
     os.setsid()
-    # Move received fds out of the way first, so no target overwrites a source.
-    high = [os.dup(fd) for fd in fds]
+    # Move received fds above every target first, so no target overwrites a source (a plain
+    # dup takes the lowest free number, which may be a target still to be filled).
+    floor = max([*targets, 2]) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, floor) for fd in fds]
     for fd in fds:
         os.close(fd)
     devnull = os.open(os.devnull, os.O_RDONLY)
