@@ -6,6 +6,7 @@ import dataclasses
 import json
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -31,6 +32,8 @@ from distrun.config import (
     inspect_recipe,
     load_cluster,
     parse_elastic,
+    parse_profile,
+    parse_tracker_uris,
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
@@ -79,6 +82,12 @@ def train(
     detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
     tensorboard: Path | None = typer.Option(None, "--tensorboard", help="Write TensorBoard event files to DIR (loss, samples/s, learning rate, eval, strategy.log, ps figures); --cluster: they come home to DIR (pip install 'distrun[tensorboard]')."),
+    profile: str | None = typer.Option(None, "--profile", metavar="START:END", help="torch.profiler on every rank over these global steps (CPU and CUDA, shapes, memory); traces for Perfetto and TensorBoard come home: --cluster, to the results dir; here, to --checkpoint-dir/profile (else the results dir) (docs/profiling.md)."),
+    tracker: list[str] = typer.Option([], "--tracker", help="mlflow | wandb | tensorboard (repeatable): rank 0 logs the run's parameters, per-step metrics and summary there (pip install 'distrun[mlflow]' / 'distrun[wandb]'; docs/tracking.md)."),
+    tracker_uri: list[str] = typer.Option([], "--tracker-uri", metavar="[NAME=]URI", help="Where a tracker writes: MLflow's tracking URI (sqlite:///mlflow.db, http://host:5000), W&B's run folder, TensorBoard's log folder; NAME= when several trackers are given."),
+    run_name: str | None = typer.Option(None, "--run-name", help="--tracker: the run's name."),
+    experiment: str | None = typer.Option(None, "--experiment", help="--tracker: MLflow's experiment, W&B's project."),
+    tracker_checkpoint: bool = typer.Option(False, "--tracker-checkpoint", help="--tracker mlflow|wandb: log the newest checkpoint as an artifact at the end."),
     on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored (replicas) or multi-worker (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
@@ -91,6 +100,9 @@ def train(
     """Train RECIPE under --strategy, here or on a cluster; switching strategy never changes the recipe."""
     if strategy is None:  # a cluster means all of it: every worker host
         strategy = default_strategy(cluster_file is not None)
+    observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
+                            experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
+                            checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
     flags = dict(
         recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
         steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
@@ -101,7 +113,7 @@ def train(
         allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
         shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
         async_checkpoint=async_checkpoint, data_workers=data_workers,
-        tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
+        **observe,
     )
     if hang_timeout_s is not None and hang_timeout_s <= 0:
         raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
@@ -186,6 +198,36 @@ def _job_line(job: ClusterJob) -> dict[str, Any]:
     """The first line of a cluster job's --json stream: where it runs and where the code went."""
     return {"type": "job", "job": job.job_id, "world_size": job.world_size,
             "hosts": [p.host.label for p in job.placements], "bundle_sent_to": list(job.bundle_sent_to)}
+
+
+def observe_flags(*, profile: str | None, trackers: list[str], tracker_uris: list[str], run_name: str | None,
+                  experiment: str | None, tracker_checkpoint: bool, tensorboard: Path | None,
+                  checkpoint_dir: Path | None, results_dir: Path, local: bool) -> dict[str, Any]:
+    """The JobSpec fields of ``--profile``, ``--tracker*`` and ``--tensorboard``.
+
+    ``--tracker tensorboard`` is ``--tensorboard`` (its URI the folder, default ``./runs``), so
+    TensorBoard is written by one tap whichever flag asked for it. A local job's traces go to
+    ``--checkpoint-dir``/profile, else to the results dir; a cluster job's to each host's job
+    folder (the server decides), and come home to the results dir.
+    """
+    uris = parse_tracker_uris(tracker_uris, trackers)
+    if "tensorboard" in trackers:
+        board = Path(uris.pop("tensorboard", "runs"))
+        if tensorboard is not None and board.expanduser().resolve() != tensorboard.expanduser().resolve():
+            raise UsageError(f"--tensorboard {tensorboard} and --tracker tensorboard ({board}): one folder, please")
+        tensorboard = board
+    window = parse_profile(profile) if profile is not None else None
+    profile_dir = None
+    if window is not None and local:
+        run = time.strftime("local-%Y%m%d-%H%M%S")
+        profile_dir = str(((checkpoint_dir / "profile") if checkpoint_dir else results_dir / run / "profile")
+                          .expanduser().resolve())
+    return dict(
+        tensorboard_dir=str(tensorboard.expanduser().resolve()) if tensorboard else None,
+        profile_steps=window, profile_dir=profile_dir,
+        trackers=tuple(name for name in trackers if name != "tensorboard"), tracker_uris=uris,
+        run_name=run_name, experiment=experiment, tracker_checkpoint=tracker_checkpoint,
+    )
 
 
 def default_strategy(on_cluster: bool) -> str:

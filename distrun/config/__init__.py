@@ -21,6 +21,7 @@ from distrun.config.job import (
     StrategyName,
     parse_elastic,
 )
+from distrun.config._observe import TRACKERS, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
@@ -45,4 +46,7 @@ __all__ = [
     "RecipeInfo",
     "RecipeKind",
     "inspect_recipe",
+    "TRACKERS",
+    "parse_profile",
+    "parse_tracker_uris",
 ]

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
+from distrun.config._observe import check_profile, check_trackers
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
@@ -135,6 +136,18 @@ class JobSpec:
     #: SIGUSR1 to a rank (Slurm's warning before a time limit or a preemption) asks the job to
     #: write a checkpoint at a step every replica agrees on, then stop (exit 75) to be requeued.
     preemptible: bool = False
+    #: ``--profile START:END``: torch.profiler on every rank over these global steps (inclusive);
+    #: each rank's trace goes to ``profile_dir`` (the client picks it; a cluster host, its job folder).
+    profile_steps: tuple[int, int] | None = None
+    profile_dir: str | None = None
+    #: ``--tracker``: what rank 0 logs to besides the live view (mlflow, wandb; tensorboard is
+    #: ``tensorboard_dir``); where each writes (``--tracker-uri``), the run's name, the experiment
+    #: (MLflow's experiment, W&B's project), and whether the newest checkpoint is logged at the end.
+    trackers: tuple[str, ...] = ()
+    tracker_uris: Mapping[str, str] = field(default_factory=dict)
+    run_name: str | None = None
+    experiment: str | None = None
+    tracker_checkpoint: bool = False
 
     @property
     def elastic(self) -> bool:
@@ -167,6 +180,7 @@ class JobSpec:
         data["strategy"] = self.strategy.value
         data["recipe_args"] = list(self.recipe_args)
         data["extra_env"] = dict(self.extra_env)
+        data["tracker_uris"] = dict(self.tracker_uris)
         return json.dumps(data, sort_keys=True)
 
     @classmethod
@@ -178,6 +192,9 @@ class JobSpec:
             raise ConfigError(f"job spec: unknown keys {unknown} (client and worker versions differ?)")
         data["strategy"] = StrategyName.parse(data.get("strategy", "one-device"))
         data["recipe_args"] = tuple(data.get("recipe_args", ()))
+        data["trackers"] = tuple(data.get("trackers", ()))
+        if data.get("profile_steps") is not None:  # JSON brings a list
+            data["profile_steps"] = tuple(data["profile_steps"])
         return cls(**data)
 
 
@@ -223,6 +240,9 @@ def _validate(spec: JobSpec) -> None:
     _validate_elastic(spec)
     _validate_sharded(spec)
     _validate_preemptible(spec)
+    check_profile(spec.profile_steps)
+    check_trackers(spec.trackers, spec.tracker_uris, run_name=spec.run_name, experiment=spec.experiment,
+                   log_checkpoint=spec.tracker_checkpoint, checkpoint_dir=spec.checkpoint_dir)
     if spec.on_nonfinite not in ("stop", "skip", "warn"):
         raise ConfigError(f"--on-nonfinite: expected stop, skip or warn. Received: {spec.on_nonfinite!r}"
                           f"{did_you_mean(str(spec.on_nonfinite), ('stop', 'skip', 'warn'))}")
