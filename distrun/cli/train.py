@@ -331,6 +331,8 @@ def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
         signal.signal(signal.SIGTERM, previous)
         if summary is not None:
             _print_summary(summary, json_output)
+            if summary.profile_dir and not json_output and after is None:  # a cluster's line comes with its results
+                stderr.print(profile_line(summary.profile_traces, summary.profile_dir), markup=False)
 
 
 def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSummary, json_output: bool) -> None:
@@ -345,6 +347,14 @@ def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSum
     else:
         where = results.get("checkpoint") or results["dir"]
         stderr.print(f"results: {where}", markup=False)
+        if results.get("profile"):
+            stderr.print(profile_line(len(results.get("profile_traces", ())), results["profile"]), markup=False)
+
+
+def profile_line(traces: int, folder: str) -> str:
+    """``--profile``: the one line that says where the traces are and what opens them."""
+    return (f"profile: {traces} trace(s) in {folder} (open one in https://ui.perfetto.dev, or "
+            f"`tensorboard --logdir {Path(folder).parent}` with torch-tb-profiler)")
 
 
 def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callable[[int], str] | None) -> None:

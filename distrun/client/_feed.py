@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +28,12 @@ _END = object()
 _NO_REVERSE_DNS = "The hostname of the client socket cannot be retrieved"
 _NO_REVERSE_DNS_NOTE = ("[distrun] no reverse DNS for the peers' addresses here, so c10d cannot name them in its "
                         "logs (\"hostname of the client socket cannot be retrieved\"); harmless, said once")
+
+#: ``--profile``: what torch's profiler prints on every rank as it starts and stops (Kineto's
+#: "USDT: ... profiler_start", and c10's note that memory allocated before the window has no
+#: free event in the trace). Neither says anything the profile line does not; the feed drops them.
+_PROFILER_NOISE = re.compile(r"SyncActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$"
+                             r"|allocated before the profiling started, profiler results will not include")
 
 
 class EventFeed:
@@ -65,6 +72,8 @@ class EventFeed:
                 continue
             if item is _END:
                 return
+            if isinstance(item, Output) and _PROFILER_NOISE.search(item.line):
+                continue
             if isinstance(item, Output) and _NO_REVERSE_DNS in item.line:
                 if self._said_no_dns:
                     continue
@@ -74,6 +83,7 @@ class EventFeed:
             if isinstance(item, Output) and item.stream == "stderr":
                 self._stderr.setdefault(item.rank, deque(maxlen=STDERR_TAIL_LINES)).append(item.line)
             yield item
+            yield from self.tracker.take_made()  # a straggler named from the figures just folded in
 
     def stderr_tail(self, rank: int | None) -> tuple[str, ...]:
         return tuple(self._stderr.get(rank, ())) if rank is not None else ()

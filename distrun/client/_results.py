@@ -72,7 +72,16 @@ def fetch_newest_checkpoint(link: HostLink, job_id: str, dest: Path, found: dict
 def fetch_tensorboard(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> list[Path]:
     """Copy the ``--tensorboard`` event files ``job_id`` wrote on this host into ``dest`` (same layout).
     ``found``: the host's ``artifacts`` answer, where the caller already has it."""
-    board = (found if found is not None else artifacts(link, job_id)).get("tensorboard") or {}
+    return fetch_folder(link, (found if found is not None else artifacts(link, job_id)).get("tensorboard") or {}, dest)
+
+
+def fetch_profile(link: HostLink, job_id: str, dest: Path, found: dict | None = None) -> list[Path]:
+    """Copy the ``--profile`` traces this host's ranks wrote into ``dest`` (each is named by its rank)."""
+    return fetch_folder(link, (found if found is not None else artifacts(link, job_id)).get("profile") or {}, dest)
+
+
+def fetch_folder(link: HostLink, board: dict, dest: Path) -> list[Path]:
+    """Copy the files an ``artifacts`` answer names under one of the job's folders into ``dest``."""
     fetched = []
     for name in board.get("files", ()):
         relative = PurePosixPath(name)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
+from distrun.client._stragglers import SLOW_INTERVALS, StragglerWatch
 from distrun.config import JobSpec
 from distrun.protocol import (
     EVALUATOR_RANK,
@@ -27,8 +29,10 @@ from distrun.protocol import (
     PsStats,
     ReplicaRow,
     ReplicaStatus,
+    Profiled,
     Started,
     Step,
+    Straggler,
 )
 
 
@@ -75,6 +79,9 @@ class JobTracker:
         self._compiled: Compiled | None = None  # the chief's newest compiler figures
         self._changes: list[MembershipChanged] = []  # --elastic: each new group
         self._steps_lost = 0
+        self._stragglers = StragglerWatch()
+        self._straggler_events: list[Straggler] = []  # made here, not yet handed out (take_made)
+        self._profiles: list[Profiled] = []  # --profile: each rank's trace
 
     def update(self, event: Event) -> None:
         if isinstance(event, Hung):  # made by the client; may name no rank (-1)
@@ -104,6 +111,11 @@ class JobTracker:
                 self._first_step_at = event.time
             self._last_step_at = time.time()
             self._hang = None
+            if event.compute_ms is not None:
+                row = dataclasses.replace(row, compute_ms=event.compute_ms)
+                self._rows[event.rank] = row
+                self._judge_speed(event)
+                row = self._rows[event.rank]
         elif isinstance(event, PsStats):
             row = dataclasses.replace(row, updates=event.updates, bytes_in=event.bytes_in, bytes_out=event.bytes_out,
                                       params=event.params, step=event.updates, status=ReplicaStatus.RUNNING,
@@ -116,6 +128,10 @@ class JobTracker:
             self._eval = dict(event.metrics)
         elif isinstance(event, Workload):
             self._workload = event
+        elif isinstance(event, Profiled):
+            self._profiles.append(event)
+        elif isinstance(event, Straggler):  # made by this tracker; replayed by attach
+            return
         elif isinstance(event, Checkpointed):
             self._checkpoint = event.path
             self._checkpoint_blocked_ms = max(self._checkpoint_blocked_ms or 0.0, event.blocked_ms)
@@ -137,6 +153,26 @@ class JobTracker:
             if event.returncode != 0 and row.status not in (ReplicaStatus.FAILED, ReplicaStatus.DONE):
                 row = dataclasses.replace(row, status=ReplicaStatus.STOPPED)
         self._rows[event.rank] = row
+
+    def _judge_speed(self, event: Step) -> None:
+        """Feed the straggler watch; a rank that became (or stopped being) slow gets an event."""
+        self._stragglers.observe(event.rank, event.compute_ms or 0.0)
+        running = [rank for rank, row in self._rows.items()
+                   if row.role == "worker" and row.status is ReplicaStatus.RUNNING]
+        for verdict in self._stragglers.judge(running):
+            self._straggler_events.append(Straggler(
+                rank=verdict.rank, time=event.time, host=self._rows[verdict.rank].host, ratio=round(verdict.ratio, 3),
+                compute_ms=round(verdict.compute_ms, 3), median_ms=round(verdict.median_ms, 3),
+                intervals=verdict.intervals, recovered=verdict.recovered))
+        for rank, row in self._rows.items():
+            slow = self._stragglers.slow.get(rank)
+            if row.slow != slow:
+                self._rows[rank] = dataclasses.replace(row, slow=slow)
+
+    def take_made(self) -> list[Event]:
+        """Events this tracker made from the stream (stragglers named), for the stream's reader."""
+        made, self._straggler_events = list(self._straggler_events), []
+        return made
 
     def _rate(self, rank: int, at: float, count: int, previous: float | None) -> float | None:
         """Counts per second since this rank's previous figure (the previous rate if too close)."""
@@ -190,6 +226,7 @@ class JobTracker:
             evaluator_metrics=dict(self._evaluator[1]) if self._evaluator else {},
             compile_line=describe_compile(self._compiled) if self._compiled else None,
             membership_line=describe_membership(self._changes[-1], len(self._changes)) if self._changes else None,
+            straggler_line=describe_stragglers(rows, self._stragglers.slow),
             **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 
@@ -224,6 +261,9 @@ class JobTracker:
             world_size=self._changes[-1].world_size if self._changes else None,
             peak_mem_mb={str(rank): round(row.peak_mem_mb, 1) for rank, row in sorted(self._rows.items())
                          if row.peak_mem_mb > 0},
+            stragglers={str(rank): round(ratio, 2) for rank, ratio in sorted(self._stragglers.worst.items())},
+            profile_dir=os.path.dirname(self._profiles[0].path) if self._profiles else None,
+            profile_traces=len(self._profiles),
             **self._throughput(chief.samples_per_s if chief else 0.0),
         )
 
@@ -263,6 +303,19 @@ def describe_membership(change: MembershipChanged, count: int) -> str:
                                        ("joined: " + ", ".join(change.joined)) if change.joined else "") if part)
     return (f"membership: {change.world_size} replica(s) from step {change.step + 1} ({what or 'regrouped'}; "
             f"recovered in {change.recovery_s:.2f} s; change {count})")
+
+
+def describe_stragglers(rows: tuple[ReplicaRow, ...], slow: dict[int, float]) -> str | None:
+    """One line for the live view: the slow ranks, where they run and how much slower they compute."""
+    if not slow:
+        return None
+    named = []
+    for row in rows:
+        if row.rank in slow:
+            where = f" ({row.host})" if row.host else ""
+            named.append(f"rank {row.rank}{where} {slow[row.rank]:.2f}x")
+    return (f"straggler: {', '.join(named)} the other ranks' median compute time per step "
+            f"(for {SLOW_INTERVALS}+ intervals)")
 
 
 def describe_hang(hang: Hung, rows: dict[int, ReplicaRow]) -> str:

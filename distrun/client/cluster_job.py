@@ -30,7 +30,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._links import HostLink, Placement, holders_of, open_all
-from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_tensorboard
+from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
 from distrun.client._server_client import ServerClient
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
@@ -472,8 +472,14 @@ class ClusterJob:
         if self.spec is not None and self.spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
             board = Path(self.spec.tensorboard_dir)
             fetch_tensorboard(self._links[0], self.attempt_id, board, found)
+        traces: list[Path] = []
+        if self.spec is not None and self.spec.profile_steps:  # --profile: every host's ranks wrote traces
+            for link in self._links:
+                traces += fetch_profile(link, self.attempt_id, dest / "profile", found if link is self._links[0] else None)
         return {"type": "results", "job": self.job_id, "dir": str(dest),
-                "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None}
+                "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None,
+                "profile": str(dest / "profile") if traces else None,
+                "profile_traces": sorted(str(path) for path in traces)}
 
     def close(self) -> None:
         for link in self._links + self._evaluators:

@@ -34,6 +34,8 @@ __all__ = [
     "HEARTBEAT_INTERVAL_S",
     "Hung",
     "Diagnosed",
+    "Profiled",
+    "Straggler",
     "PsStats",
     "Compiled",
     "AllReduceChosen",
@@ -102,6 +104,13 @@ class Step(Event):
     gpu_util: float | None = None
     #: The rank's peak memory so far: CUDA's max allocated, else the process's peak RSS (VmHWM).
     peak_mem_mb: float | None = None
+    #: Per step, over the steps since this rank's previous Step event: the wall time from the
+    #: end of one step to the end of the next, and the part of it that was this rank's own work
+    #: (the wall time less the time it waited for its peers' gradients or shards). Under a
+    #: synchronous strategy every rank's step takes the same wall time; its compute time is what
+    #: tells a slow rank from the ranks that wait for it (docs/debugging.md#slow-ranks).
+    step_ms: float | None = None
+    compute_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -275,6 +284,37 @@ class Workload(Event):
 
 
 @dataclass(frozen=True)
+class Profiled(Event):
+    """``--profile``: this rank's torch.profiler trace of global steps ``start_step``..``end_step``
+    is written (``path``, on the rank's host). ``end_step`` is lower than asked when the job ended
+    inside the window."""
+
+    type: ClassVar[str] = "profile"
+    start_step: int
+    end_step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class Straggler(Event):
+    """Made by the client: ``rank``'s compute time per step has stayed above the threshold times
+    the median of the other ranks' for ``intervals`` reporting intervals in a row.
+
+    ``ratio`` is its compute time over that median; ``host`` where it runs (None: this machine).
+    Sent once when a rank becomes slow, and once with ``recovered`` when it has stayed under
+    the threshold as long.
+    """
+
+    type: ClassVar[str] = "straggler"
+    host: str | None
+    ratio: float
+    compute_ms: float
+    median_ms: float
+    intervals: int
+    recovered: bool = False
+
+
+@dataclass(frozen=True)
 class Hung(Event):
     """Made by the client, not a process: no rank has stepped for ``stalled_s``.
 
@@ -318,7 +358,7 @@ class Diagnosed(Event):
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, Diagnosed, PsStats,
-                Compiled, AllReduceChosen, MembershipChanged, Workload)
+                Compiled, AllReduceChosen, MembershipChanged, Workload, Profiled, Straggler)
 }
 
 

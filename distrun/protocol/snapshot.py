@@ -48,6 +48,10 @@ class ReplicaRow:
     bytes_in: int = 0
     bytes_out: int = 0
     params: int = 0
+    #: compute time per step (the step's wall time less its wait for peers), as the rank last said;
+    #: ``slow``: its ratio to the other ranks' median while it is named a straggler, else None.
+    compute_ms: float | None = None
+    slow: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class JobSnapshot:
     membership_line: str | None = None  # --elastic: the newest change of the group
     tokens_per_s: float | None = None  # a recipe with tokens_per_sample: samples/s times it
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
+    straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
 
     @property
     def samples_per_s(self) -> float:
@@ -134,6 +139,12 @@ class JobSummary:
     #: GPU whose peak distrun knows, MFU (model FLOPs/s over the devices' dense peak, 0-1).
     tokens_per_s: float | None = None
     mfu: float | None = None
+    #: Ranks named stragglers during the run ("rank": the highest compute-time ratio seen).
+    stragglers: dict[str, float] = field(default_factory=dict)
+    #: ``--profile``: where the ranks' traces were written (on a cluster, each host's job folder;
+    #: the results dir names where they came home), and how many were written.
+    profile_dir: str | None = None
+    profile_traces: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

@@ -74,7 +74,10 @@ def main() -> None:
             from distrun.runtime._script_progress import ScriptProgress  # steps, loss, samples/s: watched
 
             reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
+            reporter.profile = _profile_window(spec, launch, device, writer)
             ScriptProgress(reporter)
+            if reporter.profile is not None:
+                reporter.profile.open_now()
             runpy.run_path(spec.recipe, run_name="__main__")
             reporter.flush()
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=reporter.current_step,
@@ -94,6 +97,8 @@ def main() -> None:
             raise RecipeError(f"--elastic trains fit-style recipes (distrun's loop redoes a step after a change of "
                               f"membership); {spec.recipe} is a {info.kind.value}")
         reporter = EventReporter(writer, launch.rank, spec.replicas, spec.log_interval_s, device.type)
+        if not os.environ.get(EVAL_CHECKPOINT_VAR):
+            reporter.profile = _profile_window(spec, launch, device, writer)
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
         module = load_module(spec.recipe)
@@ -206,6 +211,16 @@ def _tensorboard(writer: EventWriter, spec: JobSpec, launch: LaunchEnv, ps_task:
     tap = TensorBoardTap(writer, logdir)
     atexit.register(tap.close)  # _exit runs atexit handlers: the last figures reach the file
     return tap
+
+
+def _profile_window(spec: JobSpec, launch: LaunchEnv, device: Any, writer: Any) -> Any:
+    """``--profile``: this rank's window of steps (None without the flag)."""
+    if spec.profile_steps is None:
+        return None
+    from distrun.runtime._profile import ProfileWindow
+
+    folder = spec.profile_dir or os.path.join(os.getcwd(), "distrun-profile")
+    return ProfileWindow(spec.profile_steps, folder, launch.rank, device.type, writer)
 
 
 def _device(spec: JobSpec, launch: LaunchEnv) -> Any:

@@ -3,6 +3,12 @@
 Step events are throttled to one per ``interval_s`` per replica (the first and
 last step always go out), and ``loss.item()`` is only called for the steps
 that are sent, so reporting never adds a device sync per step on GPU.
+
+Each Step event also carries the rank's mean step time and compute time over the steps
+since the previous one: a step's wall time runs from the end of the step before to the end
+of this one (data loading included), and its compute time is that less what the strategy
+measured as waiting for peers (``sync_wait_s``). The client compares ranks' compute times
+to name slow ones (``client/_stragglers.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ class EventReporter:
         self._last_epoch = 0
         self._pushes: int | None = None
         self._staleness: int | None = None
+        self._timed_steps = 0  # steps in the current window with a known wall time...
+        self._step_s = 0.0  # ...their wall time...
+        self._wait_s = 0.0  # ...and the part of it spent waiting for peers
+        self.profile: Any = None  # --profile: a ProfileWindow told of each step
 
     @property
     def learning_rate(self) -> Any:
@@ -52,8 +62,19 @@ class EventReporter:
 
     # Reporter protocol -------------------------------------------------------
 
-    def step(self, step: int, epoch: int, loss: Any, samples: int) -> None:
+    def step_started(self, step: int) -> None:
+        """Step ``step`` is about to run (strategies say so; a plain script's steps only end)."""
+        if self.profile is not None:
+            self.profile.before_step(step)
+
+    def step(self, step: int, epoch: int, loss: Any, samples: int, sync_wait_s: float | None = None) -> None:
+        """Step ``step`` ended; ``sync_wait_s``: how long of it this rank waited for its peers."""
         now = time.monotonic()
+        if self._last_step_mono is not None and now > self._last_step_mono:
+            wall = now - self._last_step_mono
+            self._timed_steps += 1
+            self._step_s += wall
+            self._wait_s += min(max(sync_wait_s or 0.0, 0.0), wall)
         self.current_step = step
         self.last_loss = loss
         self._last_epoch = epoch
@@ -67,6 +88,8 @@ class EventReporter:
         last = self.total_steps is not None and step >= self.total_steps
         if step == 1 or last or now - self._last_emit >= self._interval_s:
             self._emit_step(now)
+        if self.profile is not None:
+            self.profile.after_step(step)
 
     def worker_progress(self, pushes: int, staleness: int) -> None:
         """parameter-server workers: own pushes and the last push's staleness (sent with the next Step)."""
@@ -110,9 +133,11 @@ class EventReporter:
     # figures ----------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send the newest step if the throttle held it back."""
+        """Send the newest step if the throttle held it back; write a profile still open."""
         if self.current_step and self._last_emit < (self._last_step_mono or 0):
             self._emit_step(time.monotonic())
+        if self.profile is not None:
+            self.profile.close()
 
     @property
     def samples_per_s(self) -> float:
@@ -126,6 +151,8 @@ class EventReporter:
         span = now - self._window_start
         rate = self._window_samples / span if span > 0 else 0.0
         self._window_start, self._window_samples, self._last_emit = now, 0, now
+        steps, step_s, wait_s = self._timed_steps, self._step_s, self._wait_s
+        self._timed_steps, self._step_s, self._wait_s = 0, 0.0, 0.0
         gpu_util, mem_mb = self._device_figures()
         peak = self.peak_mem_mb()
         self._writer.emit(
@@ -142,6 +169,8 @@ class EventReporter:
                 pushes=self._pushes,
                 staleness=self._staleness,
                 peak_mem_mb=peak,
+                step_ms=round(step_s / steps * 1e3, 3) if steps else None,
+                compute_ms=round((step_s - wait_s) / steps * 1e3, 3) if steps else None,
             )
         )
 

@@ -199,6 +199,8 @@ class JobManager:
         spec = dataclasses.replace(JobSpec.from_json(str(args["spec"])), recipe=str(recipe))
         if spec.tensorboard_dir:  # --tensorboard: written here, in the job's folder; the client fetches it
             spec = dataclasses.replace(spec, tensorboard_dir=str(job.folder / "tensorboard"))
+        if spec.profile_steps:  # --profile: each rank's trace here too; the client fetches every host's
+            spec = dataclasses.replace(spec, profile_dir=str(job.folder / "profile"))
         evaluating = None
         if args.get("eval_checkpoint"):  # uploaded by the client into this server's folder
             evaluating = (self.state_dir / str(args["eval_checkpoint"])).resolve()
@@ -364,15 +366,16 @@ class JobManager:
             saved = [line for line in job.lines if line.get("type") == "checkpoint"]
         newest = max(saved, key=lambda line: line["step"]) if saved else None
         board = job.folder / "tensorboard"
-        files = sorted(str(path.relative_to(board)) for path in board.rglob("*") if path.is_file()) \
-            if board.is_dir() else []
+        files = _files_under(board)
+        profile = job.folder / "profile"
         checkpoint = Path(newest["path"]) if newest else None
         # A sharded checkpoint is a folder (every rank's shards, the index, the sidecar): name its files.
         parts = sorted(entry.name for entry in checkpoint.iterdir() if entry.is_file()) \
             if checkpoint is not None and checkpoint.is_dir() else None
         return {"checkpoint": str(checkpoint) if checkpoint else None, "checkpoint_files": parts,
                 "step": newest["step"] if newest else None,
-                "result": job.result, "tensorboard": {"dir": str(board), "files": files}}
+                "result": job.result, "tensorboard": {"dir": str(board), "files": files},
+                "profile": {"dir": str(profile), "files": _files_under(profile)}}
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -512,3 +515,10 @@ def _port_range(value: Any) -> tuple[int | None, int | None]:
         return None, None
     low, high = int(value[0]), int(value[1])
     return low, high
+
+
+def _files_under(folder: Path) -> list[str]:
+    """The files under ``folder`` (relative paths), for the client to fetch; none if it is absent."""
+    if not folder.is_dir():
+        return []
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())

@@ -35,6 +35,7 @@ from distrun.strategies.elastic.replica import Elastic, ElasticReplica, Membersh
 from distrun.strategies.step.clipping import clip_before_step
 from distrun.strategies.step.precision import all_reduce_max
 from distrun.strategies.step.settings import ReplicaStep, StepSettings
+from distrun.strategies.step.sync_clock import SyncClock
 
 __all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
 
@@ -44,7 +45,9 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 class Reporter(Protocol):
     """Where a strategy sends progress; the runtime implements it with events."""
 
-    def step(self, step: int, epoch: int, loss: Any, samples: int) -> None: ...
+    def step_started(self, step: int) -> None: ...
+
+    def step(self, step: int, epoch: int, loss: Any, samples: int, sync_wait_s: float | None = None) -> None: ...
 
     def worker_progress(self, pushes: int, staleness: int) -> None: ...
 
@@ -96,6 +99,7 @@ class Strategy(ElasticReplica, ABC):
         self._batch_weight = 1.0
         self._global_batch_size: int | None = None
         self._dataset: DistributedDataset | None = None
+        self._clock = SyncClock()  # each step's wait for peers: compute time = step time less it
 
     # -- identity -------------------------------------------------------------
 
@@ -169,6 +173,7 @@ class Strategy(ElasticReplica, ABC):
         model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step,
                                              compile_whole=not self._compiles_units)
         self._model, self._optimizer = model, optimizer
+        self._clock.watch(model, stepping)
         if self.joined and self._healed_position is None:
             self._heal()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
@@ -277,6 +282,8 @@ class Strategy(ElasticReplica, ABC):
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._elastic is not None and self._elastic.switch_due(self.step):
             raise MembershipSwitch(f"a member joins after step {self.step}")
+        self._reporter.step_started(self.step + 1)
+        self._clock.begin()
         with self.autocast():
             result = fn(*args, **kwargs)
         self.step += 1
@@ -288,7 +295,7 @@ class Strategy(ElasticReplica, ABC):
     def _report_step(self, result: Any) -> None:
         self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
-        self._reporter.step(self.step, self.epoch, loss, self._batch_samples)
+        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._clock.waited_s())
         stats = self._step.compile_progress()
         if stats is not None:
             self._reporter.compiled(stats)

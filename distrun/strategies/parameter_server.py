@@ -279,6 +279,7 @@ class ParameterServerStrategy(Strategy):
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
             self._pull()
+        self._reporter.step_started(self.step + 1)
         with self.autocast():
             result = fn(*args, **kwargs)
         self.step = self._limit if self._done and self._limit else self._version

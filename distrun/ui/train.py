@@ -42,6 +42,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
         parts.append(Text(snapshot.compile_line, style="yellow" if "0 graph break" not in snapshot.compile_line else ""))
     if snapshot.membership_line:
         parts.append(Text(snapshot.membership_line, style="yellow"))
+    if snapshot.straggler_line:
+        parts.append(Text(snapshot.straggler_line, style="yellow"))
     if snapshot.hang:
         parts.append(Text(f"hang: {snapshot.hang}", style="bold red"))
     if snapshot.eval_metrics:
@@ -97,8 +99,9 @@ def _ps_table(snapshot: JobSnapshot) -> Table:
 
 def _add_row(table: Table, row: ReplicaRow, hosts: bool, *cells: RenderableType) -> None:
     """host (on a cluster), rank, the table's own cells, then seen and status: every table's frame."""
-    table.add_row(*((row.host or "-",) if hosts else ()), str(row.rank), *cells, fmt_seconds(row.last_seen_s),
-                  Text(row.status.value, style=_STATUS_STYLE[row.status]))
+    status = (Text(f"slow {row.slow:.2f}x", style="bold yellow") if row.slow is not None
+              and row.status is ReplicaStatus.RUNNING else Text(row.status.value, style=_STATUS_STYLE[row.status]))
+    table.add_row(*((row.host or "-",) if hosts else ()), str(row.rank), *cells, fmt_seconds(row.last_seen_s), status)
 
 
 def _replica_table(snapshot: JobSnapshot) -> Table:
@@ -158,6 +161,11 @@ def render_summary(summary: JobSummary) -> RenderableType:
     if summary.evaluator_step is not None:
         for key, value in summary.evaluator_metrics.items():
             table.add_row(f"evaluator {key}", f"{value:.4g} (step {summary.evaluator_step})")
+    if summary.stragglers:
+        table.add_row("stragglers", ", ".join(f"rank {rank} up to {ratio:.2f}x the others' compute time"
+                                               for rank, ratio in summary.stragglers.items()))
+    if summary.profile_dir:
+        table.add_row("profile", f"{summary.profile_traces} trace(s) in {summary.profile_dir}")
     if summary.last_checkpoint:
         waited = (f" (a step waited at most {summary.checkpoint_blocked_ms:.0f} ms)"
                   if summary.checkpoint_blocked_ms is not None else "")

@@ -14,6 +14,7 @@ from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV
+from tests.integration.test_profile_and_stragglers import SLOW_RANK_RECIPE
 
 
 def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, tmp_path: Path) -> None:
@@ -90,6 +91,31 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     assert len(lines[0]["bundle_sent_to"]) == 2  # changed content, new bundle
     assert [line["line"] for line in lines if line.get("type") == "output"].count(
         f"second 127.0.0.1 {lab.hosts['h1'][1]}") == 2
+
+
+def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab: Lab, cluster: Path,
+                                                                            tmp_path: Path) -> None:
+    """Rank 1 (on h2) sleeps 40 ms a step, rank 0 10 ms: named with h2's address; steps 2-3
+    profiled on both hosts, each host's trace fetched into the results dir."""
+    recipe = tmp_path / "code" / "slow.py"
+    recipe.parent.mkdir()
+    recipe.write_text(SLOW_RANK_RECIPE)
+    result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
+                     "--steps", "30", "--log-interval-s", "0.1", "--profile", "2:3", "--", "--slow-rank", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = json_lines(result)
+    named = [line for line in lines if line.get("type") == "straggler"]
+    assert [(line["rank"], line["host"]) for line in named] == [(1, lab.hosts["h2"][1])]
+    assert named[0]["ratio"] > 2.0
+    home = lab.root / "distrun-results" / lines[0]["job"] / "profile"
+    results = next(line for line in lines if line.get("type") == "results")
+    assert results["profile"] == str(home)
+    traces = sorted(path.name.split(".")[0] for path in home.glob("*.pt.trace.json"))
+    assert traces == ["rank0", "rank1"] and len(results["profile_traces"]) == 2
+    for trace in home.glob("*.pt.trace.json"):
+        steps = [event["name"] for event in json.loads(trace.read_text())["traceEvents"]
+                 if event.get("name", "").startswith("ProfilerStep#")]
+        assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"], trace.name
 
 
 def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tmp_path: Path) -> None:
