@@ -58,6 +58,8 @@ def main() -> None:
         device = _device(spec, launch) if not ps_task else _cpu()  # a ps task applies updates on its CPU
         if spec.tensorboard_dir and (launch.rank == 0 or ps_task) and not os.environ.get(EVAL_CHECKPOINT_VAR):
             writer = _tensorboard(writer, spec, launch, ps_task)
+        if spec.trackers and launch.rank == 0 and not ps_task and not os.environ.get(EVAL_CHECKPOINT_VAR):
+            writer = _trackers(writer, spec, launch)
         writer.emit(
             Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
                     world_size=launch.world_size, recipe_kind=info.kind.value)
@@ -221,6 +223,16 @@ def _profile_window(spec: JobSpec, launch: LaunchEnv, device: Any, writer: Any) 
 
     folder = spec.profile_dir or os.path.join(os.getcwd(), "distrun-profile")
     return ProfileWindow(spec.profile_steps, folder, launch.rank, device.type, writer)
+
+
+def _trackers(writer: Any, spec: JobSpec, launch: LaunchEnv) -> Any:
+    """``--tracker mlflow|wandb``: rank 0 logs the run; a tracker that cannot start fails the job here."""
+    from distrun.runtime.tracking import tracker_tap
+
+    tap = tracker_tap(writer, spec, world_size=launch.world_size, tf_config=os.environ.get("TF_CONFIG"))
+    atexit.register(tap.close)  # _exit runs atexit handlers: the checkpoint is logged, each run ends
+    tap.end_runs_on_sigterm()  # stopped by the launcher: each run ends as failed, not left running
+    return tap
 
 
 def _device(spec: JobSpec, launch: LaunchEnv) -> Any:
