@@ -13,7 +13,7 @@ from rich.table import Table
 
 from distrun.cli._app import app, stderr
 from distrun.cli.cluster import resolve_cluster
-from distrun.cli.train import run_job
+from distrun.cli.train import profile_line, run_job
 from distrun.client import ClusterJob
 from distrun.client.jobs import cancel_job, collapse_ranks, job_output, list_jobs, pull_job
 from distrun.errors import UsageError
@@ -97,8 +97,12 @@ def pull(
     to: Path = typer.Option(Path("distrun-results"), "--to", help="Copy into DIR/<job id>."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Copy a job's newest checkpoint home from the host that wrote it (and its --tensorboard files)."""
-    fetched = pull_job(resolve_cluster(cluster_file), job, to / job)
-    if fetched is None:
-        raise UsageError(f"job {job} wrote no checkpoint (was --checkpoint-dir given?)")
-    typer.echo(str(fetched))
+    """Copy a job's newest checkpoint home from the host that wrote it (and its --tensorboard files,
+    and every host's --profile traces)."""
+    fetched, traces = pull_job(resolve_cluster(cluster_file), job, to / job)
+    if fetched is None and not traces:
+        raise UsageError(f"job {job} wrote no checkpoint (was --checkpoint-dir given?) and no --profile traces")
+    if traces:
+        stderr.print(profile_line(len(traces), str(to / job / "profile")), markup=False)
+    if fetched is not None:
+        typer.echo(str(fetched))

@@ -32,6 +32,7 @@ from distrun.config import (
     inspect_recipe,
     load_cluster,
     parse_elastic,
+    check_trackers,
     parse_profile,
     parse_tracker_uris,
 )
@@ -205,14 +206,19 @@ def observe_flags(*, profile: str | None, trackers: list[str], tracker_uris: lis
                   checkpoint_dir: Path | None, results_dir: Path, local: bool) -> dict[str, Any]:
     """The JobSpec fields of ``--profile``, ``--tracker*`` and ``--tensorboard``.
 
-    ``--tracker tensorboard`` is ``--tensorboard`` (its URI the folder, default ``./runs``), so
+    ``--tracker tensorboard`` is ``--tensorboard`` (its URI the folder, default ``./runs``; with
+    ``--run-name``, the run's folder under it, as TensorBoard lays runs out), so
     TensorBoard is written by one tap whichever flag asked for it. A local job's traces go to
     ``--checkpoint-dir``/profile, else to the results dir; a cluster job's to each host's job
     folder (the server decides), and come home to the results dir.
     """
     uris = parse_tracker_uris(tracker_uris, trackers)
+    check_trackers(tuple(trackers), uris, run_name=run_name, experiment=experiment, log_checkpoint=tracker_checkpoint,
+                   checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None)
     if "tensorboard" in trackers:
         board = Path(uris.pop("tensorboard", "runs"))
+        if run_name is not None:  # TensorBoard's way: a folder per run under the log folder
+            board = board / run_name
         if tensorboard is not None and board.expanduser().resolve() != tensorboard.expanduser().resolve():
             raise UsageError(f"--tensorboard {tensorboard} and --tracker tensorboard ({board}): one folder, please")
         tensorboard = board
@@ -331,8 +337,8 @@ def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
         signal.signal(signal.SIGTERM, previous)
         if summary is not None:
             _print_summary(summary, json_output)
-            if summary.profile_dir and not json_output and after is None:  # a cluster's line comes with its results
-                stderr.print(profile_line(summary.profile_traces, summary.profile_dir), markup=False)
+            if not json_output and after is None:  # a fetched cluster job's line comes with its results
+                _profile_note(job, summary, on_cluster=host_of_rank is not None)
 
 
 def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSummary, json_output: bool) -> None:
@@ -349,6 +355,21 @@ def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSum
         stderr.print(f"results: {where}", markup=False)
         if results.get("profile"):
             stderr.print(profile_line(len(results.get("profile_traces", ())), results["profile"]), markup=False)
+        for missed in results.get("profile_missed", ()):
+            stderr.print(f"warning: --profile traces not copied home from {missed}", markup=False)
+
+
+def _profile_note(job: LocalJob | ClusterJob, summary: JobSummary, *, on_cluster: bool) -> None:
+    """``--profile``: where the traces are, or that no step of the window ran."""
+    window = getattr(job, "spec", None) and job.spec.profile_steps
+    if summary.profile_traces and not on_cluster:
+        stderr.print(profile_line(summary.profile_traces, str(summary.profile_dir)), markup=False)
+    elif summary.profile_traces:  # attached, or --no-fetch: they are on the hosts
+        stderr.print(f"profile: {summary.profile_traces} trace(s) on the hosts, in the job's folder; "
+                     f"`distrun pull {getattr(job, 'job_id', 'JOB')} --cluster FILE` brings them home", markup=False)
+    elif window and summary.status == "succeeded":
+        stderr.print(f"profile: no step of --profile {window[0]}:{window[1]} ran (the job took {summary.steps} "
+                     "step(s)); nothing was traced", markup=False)
 
 
 def profile_line(traces: int, folder: str) -> str:

@@ -84,13 +84,17 @@ def fetch_folder(link: HostLink, board: dict, dest: Path) -> list[Path]:
     """Copy the files an ``artifacts`` answer names under one of the job's folders into ``dest``."""
     fetched = []
     for name in board.get("files", ()):
-        relative = PurePosixPath(name)
-        if relative.is_absolute() or ".." in relative.parts:  # a server names files under its own folder only
+        relative = PurePosixPath(str(name))
+        # a server names files under its own folder only: nothing absolute, no "..", not the folder itself
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
             continue
         target = dest.resolve() / Path(*relative.parts)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_bytes(link.remote.read_bytes(f"{board['dir']}/{name}"))
-        os.replace(tmp, target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_bytes(link.remote.read_bytes(f"{board['dir']}/{name}"))
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise HostError(link.label, f"{name} not copied into {target.parent}: {exc.strerror or exc}") from None
         fetched.append(target)
     return fetched

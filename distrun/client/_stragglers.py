@@ -16,6 +16,7 @@ as its peer (1.33x). It stops being slow after as many judgements in a row under
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,15 +59,20 @@ class StragglerWatch:
         self._fresh.add(rank)
 
     def judge(self, ranks: Iterable[int]) -> list[Verdict]:
-        """One judgement over ``ranks`` (the running ones), once each has a new figure."""
+        """One judgement over ``ranks`` (the running ones), once each has a new figure.
+
+        A rank no longer running is forgotten (a lost elastic replica is not slow for ever, and
+        the replica restarted in its place starts its count afresh).
+        """
         ranks = sorted(ranks)
+        self._forget(set(ranks))
         if len(ranks) < 2 or not all(rank in self._fresh for rank in ranks):
             return []
         self._fresh.difference_update(ranks)
+        ordered = sorted(self._compute_ms[rank] for rank in ranks)  # once: each rank's "others" drop one value
         verdicts = []
         for rank in ranks:
-            others = [self._compute_ms[other] for other in ranks if other != rank]
-            median = statistics.median(others)
+            median = _median_without(ordered, self._compute_ms[rank])
             if median <= 0:
                 continue
             ratio = self._compute_ms[rank] / median
@@ -86,3 +92,16 @@ class StragglerWatch:
                 self.worst[rank] = max(self.worst.get(rank, 0.0), ratio)
                 verdicts.append(Verdict(rank, ratio, self._compute_ms[rank], median, self._above[rank]))
         return verdicts
+
+    def _forget(self, running: set[int]) -> None:
+        for table in (self._compute_ms, self._above, self._below, self.slow):
+            for rank in [rank for rank in table if rank not in running]:
+                del table[rank]
+        self._fresh &= running
+
+
+def _median_without(ordered: list[float], value: float) -> float:
+    """The median of ``ordered`` (sorted) with one occurrence of ``value`` left out."""
+    index = bisect.bisect_left(ordered, value)
+    rest = ordered[:index] + ordered[index + 1:]
+    return statistics.median(rest)

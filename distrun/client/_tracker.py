@@ -164,7 +164,7 @@ class JobTracker:
                 rank=verdict.rank, time=event.time, host=self._rows[verdict.rank].host, ratio=round(verdict.ratio, 3),
                 compute_ms=round(verdict.compute_ms, 3), median_ms=round(verdict.median_ms, 3),
                 intervals=verdict.intervals, recovered=verdict.recovered))
-        for rank, row in self._rows.items():
+        for rank, row in list(self._rows.items()):
             slow = self._stragglers.slow.get(rank)
             if row.slow != slow:
                 self._rows[rank] = dataclasses.replace(row, slow=slow)

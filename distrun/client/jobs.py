@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.client._links import HostLink, holders_of, open_all
-from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_tensorboard
+from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
 from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
@@ -109,18 +109,21 @@ def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
         return [link.label for link in holders]
 
 
-def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> Path | None:
-    """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it, and any
-    ``--tensorboard`` files into ``dest``/tensorboard."""
+def pull_job(cluster: ClusterSpec, job_id: str, dest: Path) -> tuple[Path | None, list[Path]]:
+    """Fetch the newest checkpoint of ``job_id`` from whichever host wrote it, any ``--tensorboard``
+    files into ``dest``/tensorboard and every host's ``--profile`` traces into ``dest``/profile:
+    (the checkpoint or None, the traces)."""
     with job_hosts(cluster, job_id) as holders:
-        found = {link.label: artifacts(link, job_id) for link in holders}  # one call per host for both
+        found = {link.label: artifacts(link, job_id) for link in holders}  # one call per host for all three
+        traces: list[Path] = []
         for link in holders:
             fetch_tensorboard(link, job_id, dest / "tensorboard", found[link.label])
+            traces += fetch_profile(link, job_id, dest / "profile", found[link.label])
         for link in holders:
             fetched = fetch_newest_checkpoint(link, job_id, dest, found[link.label])
             if fetched is not None:
-                return fetched
-        return None
+                return fetched, traces
+        return None, traces
 
 
 def job_output(cluster: ClusterSpec, job_id: str, *, follow: bool) -> Iterator[tuple[str, Output]]:

@@ -21,7 +21,7 @@ from distrun.config.job import (
     StrategyName,
     parse_elastic,
 )
-from distrun.config._observe import TRACKERS, parse_profile, parse_tracker_uris
+from distrun.config._observe import TRACKERS, check_trackers, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "RecipeKind",
     "inspect_recipe",
     "TRACKERS",
+    "check_trackers",
     "parse_profile",
     "parse_tracker_uris",
 ]

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
-__all__ = ["TRACKERS", "parse_profile", "parse_tracker_uris", "check_trackers"]
+__all__ = ["TRACKERS", "parse_profile", "parse_tracker_uris", "check_trackers", "check_spec_trackers"]
 
 #: ``--tracker``: the experiment trackers rank 0 can log to.
 TRACKERS = ("mlflow", "wandb", "tensorboard")
@@ -29,7 +29,8 @@ def parse_profile(text: str) -> tuple[int, int]:
     return start, end
 
 
-def check_profile(window: tuple[int, int] | None) -> None:
+def check_profile(window: tuple[int, int] | None, steps: int | None = None) -> None:
+    """``steps``: the job's step count, where known (a window past it would never open)."""
     if window is None:
         return
     if len(window) != 2 or not all(isinstance(step, int) and not isinstance(step, bool) for step in window):
@@ -37,6 +38,8 @@ def check_profile(window: tuple[int, int] | None) -> None:
     start, end = window
     if not 1 <= start <= end:
         raise ConfigError(f"--profile {start}:{end}: needs 1 <= START <= END (global steps, the first is 1)")
+    if steps is not None and start > steps:
+        raise ConfigError(f"--profile {start}:{end}: the job takes {steps} step(s), so the window would never open")
 
 
 def parse_tracker_uris(values: Iterable[str], trackers: Iterable[str]) -> dict[str, str]:
@@ -61,7 +64,28 @@ def parse_tracker_uris(values: Iterable[str], trackers: Iterable[str]) -> dict[s
 
 def check_trackers(trackers: tuple[str, ...], uris: Mapping[str, str], *, run_name: str | None,
                    experiment: str | None, log_checkpoint: bool, checkpoint_dir: str | None) -> None:
-    """The tracker flags together: known names, each once, a URI only for a tracker in use."""
+    """The tracker flags together, as given (``tensorboard`` included): known names, each once,
+    a URI only for a tracker in use, the run's name and experiment only with a tracker."""
+    _check_names(trackers, uris)
+    flags = [flag for flag, used in (("--run-name", run_name is not None), ("--experiment", experiment is not None),
+                                     ("--tracker-checkpoint", log_checkpoint)) if used]
+    if flags and not trackers:
+        raise ConfigError(f"{flags[0]} needs --tracker mlflow|wandb|tensorboard")
+    check_spec_trackers(trackers, uris, log_checkpoint=log_checkpoint, checkpoint_dir=checkpoint_dir)
+
+
+def check_spec_trackers(trackers: tuple[str, ...], uris: Mapping[str, str], *, log_checkpoint: bool,
+                        checkpoint_dir: str | None) -> None:
+    """What a JobSpec's trackers must hold (TensorBoard is its own folder there, not a tracker)."""
+    _check_names(trackers, uris)
+    if log_checkpoint:
+        if not checkpoint_dir:
+            raise ConfigError("--tracker-checkpoint needs --checkpoint-dir: it logs the newest checkpoint written there")
+        if not set(trackers) & {"mlflow", "wandb"}:
+            raise ConfigError("--tracker-checkpoint: TensorBoard keeps no artifacts; use --tracker mlflow or wandb")
+
+
+def _check_names(trackers: tuple[str, ...], uris: Mapping[str, str]) -> None:
     for name in trackers:
         if name not in TRACKERS:
             raise ConfigError(f"--tracker: unknown tracker {name!r}{did_you_mean(str(name), TRACKERS)}; "
@@ -71,12 +95,3 @@ def check_trackers(trackers: tuple[str, ...], uris: Mapping[str, str], *, run_na
     stray = sorted(set(uris) - set(trackers))
     if stray:
         raise ConfigError(f"--tracker-uri {stray[0]}=...: needs --tracker {stray[0]}")
-    flags = [flag for flag, used in (("--run-name", run_name is not None), ("--experiment", experiment is not None),
-                                     ("--tracker-checkpoint", log_checkpoint)) if used]
-    if flags and not trackers:
-        raise ConfigError(f"{flags[0]} needs --tracker mlflow|wandb|tensorboard")
-    if log_checkpoint:
-        if not checkpoint_dir:
-            raise ConfigError("--tracker-checkpoint needs --checkpoint-dir: it logs the newest checkpoint written there")
-        if not set(trackers) & {"mlflow", "wandb"}:
-            raise ConfigError("--tracker-checkpoint: TensorBoard keeps no artifacts; use --tracker mlflow or wandb")

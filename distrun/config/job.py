@@ -16,7 +16,7 @@ from enum import Enum
 from typing import Any
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
-from distrun.config._observe import check_profile, check_trackers
+from distrun.config._observe import check_profile, check_spec_trackers
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
@@ -240,9 +240,9 @@ def _validate(spec: JobSpec) -> None:
     _validate_elastic(spec)
     _validate_sharded(spec)
     _validate_preemptible(spec)
-    check_profile(spec.profile_steps)
-    check_trackers(spec.trackers, spec.tracker_uris, run_name=spec.run_name, experiment=spec.experiment,
-                   log_checkpoint=spec.tracker_checkpoint, checkpoint_dir=spec.checkpoint_dir)
+    check_profile(spec.profile_steps, spec.steps)
+    check_spec_trackers(spec.trackers, spec.tracker_uris, log_checkpoint=spec.tracker_checkpoint,
+                        checkpoint_dir=spec.checkpoint_dir)
     if spec.on_nonfinite not in ("stop", "skip", "warn"):
         raise ConfigError(f"--on-nonfinite: expected stop, skip or warn. Received: {spec.on_nonfinite!r}"
                           f"{did_you_mean(str(spec.on_nonfinite), ('stop', 'skip', 'warn'))}")

@@ -152,6 +152,8 @@ def main() -> None:
             if spec.strategy.collective:
                 _leave_together(launch, store)
             _exit(PREEMPTED_EXIT_CODE)
+        if reporter is not None and reporter.profile is not None:
+            reporter.profile.close()  # a failure inside the window: the steps before it are worth the most
         step = reporter.current_step + 1 if reporter is not None else None
         # A script that exits with a child's code: the child's @record says why, not "SystemExit: 1".
         recorded = recorded_failure(error_file, rank=launch.rank, step=step) if isinstance(exc, SystemExit) else None
@@ -222,7 +224,9 @@ def _profile_window(spec: JobSpec, launch: LaunchEnv, device: Any, writer: Any) 
     from distrun.runtime._profile import ProfileWindow
 
     folder = spec.profile_dir or os.path.join(os.getcwd(), "distrun-profile")
-    return ProfileWindow(spec.profile_steps, folder, launch.rank, device.type, writer)
+    window = ProfileWindow(spec.profile_steps, folder, launch.rank, device.type, writer)
+    atexit.register(window.close)  # _exit runs atexit handlers: a job that stops inside the window keeps its trace
+    return window
 
 
 def _trackers(writer: Any, spec: JobSpec, launch: LaunchEnv) -> Any:

@@ -27,7 +27,11 @@ __all__ = ["ProfileWindow"]
 
 
 class ProfileWindow:
-    """Opens torch.profiler before step ``start`` and writes the trace after step ``end``."""
+    """Opens torch.profiler before step ``start`` and writes the trace after step ``end``.
+
+    A profiler that fails (a folder it cannot write, a script that runs its own profiler,
+    CUPTI refusing) costs the job one line, never the job: the window is dropped.
+    """
 
     def __init__(self, window: tuple[int, int], folder: str, rank: int, device_type: str, writer: Any) -> None:
         self.start, self.end = window
@@ -36,62 +40,96 @@ class ProfileWindow:
         self._cuda = device_type == "cuda"
         self._writer = writer
         self._profiler: Any = None
+        self._first = 0
         self._last_step = 0
+        self._before_start = False  # this process ran a step before START (so a jump past END is a jump)
         self._finished = False
 
     def before_step(self, step: int) -> None:
         """Step ``step`` is about to run (fit and custom-loop recipes)."""
-        if self._profiler is None and not self._finished and step >= self.start:
-            self._open(step)  # past END too: asynchronous workers' steps jump, and a window is never skipped
+        if self._profiler is None and not self._finished:
+            self._maybe_open(step)
 
     def after_step(self, step: int) -> None:
         """Step ``step`` has run: the next step's range begins, or the window closes."""
         self._last_step = step
         if self._profiler is None:
-            if not self._finished and step + 1 >= self.start:  # a plain script: no before_step
-                self._open(step + 1)
+            if not self._finished:  # a plain script has no before_step: the next step may open it
+                if step < self.start:
+                    self._before_start = True
+                self._maybe_open(step + 1)
             return
         if step >= self.end:
             self._write()
-        else:
+            return
+        try:
+            self._profiler.step_num = step  # the next range is ProfilerStep#<step + 1>, after an elastic redo too
             self._profiler.step()
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not fail training
+            self._drop(f"profiling stopped at step {step}: {exc}")
 
     def open_now(self) -> None:
         """A window from step 1 in a script distrun does not step: open before the script runs."""
-        if self.start == 1:
+        if self.start == 1 and self._profiler is None and not self._finished:
             self._open(1)
 
     def close(self) -> None:
-        """The job ends: a window still open is written with the steps it saw."""
+        """The job ends (or fails): a window still open is written with the steps it saw."""
         if self._profiler is not None:
             self._write()
 
-    def _open(self, step: int) -> None:
-        import torch
-        from torch.profiler import ProfilerAction, ProfilerActivity, profile
+    def _maybe_open(self, step: int) -> None:
+        if step < self.start:
+            self._before_start = True
+        elif step <= self.end or self._before_start:  # past END: a parameter-server worker's steps jump
+            self._open(step)
+        else:  # resumed, restarted or rejoined past the window: it was profiled before, or never can be
+            self._finished = True
+            if self._rank == 0:
+                self._note(f"--profile {self.start}:{self.end}: this run starts at step {step}, past the window; "
+                           "nothing profiled")
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda and torch.cuda.is_available()
-                                               else [])
-        self._folder.mkdir(parents=True, exist_ok=True)
-        # A schedule that always records: with one, torch marks each step's range (ProfilerStep#N).
-        self._profiler = profile(activities=activities, schedule=lambda _step: ProfilerAction.RECORD,
-                                 record_shapes=True, profile_memory=True, with_stack=False)
-        self._profiler.step_num = step  # the ranges carry global step numbers: ProfilerStep#<step>
-        self._profiler.start()
-        self._first = step
+    def _open(self, step: int) -> None:
+        try:
+            import torch
+            from torch.profiler import ProfilerAction, ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self._cuda and torch.cuda.is_available()
+                                                   else [])
+            self._folder.mkdir(parents=True, exist_ok=True)
+            # A schedule that always records: with one, torch marks each step's range (ProfilerStep#N).
+            profiler = profile(activities=activities, schedule=lambda _step: ProfilerAction.RECORD,
+                               record_shapes=True, profile_memory=True, with_stack=False)
+            profiler.step_num = step  # the ranges carry global step numbers: ProfilerStep#<step>
+            profiler.start()
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not fail training
+            self._drop(f"not started at step {step}: {exc}")
+            return
+        self._profiler, self._first = profiler, step
 
     def _write(self) -> None:
         profiler, self._profiler, self._finished = self._profiler, None, True
-        profiler.stop()
         path = self._folder / f"rank{self._rank}.{int(time.time() * 1000)}.pt.trace.json"
         tmp = path.with_name(f".{path.name}.tmp")
         try:
+            profiler.stop()
             profiler.export_chrome_trace(str(tmp))
             os.replace(tmp, path)
-        except OSError as exc:
-            self._writer.emit(Output(rank=self._rank, time=time.time(), stream="stderr",
-                                     line=f"[distrun] --profile: trace not written to {path}: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - a profiler failure must not fail training
+            self._note(f"--profile: trace not written to {path}: {exc}")
             return
         last = max(self._first, min(self._last_step, self.end))
         self._writer.emit(Profiled(rank=self._rank, time=time.time(), start_step=self._first, end_step=last,
                                    path=str(path)))
+
+    def _drop(self, why: str) -> None:
+        profiler, self._profiler, self._finished = self._profiler, None, True
+        if profiler is not None:
+            try:
+                profiler.stop()
+            except Exception:  # noqa: BLE001 - already failing; the note says why
+                pass
+        self._note(f"--profile: {why}")
+
+    def _note(self, line: str) -> None:
+        self._writer.emit(Output(rank=self._rank, time=time.time(), stream="stderr", line=f"[distrun] {line}"))

@@ -48,6 +48,7 @@ class EventReporter:
         self._timed_steps = 0  # steps in the current window with a known wall time...
         self._step_s = 0.0  # ...their wall time...
         self._wait_s = 0.0  # ...and the part of it spent waiting for peers
+        self._wait_known = True  # ...when every step of the window said (else no compute time is sent)
         self.profile: Any = None  # --profile: a ProfileWindow told of each step
 
     @property
@@ -74,7 +75,10 @@ class EventReporter:
             wall = now - self._last_step_mono
             self._timed_steps += 1
             self._step_s += wall
-            self._wait_s += min(max(sync_wait_s or 0.0, 0.0), wall)
+            if sync_wait_s is None:  # the strategy cannot tell its wait from its compute
+                self._wait_known = False
+            else:
+                self._wait_s += min(max(sync_wait_s, 0.0), wall)
         self.current_step = step
         self.last_loss = loss
         self._last_epoch = epoch
@@ -151,8 +155,8 @@ class EventReporter:
         span = now - self._window_start
         rate = self._window_samples / span if span > 0 else 0.0
         self._window_start, self._window_samples, self._last_emit = now, 0, now
-        steps, step_s, wait_s = self._timed_steps, self._step_s, self._wait_s
-        self._timed_steps, self._step_s, self._wait_s = 0, 0.0, 0.0
+        steps, step_s, wait_s, known = self._timed_steps, self._step_s, self._wait_s, self._wait_known
+        self._timed_steps, self._step_s, self._wait_s, self._wait_known = 0, 0.0, 0.0, True
         gpu_util, mem_mb = self._device_figures()
         peak = self.peak_mem_mb()
         self._writer.emit(
@@ -170,7 +174,7 @@ class EventReporter:
                 staleness=self._staleness,
                 peak_mem_mb=peak,
                 step_ms=round(step_s / steps * 1e3, 3) if steps else None,
-                compute_ms=round((step_s - wait_s) / steps * 1e3, 3) if steps else None,
+                compute_ms=round((step_s - wait_s) / steps * 1e3, 3) if steps and known else None,
             )
         )
 

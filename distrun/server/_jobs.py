@@ -375,7 +375,7 @@ class JobManager:
         return {"checkpoint": str(checkpoint) if checkpoint else None, "checkpoint_files": parts,
                 "step": newest["step"] if newest else None,
                 "result": job.result, "tensorboard": {"dir": str(board), "files": files},
-                "profile": {"dir": str(profile), "files": _files_under(profile)}}
+                "profile": {"dir": str(profile), "files": _traces_in(profile)}}
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -522,3 +522,12 @@ def _files_under(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
+
+
+def _traces_in(folder: Path) -> list[str]:
+    """The ``--profile`` traces the job's ranks wrote: finished (not a ``.tmp``), plain files, no links."""
+    if not folder.is_dir():
+        return []
+    return sorted(path.name for path in folder.iterdir()
+                  if path.name.endswith(".pt.trace.json") and not path.name.startswith(".")
+                  and path.is_file() and not path.is_symlink())

@@ -173,7 +173,7 @@ class Strategy(ElasticReplica, ABC):
         model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step,
                                              compile_whole=not self._compiles_units)
         self._model, self._optimizer = model, optimizer
-        self._clock.watch(model, stepping)
+        self._clock.watch(model, stepping, self.device)
         if self.joined and self._healed_position is None:
             self._heal()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
@@ -295,10 +295,15 @@ class Strategy(ElasticReplica, ABC):
     def _report_step(self, result: Any) -> None:
         self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
-        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._clock.waited_s())
+        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._sync_wait_s())
         stats = self._step.compile_progress()
         if stats is not None:
             self._reporter.compiled(stats)
+
+    def _sync_wait_s(self) -> float | None:
+        """How long this step waited for the other replicas (its compute time is the rest);
+        None where that cannot be told apart from compute (docs/debugging.md#slow-ranks)."""
+        return self._clock.waited_s() if self._clock.measures else None
 
     def reduce(self, op: str, value: torch.Tensor | float) -> torch.Tensor | float:
         """All-reduce ``value`` over replicas with ``op`` in sum|mean|max|min."""

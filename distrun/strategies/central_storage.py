@@ -104,6 +104,11 @@ class CentralStorageStrategy(Strategy):
         wrapped._broadcast_central()  # every replica starts from the chief's parameters
         return compute_model, wrapped
 
+    def _sync_wait_s(self) -> float | None:
+        """The replicas meet in the central optimizer's reduce, step and broadcast, where the chief
+        also computes: waiting and computing are not told apart there, so no figure is claimed."""
+        return None
+
     def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         """The chief's optimizer, on the central parameters and the averaged gradients."""
         return optimizer._inner if isinstance(optimizer, _CentralOptimizer) else None

@@ -276,6 +276,11 @@ class ParameterServerStrategy(Strategy):
             rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
         return rows.to(self.device)
 
+    def _sync_wait_s(self) -> float | None:
+        """Asynchronous workers wait for no other worker: a worker's step time is its compute time.
+        ``--ps-sync`` rounds wait for every worker's push, and that wait is not timed."""
+        return None if self._sync else 0.0
+
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._stale:  # here, not only in the forward hook: a recipe's forward may skip the root module
             self._pull()

@@ -13,8 +13,7 @@ from distrun.strategies import latest_checkpoint, load_checkpoint
 from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, cmdline, distrun_pids_in, json_lines, lab_cli, training_pids
 from tests.conftest import REPO, run_cli
-from tests.integration._recipes import EQUIV
-from tests.integration.test_profile_and_stragglers import SLOW_RANK_RECIPE
+from tests.integration._recipes import EQUIV, SLOW_RANK_RECIPE
 
 
 def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, tmp_path: Path) -> None:
@@ -95,7 +94,7 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
 
 def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab: Lab, cluster: Path,
                                                                             tmp_path: Path) -> None:
-    """Rank 1 (on h2) sleeps 40 ms a step, rank 0 10 ms: named with h2's address; steps 2-3
+    """Rank 1 (on h2) sleeps 120 ms a step, rank 0 30 ms: named with h2's address; steps 2-3
     profiled on both hosts, each host's trace fetched into the results dir."""
     recipe = tmp_path / "code" / "slow.py"
     recipe.parent.mkdir()

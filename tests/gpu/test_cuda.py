@@ -171,3 +171,17 @@ def test_the_cpu_benchmarks_run_on_a_gpu_machine(bench):
     result = run_cli("bench", *bench, "--json", timeout=280)
     assert result.returncode == 0, result.stderr[-2000:]
     print(bench[0], result.stdout.strip().splitlines()[-1][:600])
+
+
+def test_a_profile_on_cuda_records_kernels_and_says_no_compute_time(write_recipe, tmp_path):
+    """--profile on a GPU rank adds CUDA activities (kernels on a stream); the straggler figure is
+    not claimed on CUDA (CPU clocks cannot see a stream's wait: docs/debugging.md#slow-ranks)."""
+    result = train(write_recipe(EQUIV), tmp_path, "--device", "cuda", "--replicas", "1", "--steps", "4",
+                   "--profile", "2:3", *FULL_BATCHES)
+    trace = next((tmp_path / "profile").glob("rank0.*.pt.trace.json"))
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(event.get("cat") == "kernel" for event in events)  # CUDA kernels, not only CPU ops
+    assert sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")) == [
+        "ProfilerStep#2", "ProfilerStep#3"]
+    steps = [line for line in result.json_lines() if line["type"] == "step"]
+    assert all(line["compute_ms"] is None for line in steps)

@@ -179,3 +179,36 @@ def train_data(ctx):
     x = torch.randn(180, 6, generator=gen)
     return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
 """
+
+
+# `-- --slow-rank R`: rank R sleeps 120 ms in each loss, every other rank 30 ms (-1: none is slow).
+SLOW_RANK_RECIPE = """
+import os
+import sys
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 48}
+RANK = int(os.environ.get("RANK", "0"))
+SLOW = int(sys.argv[sys.argv.index("--slow-rank") + 1]) if "--slow-rank" in sys.argv else -1
+
+
+def model():
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def loss(outputs, batch):
+    time.sleep(0.12 if RANK == SLOW else 0.03)
+    return nn.functional.mse_loss(outputs, batch[1])
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(4096, 16, generator=gen), torch.randn(4096, 1, generator=gen))
+"""

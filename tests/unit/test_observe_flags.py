@@ -125,7 +125,7 @@ def test_tracker_tensorboard_is_the_tensorboard_flag(tmp_path, monkeypatch):
 
     fields = _observe(tmp_path, trackers=["mlflow", "tensorboard"], run_name="r",
                       tracker_uris=["mlflow=sqlite:///m.db", "tensorboard=tb"])
-    assert fields["tensorboard_dir"] == str(tmp_path / "tb")
+    assert fields["tensorboard_dir"] == str(tmp_path / "tb" / "r")  # a run's folder under TensorBoard's
     assert fields["trackers"] == ("mlflow",) and fields["tracker_uris"] == {"mlflow": "sqlite:///m.db"}
     assert fields["run_name"] == "r"
 
@@ -134,6 +134,28 @@ def test_tracker_tensorboard_is_the_tensorboard_flag(tmp_path, monkeypatch):
 
     fields = _observe(tmp_path, tensorboard=Path("board"))
     assert fields["tensorboard_dir"] == str(tmp_path / "board") and fields["trackers"] == ()
+
+
+def test_tensorboard_alone_takes_a_run_name_and_refuses_a_checkpoint(tmp_path, monkeypatch):
+    """The flags are checked as given, before --tracker tensorboard becomes --tensorboard."""
+    monkeypatch.chdir(tmp_path)
+    fields = _observe(tmp_path, trackers=["tensorboard"], run_name="lr-0.1", experiment="e")
+    assert fields["tensorboard_dir"] == str(tmp_path / "runs" / "lr-0.1") and fields["trackers"] == ()
+    spec = JobSpec(recipe="/r.py", **{k: v for k, v in fields.items() if k not in ("profile_steps", "profile_dir")})
+    assert spec.run_name == "lr-0.1"  # a spec with TensorBoard only still carries the run's name
+    with pytest.raises(ConfigError) as caught:
+        _observe(tmp_path, trackers=["tensorboard"], tracker_checkpoint=True, checkpoint_dir=tmp_path / "c")
+    assert caught.value.message == "--tracker-checkpoint: TensorBoard keeps no artifacts; use --tracker mlflow or wandb"
+    with pytest.raises(ConfigError) as caught:
+        _observe(tmp_path, run_name="r")
+    assert caught.value.message == "--run-name needs --tracker mlflow|wandb|tensorboard"
+
+
+def test_a_profile_window_past_the_last_step_is_refused():
+    with pytest.raises(ConfigError) as caught:
+        JobSpec(recipe="/r.py", steps=50, profile_steps=(100, 110))
+    assert caught.value.message == "--profile 100:110: the job takes 50 step(s), so the window would never open"
+    assert JobSpec(recipe="/r.py", steps=50, profile_steps=(50, 60)).profile_steps == (50, 60)
 
 
 def test_tensorboard_and_tracker_tensorboard_must_name_one_folder(tmp_path):

@@ -80,3 +80,15 @@ def test_the_tracker_makes_a_straggler_event_and_marks_the_row():
     assert [row.slow for row in snapshot.rows] == [None, 2.5]
     assert snapshot.straggler_line and "rank 1 (10.0.0.2) 2.50x" in snapshot.straggler_line
     assert tracker.summary("succeeded").stragglers == {"1": 2.5}
+
+
+def test_a_rank_that_stops_running_is_forgotten():
+    watch = StragglerWatch()
+    for _ in range(3):
+        judge_round(watch, {0: 10.0, 1: 30.0, 2: 10.0})
+    assert watch.slow == {1: 3.0}
+    assert judge_round(watch, {0: 10.0, 2: 10.0}) == []  # rank 1 left (an elastic replica lost)
+    assert watch.slow == {} and watch.worst == {1: 3.0}  # the summary still says it was slow
+    for _ in range(2):  # a replica restarted as rank 1 starts its count afresh
+        judge_round(watch, {0: 10.0, 1: 30.0, 2: 10.0})
+    assert watch.slow == {}

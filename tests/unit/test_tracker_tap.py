@@ -6,6 +6,7 @@ real MLflow and W&B are exercised end to end in tests/integration/test_tracking.
 
 from __future__ import annotations
 
+import threading
 import json
 
 import pytest
@@ -167,3 +168,27 @@ def test_hosts_come_from_tf_config(tf_config, hosts):
 
 def test_params_leave_out_what_has_no_value():
     assert "steps" not in PARAMS.as_dict() and PARAMS.as_dict()["epochs"] == 2
+
+
+def test_per_step_metrics_are_dropped_not_queued_while_a_tracker_is_far_behind(monkeypatch):
+    from distrun.runtime.tracking import _calls
+
+    monkeypatch.setattr(_calls, "MAX_PENDING_CALLS", 3)
+    gate, made, reports = threading.Event(), [], []
+    calls = _calls.TrackerCalls(report=reports.append)
+    calls.submit("mlflow", "slow server", gate.wait, 10)
+    for step in range(5):
+        calls.submit("mlflow", "log_metrics", made.append, step, droppable=True)
+    calls.submit("mlflow", "finish", made.append, "end")  # the run's end is never dropped
+    gate.set()
+    assert calls.drain(10)
+    assert made == [0, 1, "end"]
+    assert reports == ["--tracker mlflow: 3 calls behind; per-step metrics are dropped until it catches up"]
+
+
+def test_credentials_in_a_tracking_uri_never_reach_a_message():
+    from distrun.runtime.tracking._calls import one_line, redact
+
+    assert redact("http://alice:s3cret@mlflow.lab:5000") == "http://***@mlflow.lab:5000"
+    assert "s3cret" not in one_line(RuntimeError("cannot connect to postgresql://bob:s3cret@db/mlflow"))
+    assert redact("sqlite:////srv/mlflow.db") == "sqlite:////srv/mlflow.db"

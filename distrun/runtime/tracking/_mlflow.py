@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from distrun.errors import ConfigError
-from distrun.runtime.tracking._calls import one_line
+from distrun.runtime.tracking._calls import one_line, redact
 from distrun.runtime.tracking.api import RunParams
 
 __all__ = ["MlflowTracker", "DEFAULT_EXPERIMENT"]
@@ -60,7 +60,7 @@ class MlflowTracker:
         except ConfigError:
             raise
         except Exception as exc:  # noqa: BLE001 - MLflow, SQLAlchemy and requests each raise their own
-            raise ConfigError(f"--tracker mlflow: cannot start a run at {where}: {one_line(exc)}") from None
+            raise ConfigError(f"--tracker mlflow: cannot start a run at {redact(where)}: {one_line(exc)}") from None
 
     def log_metrics(self, step: int, metrics: Mapping[str, float], wall_time_s: float) -> None:
         from mlflow.entities import Metric
@@ -111,7 +111,7 @@ def _check_store(uri: str | None) -> None:
         try:
             socket.create_connection((parts.hostname or "", port), timeout=_REACH_TIMEOUT_S).close()
         except OSError as exc:
-            raise ConfigError(f"--tracker mlflow: cannot reach the tracking server {uri} from the chief host: "
+            raise ConfigError(f"--tracker mlflow: cannot reach the tracking server {redact(uri)} from the chief host: "
                               f"{exc.strerror or exc}") from None
     elif parts.scheme == "sqlite" and uri.startswith("sqlite:///") and ":memory:" not in uri:
         path = Path(uri.removeprefix("sqlite:///").split("?", 1)[0])

@@ -99,6 +99,8 @@ class TrackerTap:
         def stopped(signum: int, frame: Any) -> None:
             if not self._finished:
                 self._finish(failed=True, wait_s=SIGTERM_WAIT_S)
+            else:  # a finish already queued (rank 0's own failure): let it reach the trackers
+                self._calls.drain(SIGTERM_WAIT_S)
             if callable(previous):
                 previous(signum, frame)
                 return
@@ -126,9 +128,11 @@ class TrackerTap:
             note(f"--tracker {names}: still busy after {wait_s:.0f} s; the run may be incomplete")
 
     def _each(self, method: str, *args: Any) -> None:
-        """Queue ``tracker.<method>(*args)`` for every tracker."""
+        """Queue ``tracker.<method>(*args)`` for every tracker (per-step metrics may be dropped
+        while a tracker is far behind; nothing else is)."""
         for tracker in self._trackers:
-            self._calls.submit(tracker.name, method, getattr(tracker, method), *args)
+            self._calls.submit(tracker.name, method, getattr(tracker, method), *args,
+                               droppable=method == "log_metrics")
 
 
 def _start(trackers: Sequence[Tracker], params: RunParams) -> None:

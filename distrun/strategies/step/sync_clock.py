@@ -19,6 +19,12 @@ replica; the time each one spent waiting can. A step's wait is measured where it
 
 A straggler's wait is only the transfer itself; its peers' is that plus its lateness. One
 perf_counter read per gradient or per FSDP call: no device sync, no collective.
+
+On a GPU these CPU clocks do not see the wait: DDP's and FSDP's waits only order CUDA
+streams, and the CPU blocks later, wherever the step first reads a value back. Timing them
+needs CUDA events on the compute stream, which distrun does not record yet; a CUDA replica's
+clock says it ``measures`` nothing, and its compute time is reported as unknown rather than
+wrong.
 """
 
 from __future__ import annotations
@@ -42,9 +48,16 @@ class SyncClock:
         self._waited_s = 0.0
         self._timed_groups: list[Any] = []
 
-    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    @property
+    def measures(self) -> bool:
+        """Whether the waits are timed: hooks installed, on a CPU replica."""
+        return bool(self._handles or self._timed_groups)
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
         """Hook ``model``'s parameters and sharded modules, and ``optimizer``'s step (again after a rebuild)."""
         self.close()
+        if device.type != "cpu":  # CPU clocks see no wait on a GPU (the module's docstring)
+            return
         groups = _fsdp_param_groups(model)
         if groups:  # sharded: FSDP's collectives are the waits (its gradients arrive after them)
             for group in groups:
