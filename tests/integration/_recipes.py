@@ -72,6 +72,13 @@ RAISES_IN_RANK_1 = _TINY.format(samples=256, loss_body="""\
     if step == 3 and int(os.environ["RANK"]) == 1:
         raise ValueError("boom at step 3")""")
 
+# Rank 0 raises in its third step (the job's only rank when it runs one replica).
+RAISES_IN_RANK_0 = _TINY.format(samples=256, loss_body="""\
+    step = int(os.environ.setdefault("STEPS_SEEN", "0")) + 1
+    os.environ["STEPS_SEEN"] = str(step)
+    if step == 3 and int(os.environ.get("RANK", "0")) == 0:
+        raise ValueError("boom at step 3")""")
+
 # Slow enough to be interrupted mid-training.
 SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
 

@@ -25,35 +25,9 @@ from mlflow.tracking import MlflowClient
 from distrun.errors import ConfigError
 from distrun.runtime.tracking import RunParams
 from tests.conftest import CliResult
-from tests.integration._recipes import EQUIV, RAISES_IN_RANK_1
+from tests.integration._recipes import EQUIV, RAISES_IN_RANK_0, RAISES_IN_RANK_1
 
 pytestmark = pytest.mark.integration
-
-# Rank 0 raises in its third step (one replica: the job's only rank is rank 0).
-RAISES_AT_STEP_3 = """
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
-
-calls = 0
-
-def model():
-    return nn.Linear(2, 1)
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.1)
-
-def loss(outputs, batch):
-    global calls
-    calls += 1
-    if calls == 3:
-        raise ValueError("boom at step 3")
-    return nn.functional.mse_loss(outputs, batch[1])
-
-def train_data(ctx):
-    return TensorDataset(torch.randn(256, 2), torch.randn(256, 1))
-"""
-
 
 #: Parameters for a tracker started by a test itself, outside a job.
 PARAMS = RunParams(strategy="sharded", replicas=2, world_size=2, hosts="localhost", global_batch_size=8,
@@ -205,7 +179,7 @@ def test_wandb_gets_config_history_summary_and_checkpoint(job, wandb_records):
 def test_a_failed_job_ends_the_run_as_failed(tmp_path, who):
     """Rank 0 raises (its Failed event), or rank 1 does and the launcher stops rank 0 (SIGTERM)."""
     recipe = tmp_path / "raises.py"
-    recipe.write_text(RAISES_AT_STEP_3 if who == "rank 0" else RAISES_IN_RANK_1)
+    recipe.write_text(RAISES_IN_RANK_0 if who == "rank 0" else RAISES_IN_RANK_1)
     layout = (["--steps", "10"] if who == "rank 0"
               else ["--strategy", "mirrored", "--replicas", "2", "--device", "cpu"])
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

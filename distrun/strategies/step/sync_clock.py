@@ -4,18 +4,19 @@ Under a synchronous strategy every replica's step ends at the same moment (the g
 all-reduce, or FSDP's gathers, wait for the slowest), so step times cannot name a slow
 replica; the time each one spent waiting can. A step's wait is measured where it happens:
 
-- **Gradients** (DDP under mirrored and multi-worker, and every strategy whose parameters
-  receive their gradients in backward): from the moment this replica's last parameter
+- **Gradients** (DDP under mirrored and multi-worker): from the moment this replica's last parameter
   gradient was accumulated (``register_post_accumulate_grad_hook``) to the optimizer's
   step (``register_step_pre_hook``). In between, DDP waits for the buckets' all-reduce,
-  which waits for the slowest replica. A straggler's wait is only the last bucket's
-  transfer; its peers' is that plus its lateness.
+  which waits for the slowest replica.
 - **Shards** (FSDP2 under sharded): the time inside each FSDP parameter group's
   ``unshard``, ``wait_for_unshard`` and ``post_backward``, where FSDP all-gathers a block's
   parameters (in forward and again in backward) and reduce-scatters its gradients, each of
   which waits for the slowest rank. These are FSDP's own methods, timed on each group
-  instance (not patched on the class); a torch whose FSDP2 lacks them leaves the sharded
-  figure at the step time, so no rank is named rather than the wrong one.
+  instance (not patched on the class); on a torch whose FSDP2 lacks them the clock
+  ``measures`` nothing, and no compute time is claimed.
+
+A strategy whose replicas meet where waiting and computing cannot be told apart
+(central-storage's central optimizer) does not ask the clock (``Strategy._sync_wait_s``).
 
 A straggler's wait is only the transfer itself; its peers' is that plus its lateness. One
 perf_counter read per gradient or per FSDP call: no device sync, no collective.
