@@ -472,22 +472,25 @@ class ClusterJob:
         if self.spec is not None and self.spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
             board = Path(self.spec.tensorboard_dir)
             fetch_tensorboard(self._links[0], self.attempt_id, board, found)
-        traces, missed = self._fetch_traces(dest / "profile") if self.spec and self.spec.profile_steps else ([], [])
+        traces, missed = self._fetch_traces(dest / "profile", found) if self.spec and self.spec.profile_steps \
+            else ([], [])
         return {"type": "results", "job": self.job_id, "dir": str(dest),
                 "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None,
                 "profile": str(dest / "profile") if traces else None,
                 "profile_traces": sorted(str(path) for path in traces), "profile_missed": missed}
 
-    def _fetch_traces(self, dest: Path) -> tuple[list[Path], list[str]]:
+    def _fetch_traces(self, dest: Path, found: dict) -> tuple[list[Path], list[str]]:
         """``--profile``: every host's traces, of every attempt (a restart may have run the window);
-        a host that cannot be read is named and skipped, not the end of the others' results."""
+        a host that cannot be read is named and skipped, not the end of the others' results.
+        ``found``: rank 0's host's ``artifacts`` answer for the current attempt, already asked."""
         attempts = [self.job_id] + [f"{self.job_id}-r{n}" for n in range(1, self.restarts + 1)]
         traces: list[Path] = []
         missed: list[str] = []
         for link in self._links:
             for attempt in attempts:
                 try:
-                    traces += fetch_profile(link, attempt, dest)
+                    known = found if link is self._links[0] and attempt == self.attempt_id else None
+                    traces += fetch_profile(link, attempt, dest, known)
                 except HostError as exc:
                     if attempt == self.attempt_id:  # an older attempt a host never ran is not news
                         missed.append(f"{link.label}: {exc.reason}")

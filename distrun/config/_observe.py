@@ -66,7 +66,6 @@ def check_trackers(trackers: tuple[str, ...], uris: Mapping[str, str], *, run_na
                    experiment: str | None, log_checkpoint: bool, checkpoint_dir: str | None) -> None:
     """The tracker flags together, as given (``tensorboard`` included): known names, each once,
     a URI only for a tracker in use, the run's name and experiment only with a tracker."""
-    _check_names(trackers, uris)
     flags = [flag for flag, used in (("--run-name", run_name is not None), ("--experiment", experiment is not None),
                                      ("--tracker-checkpoint", log_checkpoint)) if used]
     if flags and not trackers:
