@@ -7,8 +7,9 @@ that are sent, so reporting never adds a device sync per step on GPU.
 Each Step event also carries the rank's mean step time and compute time over the steps
 since the previous one: a step's wall time runs from the end of the step before to the end
 of this one (data loading included), and its compute time is that less what the strategy
-measured as waiting for peers (``sync_wait_s``). The client compares ranks' compute times
-to name slow ones (``client/_stragglers.py``).
+measured as waiting for peers (``sync_wait_s``; on a GPU, the waits the GPU has finished by
+then, so a window's sum lags its steps by a step or two). The client compares ranks' compute
+times to name slow ones (``client/_stragglers.py``).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class EventReporter:
             if sync_wait_s is None:  # the strategy cannot tell its wait from its compute
                 self._wait_known = False
             else:
-                self._wait_s += min(max(sync_wait_s, 0.0), wall)
+                self._wait_s += max(sync_wait_s, 0.0)  # a GPU's waits arrive a step or two late: bounded per window
         self.current_step = step
         self.last_loss = loss
         self._last_epoch = epoch
@@ -174,7 +175,7 @@ class EventReporter:
                 staleness=self._staleness,
                 peak_mem_mb=peak,
                 step_ms=round(step_s / steps * 1e3, 3) if steps else None,
-                compute_ms=round((step_s - wait_s) / steps * 1e3, 3) if steps and known else None,
+                compute_ms=round(max(step_s - wait_s, 0.0) / steps * 1e3, 3) if steps and known else None,
             )
         )
 

@@ -295,15 +295,17 @@ class Strategy(ElasticReplica, ABC):
     def _report_step(self, result: Any) -> None:
         self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
-        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._sync_wait_s())
+        timed_s = self._clock.waited_s() if self._clock.measures else None  # read every step: it ends the step
+        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._sync_wait_s(timed_s))
         stats = self._step.compile_progress()
         if stats is not None:
             self._reporter.compiled(stats)
 
-    def _sync_wait_s(self) -> float | None:
-        """How long this step waited for the other replicas (its compute time is the rest);
-        None where that cannot be told apart from compute (docs/debugging.md#slow-ranks)."""
-        return self._clock.waited_s() if self._clock.measures else None
+    def _sync_wait_s(self, timed_s: float | None) -> float | None:
+        """How long this step waited for the other replicas (its compute time is the rest), given
+        what the clock timed; None where that cannot be told apart from compute
+        (docs/debugging.md#slow-ranks)."""
+        return timed_s
 
     def reduce(self, op: str, value: torch.Tensor | float) -> torch.Tensor | float:
         """All-reduce ``value`` over replicas with ``op`` in sum|mean|max|min."""

@@ -104,7 +104,7 @@ class CentralStorageStrategy(Strategy):
         wrapped._broadcast_central()  # every replica starts from the chief's parameters
         return compute_model, wrapped
 
-    def _sync_wait_s(self) -> float | None:
+    def _sync_wait_s(self, timed_s: float | None) -> float | None:
         """The replicas meet in the central optimizer's reduce, step and broadcast, where the chief
         also computes: waiting and computing are not told apart there, so no figure is claimed."""
         return None

@@ -276,7 +276,7 @@ class ParameterServerStrategy(Strategy):
             rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
         return rows.to(self.device)
 
-    def _sync_wait_s(self) -> float | None:
+    def _sync_wait_s(self, timed_s: float | None) -> float | None:
         """Asynchronous workers wait for no other worker: a worker's step time is its compute time.
         ``--ps-sync`` rounds wait for every worker's push, and that wait is not timed."""
         return None if self._sync else 0.0

@@ -173,15 +173,122 @@ def test_the_cpu_benchmarks_run_on_a_gpu_machine(bench):
     print(bench[0], result.stdout.strip().splitlines()[-1][:600])
 
 
-def test_a_profile_on_cuda_records_kernels_and_says_no_compute_time(write_recipe, tmp_path):
-    """--profile on a GPU rank adds CUDA activities (kernels on a stream); the straggler figure is
-    not claimed on CUDA (CPU clocks cannot see a stream's wait: docs/debugging.md#slow-ranks)."""
-    result = train(write_recipe(EQUIV), tmp_path, "--device", "cuda", "--replicas", "1", "--steps", "4",
+def test_a_profile_on_cuda_records_kernels_and_sends_compute_time(write_recipe, tmp_path):
+    """--profile on a GPU rank adds CUDA activities (kernels on a stream); every step event past
+    the first carries a compute time, timed with CUDA events (docs/debugging.md#slow-ranks)."""
+    result = train(write_recipe(EQUIV), tmp_path, "--device", "cuda", "--replicas", "1", "--steps", "6",
                    "--profile", "2:3", *FULL_BATCHES)
     trace = next((tmp_path / "profile").glob("rank0.*.pt.trace.json"))
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(event.get("cat") == "kernel" for event in events)  # CUDA kernels, not only CPU ops
     assert sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")) == [
         "ProfilerStep#2", "ProfilerStep#3"]
-    steps = [line for line in result.json_lines() if line["type"] == "step"]
-    assert all(line["compute_ms"] is None for line in steps)
+    steps = [line for line in result.json_lines() if line["type"] == "step" and line["step"] > 1]
+    assert steps and all(line["compute_ms"] is not None for line in steps)
+    assert all(0 <= line["compute_ms"] <= line["step_ms"] for line in steps)
+    print("cuda step_ms/compute_ms", [(line["step_ms"], line["compute_ms"]) for line in steps])
+
+
+def stall_ms(milliseconds: float) -> None:
+    """Make the current stream wait ``milliseconds`` on a side stream's sleep, as it waits for
+    NCCL's stream in DDP's and FSDP's waits; the CPU passes at once."""
+    cycles_per_ms = _cycles_per_ms()
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(milliseconds * cycles_per_ms))
+    current.wait_stream(side)
+
+
+_CYCLES: list[float] = []
+
+
+def _cycles_per_ms() -> float:
+    if not _CYCLES:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # warm
+        start.record()
+        torch.cuda._sleep(100_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES.append(100_000_000 / start.elapsed_time(end))
+    return _CYCLES[0]
+
+
+def read_wait_s(clock) -> tuple[float, float]:
+    """(what the step's end read, what it read once the GPU caught up)."""
+    at_step_end = clock.waited_s()
+    torch.cuda.synchronize()
+    return at_step_end, at_step_end + clock.waited_s()
+
+
+def test_a_stream_stall_after_the_last_gradient_is_this_steps_wait_on_cuda():
+    """DDP's wait on a GPU is the compute stream stalled behind the all-reduce's stream: CUDA events
+    see it where the CPU's clock does not (the unit tests run the same logic on the host)."""
+    from torch import nn
+
+    from distrun.strategies.step.sync_clock import SyncClock
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = SyncClock()
+    clock.watch(model, optimizer, torch.device("cuda", torch.cuda.current_device()))
+    assert clock.measures
+    for stalled_ms in (0.0, 200.0):
+        torch.cuda.synchronize()
+        clock.begin()
+        cpu_started = time.perf_counter()
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+        stall_ms(stalled_ms)
+        optimizer.step()
+        optimizer.zero_grad()
+        cpu_s = time.perf_counter() - cpu_started
+        _, waited_s = read_wait_s(clock)
+        print(f"stalled {stalled_ms} ms: the events read {waited_s * 1e3:.1f} ms, the CPU took {cpu_s * 1e3:.1f} ms")
+        if stalled_ms:
+            assert cpu_s < 0.1  # the CPU passed the stall: its clock could not have seen it
+            assert 0.18 <= waited_s < 0.3
+        else:
+            assert waited_s < 0.02
+    clock.close()
+
+
+def test_an_fsdp_gathers_stream_stall_is_this_steps_wait_on_cuda(tmp_path):
+    """FSDP2's all-gather on a GPU stalls the compute stream inside wait_for_unshard; one GPU has no
+    peer to wait for, so the stall is made there on purpose. Two GPUs with NCCL stay unrun here."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from distrun.strategies.step.sync_clock import SyncClock, _fsdp_parts
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1)).cuda()
+        fully_shard(model[0])
+        fully_shard(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        groups, _ = _fsdp_parts(model)
+        for group in groups:
+            def stalled(method=group.wait_for_unshard):
+                stall_ms(50.0)
+                return method()
+            group.wait_for_unshard = stalled
+        clock = SyncClock()
+        clock.watch(model, optimizer, torch.device("cuda", torch.cuda.current_device()))
+        assert clock.measures
+        model(torch.randn(64, 256, device="cuda")).sum().backward()  # a first step builds FSDP's state
+        optimizer.step()
+        torch.cuda.synchronize()
+        clock.begin()
+        model(torch.randn(64, 256, device="cuda")).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        _, waited_s = read_wait_s(clock)
+        calls = 2 * len(groups)  # once before forward, once before backward (resharded after forward)
+        print(f"FSDP on cuda: {len(groups)} groups, the events read {waited_s * 1e3:.1f} ms")
+        assert 0.05 * len(groups) * 0.9 <= waited_s < 0.05 * calls * 1.5
+        clock.close()
+    finally:
+        dist.destroy_process_group()

@@ -9,60 +9,69 @@ replica; the time each one spent waiting can. A step's wait is measured where it
   step (``register_step_pre_hook``). In between, DDP waits for the buckets' all-reduce,
   which waits for the slowest replica.
 - **Shards** (FSDP2 under sharded): the time inside each FSDP parameter group's
-  ``unshard``, ``wait_for_unshard`` and ``post_backward``, where FSDP all-gathers a block's
-  parameters (in forward and again in backward) and reduce-scatters its gradients, each of
-  which waits for the slowest rank. These are FSDP's own methods, timed on each group
-  instance (not patched on the class); on a torch whose FSDP2 lacks them the clock
-  ``measures`` nothing, and no compute time is claimed.
+  ``unshard``, ``wait_for_unshard``, ``post_backward`` and ``finalize_backward``, and inside
+  the root's end-of-backward callback, where FSDP all-gathers a block's parameters (in
+  forward and again in backward) and reduce-scatters its gradients, each of which waits for
+  the slowest rank. These are FSDP's own methods, timed on each instance (not patched on the
+  class); a call made inside another timed one counts once. On a torch whose FSDP2 lacks them
+  the clock ``measures`` nothing, and no compute time is claimed.
+
+Only waits inside a step count (between ``begin()`` and ``waited_s()``): an evaluation's
+gathers between steps are not a step's wait.
+
+How a span is timed is ``span_timer``'s: host clocks on a CPU, CUDA events on the compute
+stream on a GPU, where these waits only stall the stream and the CPU passes them at once. A
+GPU's waits are read once the GPU has run them, so each step reports the waits finished since
+the step before. Other accelerators are not timed: their clock ``measures`` nothing.
 
 A strategy whose replicas meet where waiting and computing cannot be told apart
 (central-storage's central optimizer) does not ask the clock (``Strategy._sync_wait_s``).
 
 A straggler's wait is only the transfer itself; its peers' is that plus its lateness. One
-perf_counter read per gradient or per FSDP call: no device sync, no collective.
-
-On a GPU these CPU clocks do not see the wait: DDP's and FSDP's waits only order CUDA
-streams, and the CPU blocks later, wherever the step first reads a value back. Timing them
-needs CUDA events on the compute stream, which distrun does not record yet; a CUDA replica's
-clock says it ``measures`` nothing, and its compute time is reported as unknown rather than
-wrong.
+clock read or event per gradient or per FSDP call: no device sync, no collective.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from distrun.strategies.step.span_timer import CudaTimer, HostTimer, timer_for
+
 __all__ = ["SyncClock"]
 
 
 class SyncClock:
-    """Per step: ``begin()``, then the hooks add up the wait; ``waited_s()`` reads it."""
+    """Per step: ``begin()``, then the hooks add up the wait; ``waited_s()`` reads it and ends the step."""
 
     def __init__(self) -> None:
+        self._timer: HostTimer | CudaTimer | None = None
         self._handles: list[Any] = []
-        self._ready_at: float | None = None
-        self._waited_s = 0.0
-        self._timed_groups: list[Any] = []
+        self._timed: list[tuple[Any, tuple[str, ...]]] = []  # (FSDP instance, its timed methods)
+        self._ready: Any = None  # the mark of this step's newest gradient (DDP)
+        self._in_step = False
+        self._depth = 0  # timed FSDP calls open (one inside another counts once)
 
     @property
     def measures(self) -> bool:
-        """Whether the waits are timed: hooks installed, on a CPU replica."""
-        return bool(self._handles or self._timed_groups)
+        """Whether the waits are timed: hooks installed on a replica whose device has a timer."""
+        return self._timer is not None and bool(self._handles or self._timed)
 
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, device: torch.device) -> None:
         """Hook ``model``'s parameters and sharded modules, and ``optimizer``'s step (again after a rebuild)."""
         self.close()
-        if device.type != "cpu":  # CPU clocks see no wait on a GPU (the module's docstring)
+        self._timer = timer_for(device)
+        if self._timer is None:
             return
-        groups = _fsdp_param_groups(model)
+        groups, states = _fsdp_parts(model)
         if groups:  # sharded: FSDP's collectives are the waits (its gradients arrive after them)
-            for group in groups:
-                self._time_group(group)
+            if all(self._can_time(group, _FSDP_GROUP_WAITS) for group in groups):
+                for part, names in [(group, _FSDP_GROUP_WAITS) for group in groups] + [
+                        (state, _FSDP_STATE_WAITS) for state in states if self._can_time(state, _FSDP_STATE_WAITS)]:
+                    self._time(part, names)
             return
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_steps))
@@ -71,63 +80,88 @@ class SyncClock:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
 
     def begin(self) -> None:
-        self._ready_at = None
-        self._waited_s = 0.0
+        self._in_step = True
+        self._release_ready()
 
     def waited_s(self) -> float:
-        return self._waited_s
+        """The wait timed since the last call (on a GPU: the spans it has finished); ends the step."""
+        self._in_step = False
+        self._release_ready()
+        return self._timer.take_s() if self._timer is not None else 0.0
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for group in self._timed_groups:
-            for name in _FSDP_WAITS:
-                group.__dict__.pop(name, None)  # the class's method again
-        self._timed_groups.clear()
+        for part, names in self._timed:
+            for name in names:
+                part.__dict__.pop(name, None)  # the class's method again
+        self._timed.clear()
+        self._release_ready()
+        self._in_step = False
+        self._depth = 0
+
+    def _release_ready(self) -> None:
+        if self._ready is not None and self._timer is not None:
+            self._timer.drop(self._ready)
+        self._ready = None
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
-        self._ready_at = time.perf_counter()
+        if self._in_step and self._timer is not None:
+            self._ready = self._timer.mark(reuse=self._ready)
 
     def _optimizer_steps(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if self._ready_at is not None:
-            self._waited_s += time.perf_counter() - self._ready_at
-            self._ready_at = None
+        if self._ready is not None and self._timer is not None:
+            self._timer.span(self._ready)
+            self._ready = None
 
-    def _time_group(self, group: Any) -> None:
-        if not all(callable(getattr(group, name, None)) for name in _FSDP_WAITS):
-            return
-        for name in _FSDP_WAITS:
-            setattr(group, name, self._timed(getattr(group, name)))
-        self._timed_groups.append(group)
+    @staticmethod
+    def _can_time(part: Any, names: tuple[str, ...]) -> bool:
+        return all(callable(getattr(part, name, None)) for name in names)
 
-    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+    def _time(self, part: Any, names: tuple[str, ...]) -> None:
+        for name in names:
+            setattr(part, name, self._timed_call(getattr(part, name)))
+        self._timed.append((part, names))
+
+    def _timed_call(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            timer = self._timer
+            if not self._in_step or self._depth or timer is None:
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = timer.mark()
             try:
                 return method(*args, **kwargs)
             finally:
-                self._waited_s += time.perf_counter() - started
+                self._depth -= 1
+                timer.span(start)
 
         return timed
 
 
-#: FSDP2's FSDPParamGroup methods that hold its collectives (the gathers, the reduce-scatter).
-_FSDP_WAITS = ("unshard", "wait_for_unshard", "post_backward")
+#: FSDP2's FSDPParamGroup methods that hold its collectives or wait for them (the gathers, the
+#: reduce-scatter, and the end of backward, where the compute stream waits for the last one).
+_FSDP_GROUP_WAITS = ("unshard", "wait_for_unshard", "post_backward", "finalize_backward")
+#: FSDP2's FSDPState method queued at the end of backward: it waits for the reduce-scatters in flight.
+_FSDP_STATE_WAITS = ("_root_post_backward_final_callback",)
 
 
-def _fsdp_param_groups(model: nn.Module) -> list[Any]:
-    """Every FSDP2 parameter group in ``model`` (empty when it is not sharded)."""
+def _fsdp_parts(model: nn.Module) -> tuple[list[Any], list[Any]]:
+    """Every FSDP2 parameter group and FSDP state in ``model`` (empty when it is not sharded)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
-        return []
+        return [], []
     groups: list[Any] = []
+    states: list[Any] = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
+            if state not in states:
+                states.append(state)
             found = getattr(state, "_fsdp_param_groups", None)
             if found is None:  # older FSDP2: one group per state
                 found = [getattr(state, "_fsdp_param_group", None)]
             groups.extend(group for group in found if group is not None and group not in groups)
-    return groups
+    return groups, states
