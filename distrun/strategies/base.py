@@ -284,8 +284,12 @@ class Strategy(ElasticReplica, ABC):
             raise MembershipSwitch(f"a member joins after step {self.step}")
         self._reporter.step_started(self.step + 1)
         self._clock.begin()
-        with self.autocast():
-            result = fn(*args, **kwargs)
+        try:
+            with self.autocast():
+                result = fn(*args, **kwargs)
+        except BaseException:
+            self._clock.discard()  # its waits (up to the failure) are no later step's
+            raise
         self.step += 1
         if self._elastic is not None:
             self._committed()

@@ -95,12 +95,16 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
 def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab: Lab, cluster: Path,
                                                                             tmp_path: Path) -> None:
     """Rank 1 (on h2) sleeps 120 ms a step, rank 0 30 ms: named with h2's address; steps 2-3
-    profiled on both hosts, each host's trace fetched into the results dir."""
+    profiled on both hosts, each host's trace fetched into the results dir; MLflow gets one run,
+    logged by rank 0 on h1, naming both hosts."""
     recipe = tmp_path / "code" / "slow.py"
     recipe.parent.mkdir()
     recipe.write_text(SLOW_RANK_RECIPE)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the namespace hosts share this filesystem
     result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json",
-                     "--steps", "30", "--log-interval-s", "0.1", "--profile", "2:3", "--", "--slow-rank", "1")
+                     "--steps", "30", "--log-interval-s", "0.1", "--profile", "2:3",
+                     "--tracker", "mlflow", "--tracker-uri", store, "--run-name", "slow-on-h2",
+                     "--", "--slow-rank", "1")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = json_lines(result)
     named = [line for line in lines if line.get("type") == "straggler"]
@@ -115,6 +119,17 @@ def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab
         steps = [event["name"] for event in json.loads(trace.read_text())["traceEvents"]
                  if event.get("name", "").startswith("ProfilerStep#")]
         assert sorted(steps) == ["ProfilerStep#2", "ProfilerStep#3"], trace.name
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(store)
+    runs = client.search_runs([experiment.experiment_id for experiment in client.search_experiments()])
+    assert [run.info.run_name for run in runs] == ["slow-on-h2"]  # rank 1 on h2 logged nothing
+    [run] = runs
+    assert run.info.status == "FINISHED"
+    assert run.data.params["hosts"].split(",") == [lab.hosts["h1"][1], lab.hosts["h2"][1]]
+    assert run.data.params["world_size"] == "2" and run.data.params["strategy"] == "multi-worker"
+    loss = client.get_metric_history(run.info.run_id, "train/loss")
+    assert max(metric.step for metric in loss) == 30
 
 
 def test_a_failing_rank_on_one_host_stops_every_host(lab: Lab, cluster: Path, tmp_path: Path) -> None:

@@ -114,9 +114,25 @@ def test_a_gpu_far_behind_is_waited_on_so_the_pending_spans_stay_bounded():
     for _ in range(4):
         timer.span(timer.mark())
     assert gpu.synchronized == []
-    timer.span(timer.mark())  # the fifth: the oldest end is waited on
-    assert gpu.synchronized == [2]
-    assert timer.take_s() == pytest.approx(0.001) and timer.pending == 4
+    timer.span(timer.mark())  # the fifth: the oldest end is waited on, and read
+    assert gpu.synchronized == [2] and timer.pending == 4
+    for _ in range(20):  # nobody takes: still bounded
+        timer.span(timer.mark())
+    assert timer.pending == 4 and len(gpu.synchronized) == 21
+    assert timer.take_s() == pytest.approx(0.021)  # what was read on the way is not lost
+
+
+def test_discarded_gpu_spans_are_never_read_and_their_events_are_reused():
+    gpu = Timeline()
+    timer = CudaTimer(new_event=gpu.event)
+    for _ in range(3):  # a step that raised, its spans still ahead of the GPU
+        timer.span(timer.mark())
+    timer.discard()
+    assert timer.pending == 0
+    gpu.run(6, 50.0)
+    timer.span(timer.mark())
+    gpu.run(2, 4.0)
+    assert timer.take_s() == pytest.approx(0.004) and gpu.created == 6
 
 
 def test_each_device_gets_its_timer():
@@ -135,13 +151,16 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, between_s: float) -
     optimizer.zero_grad()
 
 
-def test_the_wait_runs_from_the_last_gradient_to_the_optimizer_step_inside_a_step_only():
+def test_the_wait_runs_from_the_end_of_backward_to_the_optimizer_step_inside_a_step_only():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     clock = SyncClock()
     clock.watch(model, optimizer, torch.device("cpu"))
     assert clock.measures
-    step(model, optimizer, 0.2)  # outside a step (an evaluation, a warm-up): not a step's wait
+    clock.begin()
+    step(model, optimizer, 0.1)
+    assert clock.waited_s() == 0.0  # the first step after watch() is a warm-up
+    step(model, optimizer, 0.2)  # outside a step (an evaluation): not a step's wait
     clock.begin()
     step(model, optimizer, 0.1)
     waited = clock.waited_s()
@@ -149,6 +168,16 @@ def test_the_wait_runs_from_the_last_gradient_to_the_optimizer_step_inside_a_ste
     clock.begin()
     step(model, optimizer, 0.0)
     assert clock.waited_s() < 0.05
+    clock.begin()
+    model(torch.randn(4, 8)).sum().backward()
+    time.sleep(0.1)
+    clock.discard()  # the step raised before its optimizer step
+    clock.begin()
+    for _ in range(2):  # two accumulated backwards: the wait starts at the end of the last
+        model(torch.randn(4, 8)).sum().backward()
+        time.sleep(0.1)
+    optimizer.step()
+    assert 0.1 <= clock.waited_s() < 0.18
     clock.close()
     assert not clock.measures
     clock.begin()
@@ -192,20 +221,22 @@ def test_fsdps_waits_count_once_even_when_one_runs_inside_another(one_rank_group
     assert len(groups) == 2 and len(states) == 3  # the root holds no parameters of its own
     for group in groups:  # finalize_backward runs inside the root's end-of-backward callback, also timed
         group.finalize_backward = slow(group.finalize_backward, 0.05)
+        group.wait_for_unshard = slow(group.wait_for_unshard, 0.02)  # called in forward and again in backward
     clock = SyncClock()
     clock.watch(model, optimizer, torch.device("cpu"))
     assert clock.measures
     clock.begin()
     step(model, optimizer, 0.0)
+    assert clock.waited_s() == 0.0  # the warm-up step
+    clock.begin()
+    step(model, optimizer, 0.0)
     waited = clock.waited_s()
-    assert 0.1 <= waited < 0.18  # 2 x 50 ms once; counted twice it would be 0.2 s
+    # 2 x 50 ms once and 4 x 20 ms: 0.18 s; the finalizes counted twice would be 0.28 s
+    assert 0.18 <= waited < 0.26
 
-    for group in groups:  # an evaluation between steps gathers too: not a step's wait
-        group.wait_for_unshard = slow(group.wait_for_unshard, 0.05)
-    with torch.no_grad():
+    with torch.no_grad():  # an evaluation between steps gathers too (2 x 20 ms): not a step's wait
         model(torch.randn(4, 8))
     clock.begin()
     assert clock.waited_s() < 0.01
     clock.close()
-    assert all("finalize_backward" not in group.__dict__ or group.__dict__["finalize_backward"].__name__ == "slowed"
-               for group in groups)  # the clock's own wrappers are gone
+    assert all(group.__dict__["finalize_backward"].__name__ == "slowed" for group in groups)  # theirs, not the clock's

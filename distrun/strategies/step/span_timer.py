@@ -13,8 +13,9 @@ stream stalls, so the span's ends are CUDA events recorded on the current stream
 (``CudaTimer``); their elapsed time is the stall, and it is known only once the GPU has passed
 the end event. ``take_s`` reads the finished spans with ``query()`` (never a device sync), so a
 step's wait is counted a step or two after it ran: over a reporting window of many steps the
-sum is the same. Events are pooled; if the GPU falls more than ``max_pending`` spans behind,
-the oldest end event is waited on, so memory stays bounded.
+sum is the same. Events are pooled; if more than ``max_pending`` spans are unread (the GPU far
+behind, or nobody taking), the oldest is waited on and the finished ones are read into a
+running sum, so the pending events stay bounded.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ class HostTimer:
         done, self._done_s = self._done_s, 0.0
         return done
 
+    def discard(self) -> None:
+        """Forget the spans not yet taken (a failed or a warm-up step's)."""
+        self._done_s = 0.0
+
 
 class CudaTimer:
     """Spans timed on the current CUDA stream with events, read once the GPU has passed them."""
@@ -58,6 +63,7 @@ class CudaTimer:
         self._free: list[Any] = []
         self._pending: deque[tuple[Any, Any]] = deque()  # (start, end) in the order they were recorded
         self._may_capture = torch.cuda.is_available()  # a CPU-only torch has no graphs to capture
+        self._done_s = 0.0  # spans read before a take (the GPU was waited on)
 
     def mark(self, reuse: Any = None) -> Any:
         """Record a span's start on the current stream; ``reuse``: a mark of this timer to move here
@@ -76,13 +82,26 @@ class CudaTimer:
         self._pending.append((start, end))
         if len(self._pending) > self._max_pending:  # the GPU is far behind: wait for the oldest span
             self._pending[0][1].synchronize()
+            self._done_s += self._read_finished()
 
     def drop(self, mark: Any) -> None:
         """A mark that no span will close: its event goes back to the pool."""
         self._free.append(mark)
 
     def take_s(self) -> float:
-        """Seconds of the spans the GPU has finished since the last take, oldest first."""
+        """Seconds of the spans the GPU has finished since the last take."""
+        done_s, self._done_s = self._done_s + self._read_finished(), 0.0
+        return done_s
+
+    def discard(self) -> None:
+        """Forget the spans not yet taken, finished or not (a failed or a warm-up step's): their
+        events go back to the pool (one still ahead of the GPU is simply recorded again later)."""
+        while self._pending:
+            self._free += self._pending.popleft()
+        self._done_s = 0.0
+
+    def _read_finished(self) -> float:
+        """Seconds of the oldest spans the GPU has passed, removed from the pending ones."""
         done_s = 0.0
         while self._pending:
             start, end = self._pending[0]

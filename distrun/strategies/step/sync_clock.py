@@ -4,10 +4,12 @@ Under a synchronous strategy every replica's step ends at the same moment (the g
 all-reduce, or FSDP's gathers, wait for the slowest), so step times cannot name a slow
 replica; the time each one spent waiting can. A step's wait is measured where it happens:
 
-- **Gradients** (DDP under mirrored and multi-worker): from the moment this replica's last parameter
-  gradient was accumulated (``register_post_accumulate_grad_hook``) to the optimizer's
-  step (``register_step_pre_hook``). In between, DDP waits for the buckets' all-reduce,
-  which waits for the slowest replica.
+- **Gradients** (DDP under mirrored and multi-worker): from the end of this replica's backward
+  (a callback queued on autograd's engine at its first accumulated gradient,
+  ``register_post_accumulate_grad_hook``, so it runs before DDP's own, queued at its last
+  bucket) to the optimizer's step (``register_step_pre_hook``). In between, DDP waits for
+  the buckets' all-reduce, which waits for the slowest replica. One mark per backward, not
+  one per parameter: on a GPU each mark is an event.
 - **Shards** (FSDP2 under sharded): the time inside each FSDP parameter group's
   ``unshard``, ``wait_for_unshard``, ``post_backward`` and ``finalize_backward``, and inside
   the root's end-of-backward callback, where FSDP all-gathers a block's parameters (in
@@ -17,7 +19,9 @@ replica; the time each one spent waiting can. A step's wait is measured where it
   the clock ``measures`` nothing, and no compute time is claimed.
 
 Only waits inside a step count (between ``begin()`` and ``waited_s()``): an evaluation's
-gathers between steps are not a step's wait.
+gathers between steps are not a step's wait. The first step after ``watch`` is a warm-up
+(communicators built, FSDP's state made; the reporter times no wall for it either) and a step
+that raised ends with ``discard()``: their waits are not read into a later step's.
 
 How a span is timed is ``span_timer``'s: host clocks on a CPU, CUDA events on the compute
 stream on a GPU, where these waits only stall the stream and the CPU passes them at once. A
@@ -28,7 +32,7 @@ A strategy whose replicas meet where waiting and computing cannot be told apart
 (central-storage's central optimizer) does not ask the clock (``Strategy._sync_wait_s``).
 
 A straggler's wait is only the transfer itself; its peers' is that plus its lateness. One
-clock read or event per gradient or per FSDP call: no device sync, no collective.
+clock read or event per backward or per FSDP call: no device sync, no collective.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
 
 from distrun.strategies.step.span_timer import CudaTimer, HostTimer, timer_for
 
@@ -50,9 +55,11 @@ class SyncClock:
     def __init__(self) -> None:
         self._timer: HostTimer | CudaTimer | None = None
         self._handles: list[Any] = []
-        self._timed: list[tuple[Any, tuple[str, ...]]] = []  # (FSDP instance, its timed methods)
-        self._ready: Any = None  # the mark of this step's newest gradient (DDP)
+        self._timed: list[tuple[Any, dict[str, Any]]] = []  # (FSDP instance, what its __dict__ held before)
+        self._ready: Any = None  # the mark of this step's newest end of backward (DDP)
+        self._backward_ending = False  # the end-of-backward callback is queued
         self._in_step = False
+        self._warm = False  # a step has ended since watch()
         self._depth = 0  # timed FSDP calls open (one inside another counts once)
 
     @property
@@ -87,18 +94,34 @@ class SyncClock:
         """The wait timed since the last call (on a GPU: the spans it has finished); ends the step."""
         self._in_step = False
         self._release_ready()
-        return self._timer.take_s() if self._timer is not None else 0.0
+        if self._timer is None:
+            return 0.0
+        if not self._warm:  # the warm-up step: its waits are not the job's
+            self._warm = True
+            self._timer.discard()
+            return 0.0
+        return self._timer.take_s()
+
+    def discard(self) -> None:
+        """The step raised: forget its waits, so a later step does not count them."""
+        self._in_step = False
+        self._release_ready()
+        if self._timer is not None:
+            self._timer.discard()
 
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for part, names in self._timed:
-            for name in names:
-                part.__dict__.pop(name, None)  # the class's method again
+        for part, before in self._timed:
+            for name, held in before.items():  # what was there: the class's method, or another wrapper
+                if held is _NOTHING:
+                    part.__dict__.pop(name, None)
+                else:
+                    part.__dict__[name] = held
         self._timed.clear()
         self._release_ready()
-        self._in_step = False
+        self._in_step = self._warm = self._backward_ending = False
         self._depth = 0
 
     def _release_ready(self) -> None:
@@ -107,7 +130,16 @@ class SyncClock:
         self._ready = None
 
     def _gradient_ready(self, _param: torch.Tensor) -> None:
-        if self._in_step and self._timer is not None:
+        if self._in_step and not self._backward_ending:
+            try:
+                Variable._execution_engine.queue_callback(self._backward_ended)
+                self._backward_ending = True
+            except RuntimeError:  # no engine to queue on (a hook called outside backward): mark here
+                self._backward_ended()
+
+    def _backward_ended(self) -> None:
+        self._backward_ending = False
+        if self._in_step and self._timer is not None:  # the last of several backwards (accumulation) wins
             self._ready = self._timer.mark(reuse=self._ready)
 
     def _optimizer_steps(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
@@ -120,9 +152,10 @@ class SyncClock:
         return all(callable(getattr(part, name, None)) for name in names)
 
     def _time(self, part: Any, names: tuple[str, ...]) -> None:
+        before = {name: part.__dict__.get(name, _NOTHING) for name in names}
         for name in names:
             setattr(part, name, self._timed_call(getattr(part, name)))
-        self._timed.append((part, names))
+        self._timed.append((part, before))
 
     def _timed_call(self, method: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -139,6 +172,8 @@ class SyncClock:
 
         return timed
 
+
+_NOTHING = object()  # an instance's __dict__ held no such attribute
 
 #: FSDP2's FSDPParamGroup methods that hold its collectives or wait for them (the gathers, the
 #: reduce-scatter, and the end of backward, where the compute stream waits for the last one).
