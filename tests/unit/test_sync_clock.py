@@ -185,6 +185,26 @@ def test_the_wait_runs_from_the_end_of_backward_to_the_optimizer_step_inside_a_s
     assert clock.waited_s() == 0.0  # its hooks are gone
 
 
+def test_a_backward_that_raised_leaves_the_next_step_timed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock = SyncClock()
+    clock.watch(model, optimizer, torch.device("cpu"))
+    clock.begin()
+    step(model, optimizer, 0.0)
+    clock.waited_s()  # the warm-up
+    clock.begin()
+    hidden = model[0](torch.randn(4, 8))
+    hidden.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("a peer was lost")))
+    with pytest.raises(RuntimeError, match="a peer was lost"):  # after the last layer's gradients arrived
+        model[2](torch.relu(hidden)).sum().backward()
+    clock.discard()
+    optimizer.zero_grad()
+    clock.begin()
+    step(model, optimizer, 0.1)
+    assert 0.1 <= clock.waited_s() < 0.18
+
+
 def test_a_device_without_a_timer_measures_nothing():
     model = nn.Linear(8, 1)
     clock = SyncClock()

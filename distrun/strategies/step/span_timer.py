@@ -67,7 +67,7 @@ class CudaTimer:
 
     def mark(self, reuse: Any = None) -> Any:
         """Record a span's start on the current stream; ``reuse``: a mark of this timer to move here
-        (the last of many candidate starts, such as each gradient's arrival, costs one event)."""
+        (the last of many candidate starts, such as each accumulated backward's end, costs one event)."""
         if self._capturing():  # inside a CUDA graph's capture an event would be replayed with it: no span
             return reuse
         event = reuse if reuse is not None else self._event()

@@ -76,9 +76,11 @@ class SyncClock:
         groups, states = _fsdp_parts(model)
         if groups:  # sharded: FSDP's collectives are the waits (its gradients arrive after them)
             if all(self._can_time(group, _FSDP_GROUP_WAITS) for group in groups):
-                for part, names in [(group, _FSDP_GROUP_WAITS) for group in groups] + [
-                        (state, _FSDP_STATE_WAITS) for state in states if self._can_time(state, _FSDP_STATE_WAITS)]:
-                    self._time(part, names)
+                for group in groups:
+                    self._time(group, _FSDP_GROUP_WAITS)
+                for state in states:
+                    if self._can_time(state, _FSDP_STATE_WAITS):
+                        self._time(state, _FSDP_STATE_WAITS)
             return
         if optimizer is not None:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_steps))
@@ -92,19 +94,17 @@ class SyncClock:
 
     def waited_s(self) -> float:
         """The wait timed since the last call (on a GPU: the spans it has finished); ends the step."""
-        self._in_step = False
-        self._release_ready()
-        if self._timer is None:
-            return 0.0
         if not self._warm:  # the warm-up step: its waits are not the job's
             self._warm = True
-            self._timer.discard()
+            self.discard()
             return 0.0
-        return self._timer.take_s()
+        self._in_step = False
+        self._release_ready()
+        return self._timer.take_s() if self._timer is not None else 0.0
 
     def discard(self) -> None:
-        """The step raised: forget its waits, so a later step does not count them."""
-        self._in_step = False
+        """End the step and forget its waits (it raised, or warmed up), so no later step counts them."""
+        self._in_step = self._backward_ending = False  # a backward that raised never ran its callback
         self._release_ready()
         if self._timer is not None:
             self._timer.discard()
