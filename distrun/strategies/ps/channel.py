@@ -254,11 +254,11 @@ def receive_state(channel: Channel, described: dict[str, Any]) -> dict[str, Any]
         shape = spec.get("shape")
         if not isinstance(shape, list) or not all(isinstance(n, int) and 0 <= n for n in shape):
             raise PeerRefused(f"state entry {key!r}: not a shape: {shape!r}")
-        numel = 1
+        span = 1  # the elements the shape would hold were no dimension 0: torch's strides must fit too
         for n in shape:
-            numel *= n
-        if numel * dtype.itemsize > MAX_STATE_BYTES:
-            raise PeerRefused(f"state entry {key!r}: {numel} elements of {dtype} exceed the limit")
+            span *= max(n, 1)
+        if span * dtype.itemsize > MAX_STATE_BYTES:
+            raise PeerRefused(f"state entry {key!r}: shape {shape} of {dtype} exceeds the limit")
         state[key] = channel.recv(tuple(shape), dtype)
     return state
 
