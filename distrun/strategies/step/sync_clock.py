@@ -120,8 +120,8 @@ class SyncClock:
                 else:
                     part.__dict__[name] = held
         self._timed.clear()
-        self._release_ready()
-        self._in_step = self._warm = self._backward_ending = False
+        self.discard()
+        self._warm = False
         self._depth = 0
 
     def _release_ready(self) -> None:
