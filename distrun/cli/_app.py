@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import signal
 import sys
 
 import typer
@@ -40,18 +42,60 @@ def _wants_debug(argv: list[str]) -> bool:
     return "--debug" in head
 
 
+def usage_line(exc: typer.TyperException) -> str:
+    """A typer usage error (a misspelt flag, a missing argument) as one line: the command,
+    what is wrong, the closest flags first, where the help is."""
+    ctx = getattr(exc, "ctx", None)
+    command = ctx.command_path if ctx is not None else "distrun"
+    option = getattr(exc, "option_name", None)
+    possibilities = list(getattr(exc, "possibilities", None) or ())
+    if option and possibilities is not None and type(exc).__name__ == "NoSuchOption":
+        # click lists them alphabetically; the nearest first reads better (--epoch: --epochs).
+        def score(name: str) -> tuple[bool, float]:
+            return name.startswith(option), difflib.SequenceMatcher(None, option, name).ratio()
+
+        ranked = sorted(possibilities, key=score, reverse=True)
+        near = [name for name in ranked if score(name)[0] == score(ranked[0])[0]
+                and score(name)[1] >= score(ranked[0])[1] - 0.1][:2] if ranked else []
+        hint = f"; did you mean {' or '.join(near)}?" if near else ""
+        what = f"no such option {option}{hint}"
+    else:
+        what = " ".join(exc.format_message().split()).rstrip(".")
+        what = what[:1].lower() + what[1:]
+    return f"{command}: {what} (`{command} --help`)"
+
+
+def _take_sigint() -> None:
+    """Ctrl-C's handler even where SIGINT arrives ignored (a job started in the background from a
+    script: ``setsid distrun train ... &``), so ``kill -INT`` stops the job as Ctrl-C does."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: run the app and map distrun's errors to exit codes.
 
-    typer runs in its standalone mode and owns its own outcomes (usage errors:
-    exit 2, ``--help``, ``--version``). distrun never imports click itself:
-    recent typer releases vendor their own copy, whose exceptions the click
-    package would not catch.
+    typer runs outside its standalone mode so that its usage errors (exit 2) come out
+    as one line (``usage_line``) rather than a box; ``--help``, ``--version`` and
+    ``typer.Exit`` come back as exit codes. distrun never imports click itself: recent
+    typer releases vendor their own copy, whose errors derive from ``typer.TyperException``.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(args)
+    _take_sigint()
     try:
-        app(args=args, prog_name="distrun")
+        code = app(args=args, prog_name="distrun", standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.TyperException as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # `distrun` alone: the help, as typer prints it
+            typer.echo(exc.format_message(), err=True)
+        else:
+            stderr.print(f"error: {usage_line(exc)}", markup=False)
+        sys.exit(getattr(exc, "exit_code", 2))
+    except typer.Abort:
+        stderr.print("error: aborted", markup=False)
+        sys.exit(1)
     except DistrunError as exc:
         if debug and exc.detail:
             stderr.print(exc.detail.rstrip(), markup=False)

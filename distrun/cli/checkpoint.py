@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from distrun.cli._app import app, stderr
-from distrun.errors import CheckpointError, UsageError
+from distrun.errors import CheckpointError
 
 checkpoint_app = typer.Typer(help="List checkpoints, or export a model's plain state_dict.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
@@ -33,7 +33,7 @@ def _tool(*args: str) -> dict[str, Any]:
         answer = {}
     if done.returncode != 0 or "error" in answer or not answer:
         why = answer.get("error") or (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise CheckpointError(f"{args[1]}: {why}")
+        raise CheckpointError(why if why.startswith(f"{args[1]}:") else f"{args[1]}: {why}")
     return answer
 
 
@@ -44,16 +44,19 @@ def ls(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Each checkpoint in DIR: its step, the strategy and world size that wrote it, its size."""
-    if not folder.is_dir():
-        raise UsageError(f"{folder}: not a folder")
+    if not folder.is_dir():  # nothing to read: exit 5, as for a folder without checkpoints
+        raise CheckpointError(f"{folder}: {'not a folder' if folder.exists() else 'no such folder'}")
     rows = _tool("ls", str(folder))["checkpoints"]
     if json_output:
         for row in rows:
             typer.echo(json.dumps(row))
         return
     table = Table(title=str(folder), title_justify="left")
+    names = [Path(row["path"]).name + ("/" if row["format"] == "sharded" else "") for row in rows]
     for name in ("step", "strategy", "world size", "parameters", "size MB", "file"):
-        table.add_column(name, justify="right" if name in ("step", "world size", "parameters", "size MB") else "left")
+        whole = name in ("step", "file")  # at 80 columns the others wrap, never these
+        table.add_column(name, justify="right" if name in ("step", "world size", "parameters", "size MB") else "left",
+                         no_wrap=whole, min_width=max(map(len, names), default=4) if name == "file" else None)
     for row in rows:
         table.add_row(str(row["step"]), str(row["strategy"]), str(row["world_size"]), f"{row['parameters']:,}",
                       f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name + ("/" if row["format"] == "sharded" else ""))
@@ -68,7 +71,7 @@ def export(
 ) -> None:
     """Write the model's plain state_dict: `torch.load(OUT, weights_only=True)` reads it without distrun."""
     if not source.exists():
-        raise UsageError(f"{source}: no such file or folder")
+        raise CheckpointError(f"{source}: no such file or folder")
     done = _tool("export", str(source), str(out))
     typer.echo(done["out"])
     stderr.print(f"note: step {done['step']}, {done['tensors']} tensors, {done['parameters']:,} parameters "

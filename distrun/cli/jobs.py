@@ -38,12 +38,14 @@ def jobs(
             typer.echo(json.dumps(row.to_dict()))
         return
     table = Table(box=box.SIMPLE_HEAD)
-    for name in ("job", "state", "recipe", "strategy", "replicas", "hosts", "started"):
-        table.add_column(name, no_wrap=name != "hosts")
+    why = any(row.reason or row.failure for row in rows)  # stopped: by whom; failed: the root cause
+    for name in ("job", "state", "recipe", "strategy", "replicas", "hosts", "started", *(("why",) if why else ())):
+        table.add_column(name, no_wrap=name not in ("hosts", "why"))
     for row in rows:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.started_at))
         replicas = str(row.world_size) if row.world_now is None else f"{row.world_now} of {row.world_size}"
-        table.add_row(row.job, row.state, row.recipe, row.strategy, replicas, ", ".join(row.hosts), started)
+        table.add_row(row.job, row.state, row.recipe, row.strategy, replicas, ", ".join(row.hosts), started,
+                      *((row.reason or row.failure or "",) if why else ()))
     Console(highlight=False, width=None if Console().is_terminal else 160).print(table)
 
 

@@ -38,11 +38,36 @@ from distrun.config import (
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.protocol import Diagnosed, Event, Heartbeat, JobSummary, Output, event_to_dict
+from distrun.protocol import Diagnosed, Event, Heartbeat, JobSummary, Output, Resumed, event_to_dict
 from distrun.ui import render_diagnosis, render_progress, render_summary
 
 #: Global batch size when neither the flag nor the recipe's defaults give one.
 DEFAULT_GLOBAL_BATCH_SIZE = 64
+
+
+@dataclasses.dataclass
+class JsonStream:
+    """``--json``: stdout's last line is the summary, on failure too (docs/live-view.md).
+
+    ``run_job`` prints it once a job exists; a failure before that (a value the spec refuses,
+    a host that cannot be reached) prints a failed one here, with the same error line.
+    """
+
+    enabled: bool
+    started_s: float = dataclasses.field(default_factory=time.monotonic)
+    summary_printed: bool = False
+
+    def failed_before_the_job(self, exc: BaseException, *, recipe: Path, strategy: str | None,
+                              replicas: int | None) -> None:
+        if not self.enabled or self.summary_printed:
+            return
+        interrupted = isinstance(exc, (KeyboardInterrupt, Interrupted))
+        message = exc.message if isinstance(exc, DistrunError) else "interrupted"
+        _print_json(JobSummary(status="interrupted" if interrupted else "failed", recipe=str(recipe),
+                               strategy=strategy or "", replicas=replicas or 0, steps=0, final_loss=None,
+                               samples_per_s=0.0, time_to_first_step_s=None,
+                               wall_s=time.monotonic() - self.started_s, error=message).to_dict())
+        self.summary_printed = True
 
 
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -99,60 +124,67 @@ def train(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Train RECIPE under --strategy, here or on a cluster; switching strategy never changes the recipe."""
-    if strategy is None:  # a cluster means all of it: every worker host
-        strategy = default_strategy(cluster_file is not None)
-    observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
-                            experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
-                            checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
-    flags = dict(
-        recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
-        steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-        sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
-        ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
-        compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
-        allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
-        shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
-        async_checkpoint=async_checkpoint, data_workers=data_workers,
-        **observe,
-    )
-    if hang_timeout_s is not None and hang_timeout_s <= 0:
-        raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
-    if cluster_file is None:
-        cluster_only = [name for name, used in (("--include", include), ("--detach", detach),
-                                                 ("--max-restarts", max_restarts)) if used]
-        if cluster_only:
-            raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
-        if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
-            ps_tasks = 1
-        spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
-        if elastic is not None:
-            low, high = parse_elastic(elastic, spec.replicas)
-            spec = dataclasses.replace(spec, elastic_min=low, elastic_max=high)
-        if spec.allreduce == "hierarchical":
-            raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
-                             "--cluster with two or more worker hosts (this machine is one)")
-        start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
-        if start.noteworthy:
-            stderr.print(f"note: starting cold: {start.reason}", markup=False)
-        run_job(LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter), json_output=json_output)
-        return
-    if cold:
-        raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")
-    if replicas is not None:
-        raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
-    if ps_tasks is not None:
-        raise UsageError("--ps-tasks: on a cluster every host with role ps runs one ps task; set roles there")
-    if max_restarts < 0:
-        raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
-    run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
-                    results_dir=results_dir if fetch else None, max_restarts=max_restarts,
-                    hang_timeout_s=hang_timeout_s, elastic=elastic)
+    stream = JsonStream(json_output)
+    try:
+        if strategy is None:  # a cluster means all of it: every worker host
+            strategy = default_strategy(cluster_file is not None)
+        observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
+                                experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
+                                checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
+        flags = dict(
+            recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
+            steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
+            sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
+            ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
+            compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
+            allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
+            shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
+            async_checkpoint=async_checkpoint, data_workers=data_workers,
+            **observe,
+        )
+        if hang_timeout_s is not None and hang_timeout_s <= 0:
+            raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
+        if cluster_file is None:
+            cluster_only = [name for name, used in (("--include", include), ("--detach", detach),
+                                                     ("--max-restarts", max_restarts)) if used]
+            if cluster_only:
+                raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
+            if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
+                ps_tasks = 1
+            spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
+            if elastic is not None:
+                low, high = parse_elastic(elastic, spec.replicas)
+                spec = dataclasses.replace(spec, elastic_min=low, elastic_max=high)
+            if spec.allreduce == "hierarchical":
+                raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
+                                 "--cluster with two or more worker hosts (this machine is one)")
+            start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
+            if start.noteworthy:
+                stderr.print(f"note: starting cold: {start.reason}", markup=False)
+            run_job(LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter), json_output=json_output,
+                    stream=stream)
+            return
+        if cold:
+            raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")
+        if replicas is not None:
+            raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+        if ps_tasks is not None:
+            raise UsageError("--ps-tasks: on a cluster every host with role ps runs one ps task; set roles there")
+        if max_restarts < 0:
+            raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
+        run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
+                        results_dir=results_dir if fetch else None, max_restarts=max_restarts,
+                        hang_timeout_s=hang_timeout_s, elastic=elastic, stream=stream)
+    except (DistrunError, KeyboardInterrupt) as exc:  # before the job had a summary of its own
+        stream.failed_before_the_job(exc, recipe=recipe, strategy=strategy, replicas=replicas)
+        raise
 
 
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
                     detach: bool, results_dir: Path | None, max_restarts: int = 0,
-                    hang_timeout_s: float | None = None, elastic: str | None = None) -> None:
+                    hang_timeout_s: float | None = None, elastic: str | None = None,
+                    stream: JsonStream | None = None) -> None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -177,6 +209,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         raise
     if detach:
         job.close()
+        if stream is not None:
+            stream.summary_printed = True  # a detached job's stream is its one job line
         if json_output:
             _print_json({**_job_line(job), "detached": True})
         else:
@@ -192,7 +226,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
     else:
         _print_json(_job_line(job))
     fetch = (lambda summary: job.fetch_results(results_dir / job.job_id, summary)) if results_dir else None
-    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch)
+    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch, stream=stream)
 
 
 def _job_line(job: ClusterJob) -> dict[str, Any]:
@@ -257,6 +291,10 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         raise UsageError(f"{recipe}: --strategy parameter-server trains fit-style recipes (model, optimizer, loss, "
                          f"train_data), where the ps tasks can build the model and its optimizer; this one is a "
                          f"{info.kind.value}")
+    if info.kind is RecipeKind.SCRIPT and name in (StrategyName.CENTRAL_STORAGE, StrategyName.SHARDED):
+        raise UsageError(f"{recipe}: a plain script builds its own model and loop (its own DDP or FSDP), so "
+                         f"--strategy {name.value} cannot apply to it; -s mirrored (or multi-worker on a cluster) "
+                         "starts its processes")
     if info.kind is RecipeKind.SCRIPT:
         step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
                                               ("--precision", rest.get("precision", "fp32") != "fp32"),
@@ -313,8 +351,10 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
             host_of_rank: Callable[[int], str] | None = None,
-            after: Callable[[JobSummary], dict[str, Any]] | None = None) -> None:
+            after: Callable[[JobSummary], dict[str, Any]] | None = None, stream: JsonStream | None = None) -> None:
     """Render the job to its end; ``after(summary)`` runs before the summary is printed (results home)."""
+    if stream is not None:
+        stream.summary_printed = True  # from here on the summary is this function's to print
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     status, error = "succeeded", None
     summary: JobSummary | None = None
@@ -396,10 +436,20 @@ def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callab
                 live.console.print(f"[{where}] {ev.line}", markup=False, highlight=False)
             elif isinstance(ev, Diagnosed):  # --hang-timeout-s: every rank's stack and last collective
                 live.console.print(render_diagnosis(ev))
+            elif isinstance(ev, Resumed):
+                live.console.print(resumed_line(ev), markup=False, highlight=False, soft_wrap=True)
             live.update(render_progress(job.snapshot()))
 
         _drain(job, show)
     console.line()
+
+
+def resumed_line(event: Resumed) -> str:
+    """``--resume``: the one line that says what was resumed (and that nothing is left to train)."""
+    line = f"resumed from {event.path} at step {event.step}"
+    if event.past_end:
+        line += ": already at or past the job's last step (--steps, --epochs), so nothing is trained"
+    return line
 
 
 def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:

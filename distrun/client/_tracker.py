@@ -15,6 +15,7 @@ from distrun.protocol import (
     AllReduceChosen,
     MembershipChanged,
     Checkpointed,
+    Resumed,
     Workload,
     Compiled,
     Done,
@@ -65,6 +66,8 @@ class JobTracker:
         self._total_steps: int | None = None
         self._eval: dict[str, float] = {}
         self._checkpoint: str | None = None
+        self._resumed: Resumed | None = None
+        self._recipe_kind: str | None = None  # from the ranks' Started: a plain script's summary says so
         self._checkpoint_blocked_ms: float | None = None
         self._workload: Workload | None = None
         self._done: dict[int, Done] = {}
@@ -96,6 +99,7 @@ class JobTracker:
         self._seen[event.rank] = time.time()
         if isinstance(event, Started):
             row = dataclasses.replace(row, device=event.device, pid=event.pid, status=ReplicaStatus.RUNNING)
+            self._recipe_kind = event.recipe_kind
         elif isinstance(event, Step):
             row = dataclasses.replace(
                 row, step=event.step, epoch=event.epoch, loss=event.loss, samples_per_s=event.samples_per_s,
@@ -132,6 +136,8 @@ class JobTracker:
             self._profiles.append(event)
         elif isinstance(event, Straggler):  # made by this tracker; replayed by attach
             return
+        elif isinstance(event, Resumed):
+            self._resumed = event
         elif isinstance(event, Checkpointed):
             self._checkpoint = event.path
             self._checkpoint_blocked_ms = max(self._checkpoint_blocked_ms or 0.0, event.blocked_ms)
@@ -234,14 +240,17 @@ class JobTracker:
         chief = self._done.get(0)
         first = chief.first_step_time if chief and chief.first_step_time else self._first_step_at
         steps = chief.steps if chief else max((r.step for r in self._rows.values() if r.role == "worker"), default=0)
+        # A job that ended before its chief said done (interrupted, failed): what the live table last showed.
+        last = self._rows.get(0)
+        workers_rate = sum(r.samples_per_s for r in self._rows.values() if r.role == "worker")
         return JobSummary(
             status=status,
             recipe=self._recipe,
             strategy=self._strategy,
             replicas=self._replicas,
             steps=steps,
-            final_loss=chief.final_loss if chief else None,
-            samples_per_s=chief.samples_per_s if chief else 0.0,
+            final_loss=chief.final_loss if chief else (last.loss if last is not None else None),
+            samples_per_s=chief.samples_per_s if chief else workers_rate,
             time_to_first_step_s=(first - self._t0) if first else None,
             wall_s=time.time() - self._t0,
             eval_metrics=dict(self._eval),
@@ -258,13 +267,16 @@ class JobTracker:
             membership_changes=len(self._changes),
             steps_lost=self._steps_lost,
             recovery_s=max((c.recovery_s for c in self._changes), default=None),
-            world_size=self._changes[-1].world_size if self._changes else None,
+            world_size=self._changes[-1].world_size if self._changes else self._replicas,
             peak_mem_mb={str(rank): round(row.peak_mem_mb, 1) for rank, row in sorted(self._rows.items())
                          if row.peak_mem_mb > 0},
             stragglers={str(rank): round(ratio, 2) for rank, ratio in sorted(self._stragglers.worst.items())},
             profile_dir=os.path.dirname(self._profiles[0].path) if self._profiles else None,
             profile_traces=len(self._profiles),
-            **self._throughput(chief.samples_per_s if chief else 0.0),
+            recipe_kind=self._recipe_kind,
+            resumed=({"path": self._resumed.path, "step": self._resumed.step, "past_end": self._resumed.past_end}
+                     if self._resumed else None),
+            **self._throughput(chief.samples_per_s if chief else workers_rate),
         )
 
     def _throughput(self, samples_per_s: float) -> dict[str, float | None]:

@@ -32,6 +32,7 @@ from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
 from distrun.client._server_client import ServerClient
+from distrun.client._stop import by_whom, stop_everywhere
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
 from distrun.client.diagnose import diagnose_hosts
@@ -396,7 +397,14 @@ class ClusterJob:
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
         warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
-        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm)
+        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm,
+                                   reason=self.stop_reason)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the job was stopped, as its hosts recorded it (None: it was not stopped)."""
+        return next((str(result["reason"]) for result in self._results.values()
+                     if result.get("state") == "stopped" and result.get("reason")), None)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         """Stop the job on every host, for good; an attached client (``attach``) only stops following."""
@@ -409,17 +417,14 @@ class ClusterJob:
                 client.close()
             return
         self._user_cancelled = True
-        self._cancel_attempt(reason)
+        self._cancel_attempt(by_whom(reason))
 
     def _cancel_attempt(self, reason: str) -> None:
+        """Stop the attempt on every host as one decision; a host already gone is its follower's to report."""
         if self._cancelled.is_set():
             return
         self._cancelled.set()
-        for link in self._links:
-            try:
-                link.call("cancel", job=self.attempt_id, reason=reason)
-            except HostError:
-                pass  # that host is gone already; its follower reports it
+        stop_everywhere(self._links, self.attempt_id, reason)
 
     def outcome(self) -> JobOutcome:
         if self._supervisor is not None:
@@ -444,7 +449,9 @@ class ClusterJob:
                 failures.append((label, None))
         root = _root_cause(failures)
         if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
-            raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)")
+            why = f" ({self.stop_reason})" if self.stop_reason and not self._interrupted else ""
+            raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)"
+                              f"{why}")
         if root is None:
             errors = "; ".join(f"{label}: {r.get('error') or r.get('state')}" for label, r in self._results.items())
             raise TrainingError(f"job {self.job_id} failed: {errors or 'no host reported a result'}")

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distrun.client._job_state import blame, merge_states
 from distrun.client._links import HostLink, holders_of, open_all
+from distrun.client._stop import by_whom, stop_everywhere
 from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
 from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
@@ -33,6 +35,8 @@ class JobRow:
     started_at: float
     detached: bool
     world_now: int | None = None  # --elastic: replicas in the group now, where it changed
+    reason: str | None = None  # stopped: why ("cancelled by alice from laptop")
+    failure: str | None = None  # failed: the root cause, its host, rank and recipe line
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "hosts": list(self.hosts)}
@@ -52,7 +56,7 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
     can be reached, the first host's error is raised.
     """
     links = [HostLink(cluster, host) for host in cluster.hosts]
-    merged: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {}
+    merged: dict[str, tuple[dict[str, Any], list[str], list[dict[str, Any]]]] = {}
     errors: list[HostError] = []
     try:
         for link in links:
@@ -65,9 +69,9 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
                 errors.append(exc)
                 continue
             for job in jobs:
-                meta, hosts, states = merged.setdefault(job["job"], (job, [], []))
+                meta, hosts, parts = merged.setdefault(job["job"], (job, [], []))
                 hosts.append(link.label)
-                states.append(job["state"])
+                parts.append(job)
                 if job.get("world_now") and job["world_now"][1] > (meta.get("world_now") or [0, 0])[1]:
                     meta["world_now"] = job["world_now"]  # the newest change, from whichever host saw it
     finally:
@@ -78,12 +82,15 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
     if unreachable is not None:
         unreachable.extend(f"{error.host}: {error.reason}" for error in errors)
     rows = []
-    for job_id, (meta, hosts, states) in merged.items():
-        state = "running" if "running" in states else next((s for s in states if s != "succeeded"), "succeeded")
+    for job_id, (meta, hosts, parts) in merged.items():
+        state = merge_states(str(part["state"]) for part in parts)
+        reason = next((str(part["reason"]) for part in parts if part.get("reason")), None)
         rows.append(JobRow(job_id, state, meta.get("recipe", "?"), meta.get("strategy", "?"),
                            int(meta.get("world_size", 0)), tuple(hosts), float(meta["started_at"]),
                            bool(meta.get("detached")),
-                           int(meta["world_now"][0]) if meta.get("world_now") else None))
+                           int(meta["world_now"][0]) if meta.get("world_now") else None,
+                           reason=reason if state in ("stopped", "running", "pending") else None,
+                           failure=blame(zip(hosts, parts)) if state == "failed" else None))
     return sorted(rows, key=lambda row: row.started_at, reverse=True)
 
 
@@ -102,10 +109,12 @@ def job_hosts(cluster: ClusterSpec, job_id: str) -> Iterator[list[HostLink]]:
 
 
 def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
-    """Cancel ``job_id`` on every host that has it; return those hosts."""
+    """Cancel ``job_id`` on every host that has it, as one decision (``client/_stop``); return those
+    hosts. A host that could not be told is named in a HostError, after the others were stopped."""
     with job_hosts(cluster, job_id) as holders:
-        for link in holders:
-            link.call("cancel", job=job_id, reason="cancelled by `distrun cancel`")
+        errors = stop_everywhere(holders, job_id, by_whom("cancelled"))
+        if errors:
+            raise errors[0]
         return [link.label for link in holders]
 
 

@@ -15,8 +15,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from distrun.client._feed import EventFeed
+from distrun.client._job_state import failure_message
+from distrun.client._results import CHECKPOINT_NAME
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.diagnose import diagnose_launcher
 from distrun.config import JobSpec, StrategyName
@@ -40,6 +43,18 @@ __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
 ELASTIC_RESPAWNS = 3
 
 
+def require_checkpoint(folder: str) -> None:
+    """``--resume``: ``folder`` holds a published checkpoint (``ckpt-<step>.pt`` or ``ckpt-<step>/``), or a
+    CheckpointError (exit 5) says what is there instead. Names only: torch reads it in the ranks."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume: {folder}: {'not a folder' if path.exists() else 'no such folder'}; "
+                              "no checkpoint to resume from")
+    if not any(CHECKPOINT_NAME.match(entry.name) for entry in path.iterdir()):
+        raise CheckpointError(f"--resume: {folder}: no checkpoint to resume from (expected ckpt-<step>.pt or "
+                              "ckpt-<step>/)")
+
+
 @dataclass(frozen=True)
 class JobOutcome:
     summary: JobSummary
@@ -53,6 +68,8 @@ class LocalJob:
                  hang_timeout_s: float | None = None, starter: Starter | None = None) -> None:
         """``starter``: how ranks start; None: fresh interpreters (cold). A warm local start
         passes the embedded server's zygote (``client.warm``); nothing else differs."""
+        if spec.resume and spec.checkpoint_dir:
+            require_checkpoint(spec.checkpoint_dir)  # before any rank starts, not as "rank 1 failed at step 1"
         self.spec = spec
         self._t0 = time.time()
         run_id = f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
@@ -164,9 +181,3 @@ ERROR_BY_KIND: dict[str, type[DistrunError]] = {
 }
 
 
-def failure_message(failure: Failed | None) -> str:
-    if failure is None:
-        return "training failed"
-    where = f"{failure.file}:{failure.line}: " if failure.file else ""
-    at_step = f" at step {failure.step}" if failure.step else ""
-    return f"{where}rank {failure.rank} failed{at_step}: {failure.message}"

@@ -11,15 +11,17 @@ interpreter start-up and the torch import are skipped.
 
 A warm start is used only where it gives the same job as a cold one: the
 server runs this very interpreter (the same ``sys.executable``, so the same
-packages) and this version of distrun. Otherwise, with no server, or while
-the zygote is still importing torch, the job starts cold, and ``reason`` says
-why.
+packages) and this version of distrun. A job started right after ``distrun up``
+waits (up to ``WARM_WAIT_S``) while the zygote is still importing torch, rather than
+start cold while ``status`` already says up. Otherwise, with no server, the job
+starts cold, and ``reason`` says why.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 from distrun._version import __version__
@@ -28,7 +30,10 @@ from distrun.config import ClusterSpec
 from distrun.errors import HostError
 from distrun.launch import Starter, ZygoteStarter
 
-__all__ = ["WarmStart", "find_warm_start"]
+__all__ = ["WarmStart", "find_warm_start", "WARM_WAIT_S"]
+
+#: How long a local job waits for a zygote that is still starting (importing torch: 2-5 s here).
+WARM_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,16 @@ def find_warm_start(cluster: ClusterSpec) -> WarmStart:
     try:
         with connect(remote, state, host.label) as client:
             zygote = client.call("warm")
+            deadline = time.monotonic() + WARM_WAIT_S
+            while not zygote.get("ready") and zygote.get("starting") and time.monotonic() < deadline:
+                time.sleep(0.2)  # right after `distrun up`: it is importing torch, a few seconds
+                zygote = client.call("warm")
     except HostError as exc:
         return WarmStart(None, f"the local server does not answer ({exc.reason})", noteworthy=True)
     if not zygote.get("ready"):
-        return WarmStart(None, "the local server's warm interpreter is not ready yet", noteworthy=True)
+        why = (f"not ready after {WARM_WAIT_S:.0f} s" if zygote.get("starting")
+               else "not running (see server.log in $DISTRUN_HOME)")
+        return WarmStart(None, f"the local server's warm interpreter is {why}", noteworthy=True)
     python = str(zygote.get("python", ""))
     if not _same_file(python, sys.executable):
         return WarmStart(None, f"the local server runs {python}, this is {sys.executable}", noteworthy=True)

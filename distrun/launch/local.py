@@ -49,6 +49,7 @@ from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._pyspy import StackUnavailable, read_stack
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
+from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
 from distrun.launch._store_relay import StoreFront, StoreRelay
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import SERVER_RANK, Event, EventDecodeError, Exited, Failed, Output, decode_event
@@ -123,8 +124,7 @@ class LocalLauncher:
         self._starter: Starter = starter or PopenStarter()
         self._sink = sink
         self._procs: list[_Proc] = []
-        self._stop_requested = threading.Event()
-        self._stop_reason: str | None = None
+        self._stop = StopDecision()  # cancel: every host decides to stop before any rank is killed
         self._selector = selectors.DefaultSelector()
         self._failures: list[Failed] = []
         self._respawned: dict[int, int] = {}  # rank -> times started again
@@ -165,9 +165,19 @@ class LocalLauncher:
         )
 
     def stop(self, reason: str = "stop requested") -> None:
-        if not self._stop_requested.is_set():
-            self._stop_reason = reason
-            self._stop_requested.set()
+        """Kill every rank now (SIGTERM, then SIGKILL after ``stop_grace_s``); the run ends ``stopped``."""
+        self._stop.request(reason)
+
+    def stopping(self, reason: str, *, kill_after_s: float = DEFAULT_KILL_AFTER_S) -> None:
+        """The job is stopping (a cancel's first phase, sent to every host before any is killed):
+        a rank that dies from now on is part of the stop, and the run ends ``stopped``. With no
+        ``stop()`` behind it, the ranks are killed ``kill_after_s`` from now all the same."""
+        self._stop.decide(reason, kill_after_s=kill_after_s)
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the job was stopped (or is stopping); None if nobody asked."""
+        return self._stop.reason
 
     def preempt(self) -> None:
         """The job will end soon (Slurm's SIGUSR1): ranks checkpoint at an agreed step and stop.
@@ -362,10 +372,10 @@ class LocalLauncher:
             self._poll_exits()
             running = [p for p in self._procs if p.returncode is None]
             if stopping_since is None:
-                if self._failures:
+                if self._own_failures():
                     state = ProcessState.FAILED
-                elif self._stop_requested.is_set():
-                    state = ProcessState.STOPPED
+                elif self._stop.kill_due() or (self._stop.decided and self._failures):
+                    state = ProcessState.STOPPED  # a rank that died after the decision: kill the rest now
                 if state is not None:
                     stopping_since = time.monotonic()
                     self._kill_all(signal.SIGTERM)
@@ -423,6 +433,11 @@ class LocalLauncher:
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
             if rc == PREEMPTED_EXIT_CODE and self._preempt_requested.is_set() and not proc.signalled:
                 self._preempted.add(proc.rank)  # told to, it checkpointed with the others: not a failure
+            elif rc != 0 and not proc.signalled and self._stop.decided:
+                # The job is stopping (a peer on another host was killed first): part of the stop,
+                # never respawned; its entry (stamped now, after the decision) ends the run at once.
+                if not any(f.rank == proc.rank for f in self._failures):
+                    self._failures.append(Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc)))
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 self._respawn(proc)
             elif (rc != 0 and not proc.signalled and self._spec.elastic
@@ -467,7 +482,7 @@ class LocalLauncher:
         """
         done = self._respawned.get(proc.rank, 0)
         lost = f"rank {proc.rank} lost ({why})" if why else f"rank {proc.rank} lost"
-        if self._stop_requested.is_set() or self._failures or done >= self._spec.respawns:
+        if self._stop.decided or self._failures or done >= self._spec.respawns:
             self._note(proc.rank, f"{lost}; the job goes on without it")
             return
         self._respawned[proc.rank] = done + 1
@@ -477,10 +492,15 @@ class LocalLauncher:
     def _note(self, rank: int, text: str) -> None:
         self._sink(Output(rank=rank, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
 
+    def _own_failures(self) -> list[Failed]:
+        """Failures of the job's own: not those of ranks that died after a stop was decided."""
+        return [f for f in self._failures if not self._stop.part_of_stop(f)]
+
     def _root_cause(self) -> Failed | None:
-        if not self._failures:
+        failures = self._own_failures()
+        if not failures:
             return None
-        primary = [f for f in self._failures if f.kind != PEER_LOST] or self._failures
+        primary = [f for f in failures if f.kind != PEER_LOST] or failures
         return min(primary, key=lambda f: f.time)
 
     # -- tear down ------------------------------------------------------------

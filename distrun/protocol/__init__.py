@@ -2,6 +2,7 @@
 
 from distrun.protocol.events import (
     Checkpointed,
+    Resumed,
     Done,
     Eval,
     Event,
@@ -39,6 +40,7 @@ __all__ = [
     "Log",
     "Eval",
     "Checkpointed",
+    "Resumed",
     "Output",
     "Failed",
     "Done",

@@ -143,6 +143,17 @@ class Checkpointed(Event):
 
 
 @dataclass(frozen=True)
+class Resumed(Event):
+    """``--resume``: the checkpoint training goes on from (the chief's), and the step it holds.
+    ``past_end``: that step is already at or past the job's last step, so nothing will be trained."""
+
+    type: ClassVar[str] = "resumed"
+    step: int
+    path: str
+    past_end: bool = False
+
+
+@dataclass(frozen=True)
 class Output(Event):
     """A line the recipe printed; the launcher makes these from stdout and stderr."""
 
@@ -162,6 +173,8 @@ class Failed(Event):
     line: int | None = None
     step: int | None = None
     traceback: str | None = None
+    #: Outside a step: what the rank was doing ("building the model", "loading the data"); ``step`` is None then.
+    during: str | None = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +370,7 @@ class Diagnosed(Event):
 
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
-    for cls in (Started, Step, Log, Eval, Checkpointed, Output, Failed, Done, Exited, Heartbeat, Hung, Diagnosed, PsStats,
+    for cls in (Started, Step, Log, Eval, Checkpointed, Resumed, Output, Failed, Done, Exited, Heartbeat, Hung, Diagnosed, PsStats,
                 Compiled, AllReduceChosen, MembershipChanged, Workload, Profiled, Straggler)
 }
 

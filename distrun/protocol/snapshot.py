@@ -128,7 +128,7 @@ class JobSummary:
     membership_changes: int = 0
     steps_lost: int = 0
     recovery_s: float | None = None
-    #: --elastic: the replicas training at the end (or now), where it differs from ``replicas``.
+    #: The replicas training at the end (or now): ``replicas``, or under --elastic the group's size then.
     world_size: int | None = None
     #: Each rank's peak memory in MB ("rank": MB): CUDA's max allocated, or the process's peak RSS.
     peak_mem_mb: dict[str, float] = field(default_factory=dict)
@@ -145,6 +145,14 @@ class JobSummary:
     #: the results dir names where they came home), and how many were written.
     profile_dir: str | None = None
     profile_traces: int = 0
+    #: A job that was stopped: why, as its hosts recorded it ("cancelled by alice from laptop").
+    reason: str | None = None
+    #: ``--resume``: {"path", "step", "past_end"} of the checkpoint it went on from (past_end: at or
+    #: past the job's last step already, so nothing was trained); None without --resume.
+    resumed: dict[str, Any] | None = None
+    #: fit, custom-loop or script (a plain torchrun script, which runs its own DDP: the strategy only
+    #: set how many processes it got); None when no rank started.
+    recipe_kind: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

@@ -66,6 +66,9 @@ def main(argv: list[str]) -> int:
             print(json.dumps(export(Path(argv[1]), Path(argv[2]))))
         else:
             raise ValueError(f"unknown command {argv[0]!r}")
+    except FileNotFoundError as exc:  # distrun's own "no checkpoint here": its message says it all
+        print(json.dumps({"error": str(exc)}))
+        return 1
     except Exception as exc:  # noqa: BLE001 - one line back to the CLI, which maps it to CheckpointError
         print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return 1

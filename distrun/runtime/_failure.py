@@ -20,9 +20,11 @@ _PEER_LOST_HINTS = (
 )
 
 
-def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | None, phase: str) -> Failed:
-    """``phase`` is "import" while the recipe module runs its top level, else "train"."""
-    file, line = _recipe_frame(exc, recipe)
+def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | None, phase: str,
+                     during: str | None = None) -> Failed:
+    """``phase`` is "import" while the recipe module runs its top level, else "train"; ``during``:
+    what the rank was doing outside a step ("building the model")."""
+    file, line = getattr(exc, "recipe_location", None) or _recipe_frame(exc, recipe)
     if isinstance(exc, SyntaxError) and exc.filename:
         file, line = exc.filename, exc.lineno
     kind = _classify(exc, phase)
@@ -36,6 +38,7 @@ def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | 
         line=line,
         step=step,
         traceback="".join(traceback.format_exception(exc)),
+        during=during,
     )
 
 

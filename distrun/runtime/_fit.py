@@ -50,17 +50,33 @@ def _report_workload(recipe: ModuleType, model: torch.nn.Module, strategy: Strat
     reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision), strategy.num_replicas)
 
 
+def _not_one_number(loss_fn: Any, loss: Any) -> RecipeError:
+    """``loss()`` returned a tensor with a shape (``reduction='none'``) or no tensor: named at the recipe's
+    ``loss`` (backward would say only "grad can be implicitly created only for scalar outputs")."""
+    got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    error = RecipeError(f"loss() returned {got}; it must return one number (a 0-d tensor) for backward: "
+                        "reduce it, e.g. .mean(), or reduction='mean' (the default) in torch.nn.functional")
+    code = getattr(loss_fn, "__code__", None)
+    if code is not None:
+        error.recipe_location = (code.co_filename, code.co_firstlineno)  # type: ignore[attr-defined]
+    return error
+
+
 def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventReporter, emit_eval: Any) -> FitResult:
     global_batch_size = spec.global_batch_size
     if global_batch_size is None:  # the CLI fills it from flags or recipe defaults
         global_batch_size = 32 * strategy.num_replicas
     torch.manual_seed(spec.seed)  # identical initial parameters on every replica
+    reporter.during = "building the model"  # a failure here is not "at step 1"
     with strategy.scope():
         model = recipe.model()
+        reporter.during = "building the optimizer"
         optimizer = recipe.optimizer(model.parameters())
     if strategy.is_chief:
         _report_workload(recipe, model, strategy, spec, reporter)
+    reporter.during = "preparing the model for the strategy"
     model, optimizer = strategy.prepare(model, optimizer)
+    reporter.during = "loading the data"
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
     forward = getattr(recipe, "forward", _default_forward)
@@ -72,8 +88,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         raise RecipeError(f"--data-workers {spec.data_workers}: {spec.recipe}'s train_data is an iterable, which "
                           "distrun reads as given; give it a map-style Dataset, or set num_workers on its own DataLoader")
     if spec.checkpoint_dir:
+        reporter.during = "checking --checkpoint-dir"
         strategy.check_checkpoint_dir(spec.checkpoint_dir)
     if spec.resume and spec.checkpoint_dir and not strategy.joined:  # a joiner was healed by a peer
+        reporter.during = "restoring the checkpoint"
         strategy.restore(spec.checkpoint_dir)
 
     epochs = spec.epochs
@@ -83,8 +101,12 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         if train.plan is not None:
             total_steps = epochs * train.plan.batches_per_epoch * strategy.updates_per_batch
     reporter.total_steps = total_steps
+    if strategy.is_chief and strategy.restored_from is not None:  # --resume: say from where, and if it is done
+        past_end = total_steps is not None and strategy.step >= total_steps
+        reporter.resumed(strategy.step, str(strategy.restored_from), past_end=past_end)
     strategy.set_step_budget(total_steps)
 
+    reporter.during = "loading the evaluation data"
     eval_source = recipe.eval_data(ctx) if hasattr(recipe, "eval_data") else None
     make_metrics = getattr(recipe, "metrics", None)
     metrics = make_metrics() if make_metrics is not None else {}
@@ -97,6 +119,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     def train_step(batch: Any) -> torch.Tensor:
         batch = to_device(batch, device)
         loss = loss_fn(forward(model, batch), batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise _not_one_number(loss_fn, loss)
         weight = strategy.batch_weight
         optimizer.zero_grad(set_to_none=True)
         (loss * weight if weight != 1.0 else loss).backward()
@@ -136,6 +160,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         return result
 
     eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
+    reporter.during = None  # from here a failure is at a step
     while not finished() or eval_due is not None:
         failed_at, switch = None, False
         try:

@@ -154,11 +154,13 @@ def main() -> None:
             _exit(PREEMPTED_EXIT_CODE)
         if reporter is not None and reporter.profile is not None:
             reporter.profile.close()  # a failure inside the window: the steps before it are worth the most
-        step = reporter.current_step + 1 if reporter is not None else None
+        during = reporter.during if reporter is not None else None
+        step = reporter.current_step + 1 if reporter is not None and during is None else None
         # A script that exits with a child's code: the child's @record says why, not "SystemExit: 1".
         recorded = recorded_failure(error_file, rank=launch.rank, step=step) if isinstance(exc, SystemExit) else None
         remove_error_file(error_file)
-        writer.emit(recorded or describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase))
+        writer.emit(recorded or describe_failure(exc, rank=launch.rank, recipe=spec.recipe, step=step, phase=phase,
+                                                 during=during))
         sys.stderr.flush()
         os._exit(1)
 

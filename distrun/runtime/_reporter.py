@@ -20,7 +20,16 @@ from typing import Any
 
 import psutil
 
-from distrun.protocol import AllReduceChosen, Checkpointed, Compiled, Log, MembershipChanged, Step, Workload
+from distrun.protocol import (
+    AllReduceChosen,
+    Checkpointed,
+    Compiled,
+    Log,
+    MembershipChanged,
+    Resumed,
+    Step,
+    Workload,
+)
 from distrun.runtime._process import EventWriter
 
 
@@ -35,6 +44,8 @@ class EventReporter:
         self._proc = psutil.Process(os.getpid())
         self.total_steps: int | None = None
         self.current_step = 0
+        #: What the rank does outside a step, for a failure there ("building the model"); None in the loop.
+        self.during: str | None = None
         self.last_loss: Any = None
         self.first_step_time: float | None = None
         self._first_step_mono: float | None = None
@@ -113,6 +124,10 @@ class EventReporter:
         """A checkpoint is complete; ``blocked_ms``: how long the step that wrote it waited."""
         self._writer.emit(Checkpointed(rank=self._rank, time=time.time(), step=step, path=path,
                                        blocked_ms=round(blocked_ms, 3)))
+
+    def resumed(self, step: int, path: str, *, past_end: bool) -> None:
+        """``--resume``: the checkpoint training goes on from (the chief's, once)."""
+        self._writer.emit(Resumed(rank=self._rank, time=time.time(), step=step, path=path, past_end=past_end))
 
     def compiled(self, stats: Any) -> None:
         """``--compile``: the compiler's figures changed (a CompileStats)."""

@@ -33,14 +33,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from distrun.config import JobSpec, StrategyName
 from distrun.errors import ConfigError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
+from distrun.protocol import event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
+from distrun.server._job_record import JobRecord
 from distrun.protocol.secret import parse_job_secret
 from distrun.server._net import address_to_bind, interface_towards
 
@@ -54,6 +55,10 @@ FOLLOW_HEARTBEAT_S = 1.0
 LEASE_S = 10.0
 #: A rendezvous socket waits this long for its job's submit, then closes.
 RENDEZVOUS_LEASE_S = 60.0
+#: A cancel's first phase (``stopping``) with no kill behind it (the client died) kills after this long.
+STOPPING_KILL_AFTER_S = 10.0
+#: A test hook: a file of this name in the server's folder delays this host's cancel (seconds).
+KILL_DELAY_HOOK = "test-hook-kill-delay-s"
 #: Finished jobs kept in memory: at most this many, for at most this long (their logs stay on disk).
 KEEP_FINISHED = 64
 KEEP_FINISHED_S = 24 * 3600.0
@@ -61,55 +66,6 @@ KEEP_FINISHED_S = 24 * 3600.0
 
 class JobError(ValueError):
     """A request about a job cannot be honoured (unknown id, bad bundle, ...)."""
-
-
-@dataclasses.dataclass
-class _Job:
-    id: str
-    folder: Path
-    lines: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
-    state: str = "pending"
-    result: dict[str, Any] | None = None
-    launcher: LocalLauncher | None = None
-    listener: socket.socket | None = None
-    started_at: float = dataclasses.field(default_factory=time.time)
-    detached: bool = False
-    followers: int = 0
-    unfollowed_since: float = dataclasses.field(default_factory=time.monotonic)  # when the last follower left
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
-    log: BinaryIO | None = None  # events.ndjson, open while the job runs (unbuffered: each line lands at once)
-    secret: str = dataclasses.field(default="", repr=False)  # the data plane's key, from rendezvous
-    finished_at: float | None = None  # time.monotonic() at finish: forgotten KEEP_FINISHED_S later
-    rendezvous_lease: threading.Timer | None = None  # closes the rendezvous if no submit comes
-
-    def record(self, event: Event) -> None:
-        with self.changed:
-            if isinstance(event, MembershipChanged):  # --elastic: `distrun jobs` shows the group's size now
-                self.meta["world_now"] = [event.world_size, event.time]
-            self.lines.append(event_to_dict(event))
-            if self.log is None:
-                self.log = open(self.folder / "events.ndjson", "ab", buffering=0)  # noqa: SIM115 - closed in finish()
-            self.log.write(encode_event(event))
-            self.changed.notify_all()
-
-    def record_note(self, text: str) -> None:
-        """A line from the server itself in the job's log (shown by `distrun logs`, `attach`)."""
-        self.record(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun server] {text}"))
-
-    def finish(self, state: str, result: dict[str, Any]) -> None:
-        with self.changed:
-            self.state, self.result = state, result
-            self.finished_at = time.monotonic()
-            (self.folder / "result.json").write_text(json.dumps(result))
-            if self.log is not None:
-                self.log.close()
-                self.log = None
-            self.changed.notify_all()
-
-    def summary(self) -> dict[str, Any]:
-        return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines),
-                "detached": self.detached, "followers": self.followers, **self.meta}
 
 
 class JobManager:
@@ -121,7 +77,7 @@ class JobManager:
         self.jobs_dir = state_dir / "jobs"
         for folder in (self.bundles, self.jobs_dir):  # the client uploads bundles here over SFTP
             folder.mkdir(mode=0o700, exist_ok=True)
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, JobRecord] = {}
         self._lock = threading.Lock()
 
     # -- requests
@@ -159,7 +115,7 @@ class JobManager:
         self._expire_rendezvous(job)
         return {"port": int(sock.getsockname()[1]), "address": address}
 
-    def _expire_rendezvous(self, job: _Job) -> None:
+    def _expire_rendezvous(self, job: JobRecord) -> None:
         """Close a rendezvous no submit followed (its client died between the two calls)."""
         def expire() -> None:
             with job.changed:  # a submit moves the state on under this lock: never both
@@ -291,7 +247,7 @@ class JobManager:
                     job.unfollowed_since = time.monotonic()
             self._watch_lease(job)
 
-    def _watch_lease(self, job: _Job) -> None:
+    def _watch_lease(self, job: JobRecord) -> None:
         """Cancel a job nobody follows for LEASE_S, unless it was started with --detach."""
         def expire() -> None:
             with job.changed:
@@ -304,7 +260,7 @@ class JobManager:
                 schedule(left_s)
                 return
             log.warning("job %s: no client for %.0f s, cancelling (lease expired)", job.id, LEASE_S)
-            job.record_note("the client went away (lease expired): cancelling")
+            job.decide_stop("the client went away (lease expired)")
             launcher.stop("the client went away (lease expired)")
 
         def schedule(delay_s: float) -> None:
@@ -315,11 +271,30 @@ class JobManager:
         if not job.detached:
             schedule(LEASE_S)
 
-    def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
+    def stopping(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A cancel's first phase, sent to every host of the job before any is asked to kill:
+        a rank that dies from now on (its peer on another host was killed first) is part of
+        the stop, so every host ends the job ``stopped``, whichever is killed first."""
         job = self._get(args)
+        reason = _reason(args)
+        launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
+        if launcher is not None and job.decide_stop(reason):
+            launcher.stopping(reason, kill_after_s=STOPPING_KILL_AFTER_S)
+        return {"job": job.id, "state": job.state}
+
+    def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Kill the job's ranks here (deciding to stop first, if ``stopping`` did not)."""
+        job = self._get(args)
+        reason = _reason(args)
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if launcher is not None:
-            launcher.stop(str(args.get("reason", "cancelled")))
+            delay_s = self._kill_delay_s()
+            if delay_s > 0:  # the test hook: this host hears of the cancel late (its peers are killed first)
+                timer = threading.Timer(delay_s, _kill, args=(job, launcher, reason))
+                timer.daemon = True
+                timer.start()
+            else:
+                _kill(job, launcher, reason)
             return {"job": job.id, "state": job.state}
         with job.changed:
             pending = job.state == "pending" and job.listener is not None
@@ -327,12 +302,21 @@ class JobManager:
                 job.state = "stopped"
                 job.listener.close()  # type: ignore[union-attr]
         if pending:
+            job.reason = reason
             if job.rendezvous_lease is not None:
                 job.rendezvous_lease.cancel()
                 job.rendezvous_lease = None
-            job.finish("stopped", {"state": "stopped", "failure": None})
+            job.finish("stopped", {"state": "stopped", "failure": None, "reason": reason})
             self._forget_old()
         return {"job": job.id, "state": job.state}
+
+    def _kill_delay_s(self) -> float:
+        """The test hook ``KILL_DELAY_HOOK`` in this server's folder: seconds by which a cancel reaches
+        this host late, so a test can force the interleaving where a peer host is killed first."""
+        try:
+            return max(0.0, min(60.0, float((self.state_dir / KILL_DELAY_HOOK).read_text())))
+        except (OSError, ValueError):
+            return 0.0
 
     def lose_rank(self, args: dict[str, Any]) -> dict[str, Any]:
         """``--elastic``: kill one of this host's ranks as lost (the client saw it hang); it rejoins."""
@@ -401,6 +385,7 @@ class JobManager:
         for job in jobs:
             launcher = job.launcher
             if launcher is not None:
+                job.decide_stop(reason)
                 launcher.stop(reason)
         for job in jobs:
             with job.changed:
@@ -409,16 +394,16 @@ class JobManager:
 
     # -- helpers
 
-    def _new_job(self, job_id: str) -> _Job:
+    def _new_job(self, job_id: str) -> JobRecord:
         with self._lock:
             folder = self.jobs_dir / job_id
             if job_id in self._jobs or (folder / "result.json").exists():  # kept, or forgotten but on disk
                 raise JobError(f"job {job_id} exists")
             folder.mkdir(parents=True, exist_ok=True)
-            job = self._jobs[job_id] = _Job(job_id, folder)
+            job = self._jobs[job_id] = JobRecord(job_id, folder)
         return job
 
-    def _get(self, args: dict[str, Any]) -> _Job:
+    def _get(self, args: dict[str, Any]) -> JobRecord:
         job_id = _job_id(args)
         with self._lock:
             job = self._jobs.get(job_id)
@@ -428,7 +413,7 @@ class JobManager:
             raise JobError(f"no job {job_id} on this server")
         return job
 
-    def _from_disk(self, job_id: str) -> _Job | None:
+    def _from_disk(self, job_id: str) -> JobRecord | None:
         """A finished job this server no longer keeps: its log and result, read back (not kept)."""
         folder = self.jobs_dir / job_id
         try:
@@ -442,11 +427,11 @@ class JobManager:
                 lines.append(json.loads(line))
             except ValueError:
                 continue
-        job = _Job(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result)
+        job = JobRecord(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result)
         job.finished_at = time.monotonic()
         return job
 
-    def _forget(self, job: _Job) -> None:
+    def _forget(self, job: JobRecord) -> None:
         with self._lock:
             if self._jobs.get(job.id) is job:
                 del self._jobs[job.id]
@@ -462,14 +447,15 @@ class JobManager:
                 if index < excess or now - (job.finished_at or now) > KEEP_FINISHED_S:
                     del self._jobs[job.id]
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: JobRecord) -> None:
         assert job.launcher is not None
         try:
             result: RunResult = job.launcher.run()
             failure = event_to_dict(result.failure) if result.failure is not None else None
+            stopped = result.state is ProcessState.STOPPED
             job.finish(result.state.value, {"state": result.state.value, "failure": failure,
                                             "returncodes": {str(k): v for k, v in result.returncodes.items()},
-                                            "warm": job.launcher.warm})
+                                            "warm": job.launcher.warm, "reason": job.reason if stopped else None})
         except Exception as exc:  # the launcher itself broke: the job fails, the server lives
             log.exception("job %s", job.id)
             job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})
@@ -493,6 +479,19 @@ def _job_id(args: dict[str, Any]) -> str:
     if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
         raise JobError(f"bad job id {job_id!r}")
     return job_id
+
+
+def _kill(job: JobRecord, launcher: LocalLauncher, reason: str) -> None:
+    """Stop the job's ranks here, deciding first if ``stopping`` did not (an older client's cancel)."""
+    if job.decide_stop(reason):
+        launcher.stopping(reason, kill_after_s=STOPPING_KILL_AFTER_S)
+    launcher.stop(reason)
+
+
+def _reason(args: dict[str, Any]) -> str:
+    """Why a job is stopped, as the client said it: one short line."""
+    text = " ".join(str(args.get("reason") or "cancelled").split())
+    return text[:200] or "cancelled"
 
 
 def _secret(args: dict[str, Any]) -> str:

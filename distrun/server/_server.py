@@ -96,6 +96,7 @@ class WorkerServer:
             "has_bundle": self.jobs.has_bundle,
             "rendezvous": self.jobs.rendezvous,
             "submit": self.jobs.submit,
+            "stopping": self.jobs.stopping,
             "cancel": self.jobs.cancel,
             "lose_rank": self.jobs.lose_rank,
             "doctor": self._doctor,

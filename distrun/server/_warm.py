@@ -71,9 +71,10 @@ class WarmInterpreter:
         its socket (0600, in the server's 0700 folder), its pid (what the ranks' parent will be)
         and the interpreter it runs, which the client must share."""
         with self._lock:
-            starter = self._starter if self._proc is not None and self._proc.poll() is None else None
-        if starter is None:
-            return {"ready": False}
+            alive = self._proc is not None and self._proc.poll() is None
+            starter = self._starter if alive else None
+        if starter is None:  # starting: still importing torch (a client right after `up` waits for it)
+            return {"ready": False, "starting": alive}
         return {"ready": True, "socket": starter.socket_path, "pid": starter.zygote_pid, "python": sys.executable}
 
     def stop(self) -> None:

@@ -27,6 +27,7 @@ from torch import nn
 
 from distrun.errors import CheckpointError, ConfigError
 from distrun.strategies import checkpoint as ckpt
+from distrun.strategies.checkpoint.mismatch import describe_mismatch
 from distrun.strategies.checkpoint.pending import PendingSave
 from distrun.strategies.checkpoint.rng import rng_state, set_rng_state
 from distrun.strategies.step.compile import CompileStats, plain_module
@@ -95,6 +96,7 @@ class Strategy(ElasticReplica, ABC):
         self._optimizer: Any = None
         self.step = 0
         self.epoch = 0
+        self.restored_from: Path | None = None  # restore(): the checkpoint it read
         self._batch_samples = 0
         self._batch_weight = 1.0
         self._global_batch_size: int | None = None
@@ -463,7 +465,14 @@ class Strategy(ElasticReplica, ABC):
                 f"{path}: written with global batch size {saved_gbs}, resumed with {self._global_batch_size}; "
                 "the data position only carries over with the same global batch size"
             )
-        self._load_checkpoint(path, data)
+        try:
+            self._load_checkpoint(path, data)
+        except RuntimeError as exc:  # another model's checkpoint: say which keys and shapes differ
+            mismatch = describe_mismatch(exc)
+            if mismatch is None:
+                raise
+            raise CheckpointError(f"{path}: not a checkpoint of this model: {mismatch}") from None
+        self.restored_from = path  # the live view and the summary say what was resumed
         self.step = int(data["step"])
         self.epoch = int(data.get("epoch", 0))
         if self._dataset is not None:

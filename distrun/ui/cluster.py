@@ -57,6 +57,8 @@ def _table(report: ClusterReport) -> Table:
     if down:
         table.add_column("left", justify="right")
     table.add_column("status")
+    if any(row.message for row in report.rows):  # the * on a status: that host's note follows the table
+        table.caption, table.caption_justify = "* see that host's note below", "left"
     for row in report.rows:
         status = Text(row.status.value + (" *" if row.message else ""), style=_STYLE[row.status])
         if down:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -116,6 +118,94 @@ def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Pa
     _wait_until(lambda: not training_pids(lab), 10, "every training process ending after cancel")
     final = [row for row in json_lines(lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")) if row["job"] == job_id]
     assert final[0]["state"] == "stopped"
+
+
+def _host_log(lab: Lab, host: str, job_id: str) -> list[dict]:
+    """The job's event log on one host, as its server wrote it."""
+    path = lab.workdir / "lab" / lab.hosts[host][1] / "jobs" / job_id / "events.ndjson"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _job_row(lab: Lab, cluster: Path, job_id: str) -> dict:
+    listed = lab_cli(lab, "jobs", "--cluster", str(cluster), "--json")
+    assert listed.returncode == 0, listed.stderr
+    return next(row for row in json_lines(listed) if row["job"] == job_id)
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+def test_a_cancel_reads_stopped_even_when_a_host_is_killed_late(lab: Lab, cluster: Path, slow_recipe: Path,
+                                                                elastic: bool) -> None:
+    """The interleaving that made the job read `failed`: h2 hears of the cancel 6 s late (a test hook
+    on its server), so h1's rank is killed first and h2's rank sees its peer vanish and raises. With a
+    single `cancel` per host h2 then recorded `failed`; now every host learnt that the job is stopping
+    (the first phase) before any rank died, so h2's death is part of the stop; under --elastic it is
+    not a lost replica to start again either."""
+    started = lab_cli(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
+                      "--detach", "--json", *(["--elastic", "1:2"] if elastic else []))
+    assert started.returncode == 0, started.stderr
+    job_id = json_lines(started)[0]["job"]
+    _wait_until(lambda: any(e.get("type") == "step" for e in _host_log(lab, "h2", job_id)), 60, "rank 1 stepping")
+    (lab.workdir / "lab" / lab.hosts["h2"][1] / "test-hook-kill-delay-s").write_text("6")
+
+    cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(cluster))
+    assert cancelled.returncode == 0, cancelled.stderr
+    took = _wait_until(lambda: not training_pids(lab), 20, "every training process ending after cancel")
+    h2 = _host_log(lab, "h2", job_id)
+    # The forced interleaving happened: rank 1 raised on its own (its peer vanished) before its kill came.
+    assert [e["kind"] for e in h2 if e.get("type") == "error" and e["rank"] == 1] == ["peer-lost"], h2[-5:]
+    assert took < 6, "rank 1 ended only at its (delayed) kill: the interleaving was not forced"
+    lines = [e.get("line") or "" for host in ("h1", "h2") for e in _host_log(lab, host, job_id)]
+    assert not [line for line in lines if "starting it again" in line or "goes on without it" in line]
+
+    row = _job_row(lab, cluster, job_id)
+    who = f"cancelled by {getpass.getuser()} from {socket.gethostname()}"
+    assert (row["state"], row["reason"], row["failure"]) == ("stopped", who, None)
+    for host in ("h1", "h2"):
+        result = json.loads((lab.workdir / "lab" / lab.hosts[host][1] / "jobs" / job_id / "result.json").read_text())
+        assert (result["state"], result["reason"], result["failure"]) == ("stopped", who, None), host
+    table = lab_cli(lab, "jobs", "--cluster", str(cluster))
+    assert who in table.stdout, table.stdout
+
+    logs = lab_cli(lab, "logs", job_id, "--cluster", str(cluster))
+    assert f"server: [distrun server] stopping: {who}" in logs.stdout.splitlines(), logs.stdout
+    attach = lab_cli(lab, "attach", job_id, "--cluster", str(cluster), "--json")
+    summary = json_lines(attach)[-1]
+    assert attach.returncode == 130 and summary["type"] == "summary" and summary["reason"] == who, attach.stderr
+    assert who in attach.stderr.strip().splitlines()[-1]
+
+
+RAISES_AT_STEP_5_ON_RANK_1 = SLOW.replace('''def loss(outputs, batch):
+    time.sleep(0.05)''', '''STEPS = [0]
+
+def loss(outputs, batch):
+    import os
+    STEPS[0] += 1
+    if STEPS[0] == 5 and os.environ["RANK"] == "1":
+        raise RuntimeError("boom at step 5")
+    if STEPS[0] == 5:
+        time.sleep(60)  # rank 0 is still running, alone, when the cancel comes
+    time.sleep(0.05)''')
+
+
+def test_a_rank_that_failed_before_the_cancel_still_reads_failed(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    recipe = tmp_path / "boom" / "boom.py"
+    recipe.parent.mkdir()
+    recipe.write_text(RAISES_AT_STEP_5_ON_RANK_1)
+    started = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
+                      "--detach", "--json")
+    assert started.returncode == 0, started.stderr
+    job_id = json_lines(started)[0]["job"]
+    h2_result = lab.workdir / "lab" / lab.hosts["h2"][1] / "jobs" / job_id / "result.json"
+    _wait_until(h2_result.exists, 60, "rank 1 failing on h2")
+    assert _job_row(lab, cluster, job_id)["state"] == "running"  # rank 0, on h1, is still in its step
+
+    cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(cluster))
+    assert cancelled.returncode == 0, cancelled.stderr
+    _wait_until(lambda: not training_pids(lab), 20, "every training process ending after cancel")
+    row = _job_row(lab, cluster, job_id)
+    assert row["state"] == "failed" and row["reason"] is None
+    assert row["failure"].startswith(f"{lab.hosts['h2'][1]}: boom.py:"), row["failure"]
+    assert "rank 1 failed at step 5: RuntimeError: boom at step 5" in row["failure"]
 
 
 def test_a_killed_client_loses_its_lease(lab: Lab, cluster: Path, slow_recipe: Path) -> None:

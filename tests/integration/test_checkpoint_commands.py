@@ -27,8 +27,9 @@ def test_ls_names_both_formats_in_one_folder_and_export_reads_back_without_distr
     assert [(r["step"], r["strategy"], r["world_size"], r["format"]) for r in rows] == [
         (3, "mirrored", 2, "plain"), (6, "sharded", 2, "sharded")]
     assert all(r["bytes"] > 0 and r["parameters"] == 6 * 16 + 16 + 16 * 3 + 3 for r in rows)
-    table = run_cli("checkpoint", "ls", str(ck))
-    assert table.returncode == 0 and "ckpt-000000003.pt" in table.stdout and "ckpt-000000006/" in table.stdout
+    table = run_cli("checkpoint", "ls", str(ck), env={"COLUMNS": "80"})  # a newcomer's terminal: names whole
+    assert table.returncode == 0 and "ckpt-000000003.pt" in table.stdout and "ckpt-000000006/" in table.stdout, \
+        table.stdout
 
     out = tmp_path / "model.pt"
     exported = run_cli("checkpoint", "export", str(ck / "ckpt-000000003.pt"), "-o", str(out))
@@ -49,3 +50,12 @@ def test_ls_names_both_formats_in_one_folder_and_export_reads_back_without_distr
 def test_a_folder_without_checkpoints_is_a_one_line_error(tmp_path):
     result = run_cli("checkpoint", "export", str(tmp_path), "-o", str(tmp_path / "m.pt"))
     assert result.returncode == 5 and "no checkpoint" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    line = result.stderr.strip()
+    assert line == f"error: {tmp_path}: no checkpoint (ckpt-<step>.pt or ckpt-<step>/) in this folder", line
+
+
+def test_a_folder_that_is_not_there_is_exit_5_as_documented(tmp_path):
+    for command in (["ls", str(tmp_path / "no" / "such")], ["export", str(tmp_path / "no"), "-o", "m.pt"]):
+        result = run_cli("checkpoint", *command)
+        assert result.returncode == 5, (command, result.stderr)
+        assert result.stderr.strip() == f"error: {command[1]}: no such {'folder' if command[0] == 'ls' else 'file or folder'}"

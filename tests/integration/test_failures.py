@@ -1,6 +1,8 @@
 """Bad recipes, failing replicas, Ctrl-C and a killed client: clear errors, nothing left behind."""
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -47,6 +49,45 @@ def test_a_rank_raising_at_step_k_stops_every_replica(write_recipe):
     assert "Traceback" not in result.stderr
     assert result.wall_s < 60
     assert_no_processes(str(recipe.parent))
+
+
+FIT = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+def model():
+    return {model}
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+def loss(outputs, batch):
+    return nn.functional.mse_loss(outputs, batch[1], reduction={reduction!r})
+
+def train_data(ctx):
+    return TensorDataset(torch.randn(64, 2), torch.randn(64, 1))
+"""
+
+
+def test_a_model_that_cannot_be_built_fails_while_building_not_at_a_step(write_recipe):
+    recipe = write_recipe(FIT.format(model="nn.Linear(2, undefined_width)", reduction="mean"))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "2", "--steps", "5")
+    assert result.returncode == 4, result.stderr
+    line = next(i for i, text in enumerate(FIT.splitlines(), 1) if "return {model}" in text)
+    assert re.fullmatch(rf"error: {re.escape(str(recipe))}:{line}: rank [01] failed while building the model: "
+                        r"NameError: name 'undefined_width' is not defined", result.stderr.strip().splitlines()[-1])
+
+
+def test_a_loss_that_is_not_one_number_names_the_recipes_loss(write_recipe):
+    recipe = write_recipe(FIT.format(model="nn.Linear(2, 1)", reduction="none"))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "2", "--steps", "5")
+    assert result.returncode == 3, result.stderr
+    line = next(i for i, text in enumerate(FIT.splitlines(), 1) if text.startswith("def loss("))
+    last = result.stderr.strip().splitlines()[-1]
+    assert re.match(rf"error: {re.escape(str(recipe))}:{line}: rank [01] failed at step 1: loss\(\) returned a tensor "
+                    r"of shape \(32, 1\); it must return one number", last), last
+    assert "reduction='mean'" in last and "implicitly created" not in result.stderr
 
 
 def test_debug_shows_the_traceback(write_recipe):
@@ -100,3 +141,34 @@ def test_a_sigkilled_client_leaves_no_training_process(write_recipe):
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=30)
     assert_no_processes(str(recipe.parent), within_s=10)
+
+
+def test_sigint_stops_a_job_started_in_the_background_with_sigint_ignored(write_recipe):
+    """`setsid distrun train ... &` from a script: no terminal, and SIGINT arrives ignored
+    (a shell's background job). `kill -INT` must still stop the job as Ctrl-C does."""
+    recipe = write_recipe(SLOW)
+
+    def background() -> None:
+        os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "-s", "mirrored", "--replicas", "2",
+                             "--epochs", "50", "--json"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=background)
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # into the training loop: a step has been reported
+        seen.append(line)
+        if line.startswith('{"type":"step"'):
+            break
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    out = "".join(seen) + out
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted")
+    summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
+    assert summary["type"] == "summary" and summary["status"] == "interrupted"
+    # What it trained before the stop, as the live table last showed it (not "-" and 0.0).
+    assert summary["steps"] > 0 and summary["final_loss"] is not None and summary["samples_per_s"] > 0, summary
+    assert summary["world_size"] == 2
+    assert_no_processes(str(recipe.parent))

@@ -55,6 +55,19 @@ def test_plain_torchrun_script_runs_unchanged_with_recipe_args():
     assert result.returncode == 0, result.stderr[-2000:]
     outputs = sorted(e["line"] for e in result.json_lines() if e["type"] == "output")
     assert [o.split(":")[0] for o in outputs] == ["rank 0 of 2", "rank 1 of 2"]
+    assert result.summary["recipe_kind"] == "script" and result.summary["world_size"] == 2
+    table = run_cli("train", str(RECIPES / "torchrun_script.py"), "-s", "mirrored", "--replicas", "2", "--", "--steps", "1")
+    assert table.returncode == 0 and "script (2 processes)" in table.stderr, table.stderr[-2000:]
+
+
+@pytest.mark.parametrize("strategy", ["central-storage", "sharded"])
+def test_a_plain_script_refuses_a_strategy_it_cannot_honour(strategy):
+    result = run_cli("train", str(RECIPES / "torchrun_script.py"), "-s", strategy, "--replicas", "2")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: {RECIPES / 'torchrun_script.py'}: a plain script builds its own model and loop (its own DDP or "
+        f"FSDP), so --strategy {strategy} cannot apply to it; -s mirrored (or multi-worker on a cluster) starts its "
+        "processes")
 
 
 def test_plain_script_that_raises_names_its_line(write_recipe):

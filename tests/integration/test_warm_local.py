@@ -196,3 +196,17 @@ def test_distrun_down_stops_a_warm_job_and_leaves_nothing(home: dict[str, str], 
     result = run_cli("train", str(REPO / "recipes" / "linear.py"), "--steps", "2", "--json", env=home)
     assert result.returncode == 0 and _summary(result.stdout)["warm"] is False, result.stderr[-2000:]
     assert "note:" not in result.stderr
+
+
+def test_a_job_right_after_up_waits_for_the_warm_interpreter(tmp_path: Path) -> None:
+    """`status` says up as soon as the server answers, while its zygote still imports torch: a job
+    started then waits for it (a few seconds) rather than silently starting cold."""
+    env = {"DISTRUN_HOME": str(tmp_path / "home")}
+    up = run_cli("up", "--json", env=env)
+    assert up.returncode == 0, up.stderr[-2000:]
+    try:
+        result = run_cli("train", str(REPO / "recipes" / "linear.py"), "--steps", "2", "--json", env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert _summary(result.stdout)["warm"] is True and "starting cold" not in result.stderr
+    finally:
+        run_cli("down", env=env)

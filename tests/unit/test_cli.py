@@ -75,14 +75,23 @@ def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
 
 
 @pytest.mark.parametrize(
-    "args, fragment",
-    [(["train", "recipes/linear.py", "--bogus"], "No such option: --bogus"), (["nosuchcmd"], "No such command")],
+    "args, line",
+    [
+        (["train", "recipes/linear.py", "--bogus"], "error: distrun train: no such option --bogus"),
+        (["train", "recipes/linear.py", "--stratgy", "mirrored"],
+         "error: distrun train: no such option --stratgy; did you mean --strategy? (`distrun train --help`)"),
+        (["train", "recipes/linear.py", "--epoch", "3"],  # click would say "--detach, --epochs, --fetch"
+         "error: distrun train: no such option --epoch; did you mean --epochs? (`distrun train --help`)"),
+        (["logs"], "error: distrun logs: missing argument 'JOB' (`distrun logs --help`)"),
+        (["nosuchcmd"], "error: distrun: no such command 'nosuchcmd' (`distrun --help`)"),
+        (["train", "recipes/linear.py", "--steps", "many"], "error: distrun train: invalid value for '--steps'"),
+    ],
 )
-def test_typer_usage_errors_exit_2_without_a_traceback(args, fragment):
+def test_typer_usage_errors_are_one_line_with_exit_2(args, line):
     result = run_cli(*args)
     assert result.returncode == 2
-    assert fragment in result.stderr and "Traceback" not in result.stderr
-    assert "internal error" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), result.stderr
 
 
 @pytest.mark.parametrize("flag", [["--compile"], ["--precision", "bf16"], ["--compression", "fp16"]])
@@ -118,3 +127,20 @@ def test_missing_recipe_is_named():
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.startswith("distrun 0.")
+
+
+@pytest.mark.parametrize(
+    "args, code, fragment",
+    [
+        (["-s", "mirrored", "-b", "33"], 2, "--global-batch-size 33 is not divisible by 2 replicas"),
+        (["-s", "nosuch"], 2, "unknown strategy 'nosuch'"),
+        (["--cluster", "no/such/cluster.yaml"], 2, "no/such/cluster.yaml"),
+    ],
+)
+def test_json_ends_with_a_failed_summary_when_the_job_never_starts(args, code, fragment):
+    """live-view.md: the last line of --json is always the summary, on failure too."""
+    result = run_cli("train", str(RECIPES / "linear.py"), "--json", *args)
+    assert result.returncode == code, result.stderr
+    summary = result.summary
+    assert summary["status"] == "failed" and fragment in summary["error"] and summary["steps"] == 0
+    assert result.stderr.strip().splitlines()[-1] == f"error: {summary['error']}"

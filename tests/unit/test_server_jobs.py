@@ -48,7 +48,7 @@ def test_a_thousand_jobs_leave_the_table_and_the_heap_flat(tmp_path: Path) -> No
     assert grown < 64 * 1024, f"the server's heap grew {grown} bytes over 1,000 finished jobs"
     # A forgotten job's log is still on disk, and follow (`distrun logs`) reads it from there.
     frames = list(manager.follow({"job": "job0", "until_now": True}))
-    assert frames[-1] == {"result": {"state": "stopped", "failure": None}}
+    assert frames[-1] == {"result": {"state": "stopped", "failure": None, "reason": "cancelled"}}
 
 
 def test_a_rendezvous_without_a_submit_closes_after_its_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

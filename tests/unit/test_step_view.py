@@ -102,3 +102,21 @@ def test_tokens_per_s_and_mfu_come_from_samples_per_s_and_the_recipes_workload()
     # Off a known GPU the workload has no peak: tokens/s, and no MFU made up.
     tracker.update(Workload(rank=0, time=1004.0, tokens_per_sample=256, flops_per_token=1e9, peak_flops=None))
     assert tracker.summary("succeeded").mfu is None
+
+
+def test_at_80_columns_rank_step_loss_rate_and_status_are_whole():
+    """They were cut to `0.01…` and `runn…` once a GPU % column came in; the other columns give way."""
+    for host in (None, "198.18.0.11"):
+        tracker = JobTracker("recipes/digits.py", "mirrored", replicas=2, started_at=1000.0,
+                             host_of_rank=(lambda rank: host) if host else None)
+        for rank in range(2):
+            tracker.update(Started(rank=rank, time=1000.0, pid=10 + rank, device="cpu", world_size=2, recipe_kind="fit"))
+            tracker.update(Step(rank=rank, time=1001.0, step=230, epoch=0, loss=0.01355, samples_per_s=6762.0,
+                                mem_mb=399.0, peak_mem_mb=412.0, total_steps=230, gpu_util=50.0))
+        text = _narrow(render_progress(tracker.snapshot()), 80)
+        rows = [line for line in text.splitlines() if "230" in line and "│" in line]
+        assert len(rows) == 2, text
+        for rank, line in enumerate(rows):
+            cells = [cell.strip() for cell in line.split("│")[1:-1]]
+            assert [str(rank), "230", "0.01355", "6762.0", "running"] == [
+                cell for cell in cells if cell in (str(rank), "230", "0.01355", "6762.0", "running")], text

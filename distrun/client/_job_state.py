@@ -1,0 +1,76 @@
+"""One job's state from its hosts' states, and what to blame when it failed.
+
+Each host's server records its own part of a job; ``distrun jobs`` shows one row.
+The merge is a fixed order, strongest first, so the answer never depends on which
+host answered first:
+
+    running > pending > (a state this client does not know) > failed > preempted
+            > stopped > succeeded > lost
+
+* still running anywhere: ``running``;
+* ``failed`` beats ``stopped``: since a cancel is decided on every host before any
+  rank is killed (``launch/_stop``), a host records ``failed`` only for a failure of
+  the job's own, from before the cancel; a host that was merely stopped with it says
+  ``stopped``;
+* ``preempted`` beats ``stopped`` (the others stopped with the checkpointed ones) but
+  not ``failed``;
+* ``stopped`` beats ``succeeded``: a job cancelled as it finished was still cancelled;
+* ``lost`` (``--elastic``: a host lost for good, the others went on) is the weakest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from distrun.protocol import PEER_LOST, Failed, decode_event
+
+__all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message"]
+
+STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
+_UNKNOWN = 1.5
+_IN_BUNDLE = re.compile(r"^.*/bundles/[0-9a-f]{64}/")  # a server unpacks each bundle in bundles/<sha256>/  # just after pending: a newer server's state is shown, not hidden behind "failed"
+
+
+def merge_states(states: Iterable[str]) -> str:
+    """The job's state from each host's (see the module's order); "unknown" for none."""
+    strength = {state: index for index, state in enumerate(STATE_ORDER)}
+    found = list(states)
+    if not found:
+        return "unknown"
+    return min(found, key=lambda state: strength.get(state, _UNKNOWN))
+
+
+def failure_message(failure: Failed | None) -> str:
+    """One failed rank in one line: where in the recipe, which rank, at which step, what."""
+    if failure is None:
+        return "training failed"
+    where = f"{failure.file}:{failure.line}: " if failure.file else ""
+    at_step = f" while {failure.during}" if failure.during else f" at step {failure.step}" if failure.step else ""
+    return f"{where}rank {failure.rank} failed{at_step}: {failure.message}"
+
+
+def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
+    """One line naming a failed job's root cause from (host, its ``jobs`` entry) pairs: the
+    earliest rank that failed on its own; else a host's own error; else the earliest rank
+    that only lost a peer. None when no host recorded a failure."""
+    failures: list[tuple[str, Failed]] = []
+    errors: list[str] = []
+    for host, entry in parts:
+        raw = entry.get("failure")
+        if raw:
+            event = decode_event(json.dumps(raw))
+            if isinstance(event, Failed):
+                failures.append((host, event))
+        elif entry.get("error"):
+            errors.append(f"{host}: {entry['error']}")
+    own = [pair for pair in failures if pair[1].kind != PEER_LOST]
+    if own or not errors and failures:
+        host, failure = min(own or failures, key=lambda pair: pair[1].time)
+        if failure.file:  # the recipe's path inside the host's bundle folder: as the user wrote it
+            failure = dataclasses.replace(failure, file=_IN_BUNDLE.sub("", failure.file))
+        return f"{host}: {failure_message(failure)}"
+    return errors[0] if errors else None

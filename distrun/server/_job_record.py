@@ -1,0 +1,85 @@
+"""One job as a worker server keeps it: its event log, state, result and why it stopped.
+
+The log is both in memory (``lines``: followers read from any offset) and on disk
+(``events.ndjson``, unbuffered, so a line lands at once and survives the server);
+``finish`` writes ``result.json`` beside it, which is how a job the server no longer
+keeps in memory is read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from distrun.launch import LocalLauncher
+from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
+
+__all__ = ["JobRecord"]
+
+
+@dataclasses.dataclass
+class JobRecord:
+    id: str
+    folder: Path
+    lines: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
+    state: str = "pending"
+    result: dict[str, Any] | None = None
+    launcher: LocalLauncher | None = None
+    listener: socket.socket | None = None
+    started_at: float = dataclasses.field(default_factory=time.time)
+    detached: bool = False
+    followers: int = 0
+    unfollowed_since: float = dataclasses.field(default_factory=time.monotonic)  # when the last follower left
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log: BinaryIO | None = None  # events.ndjson, open while the job runs (unbuffered: each line lands at once)
+    secret: str = dataclasses.field(default="", repr=False)  # the data plane's key, from rendezvous
+    finished_at: float | None = None  # time.monotonic() at finish: forgotten KEEP_FINISHED_S later
+    rendezvous_lease: threading.Timer | None = None  # closes the rendezvous if no submit comes
+    reason: str | None = None  # why it was stopped ("cancelled by alice from laptop"), once decided
+
+    def record(self, event: Event) -> None:
+        with self.changed:
+            if isinstance(event, MembershipChanged):  # --elastic: `distrun jobs` shows the group's size now
+                self.meta["world_now"] = [event.world_size, event.time]
+            self.lines.append(event_to_dict(event))
+            if self.log is None:
+                self.log = open(self.folder / "events.ndjson", "ab", buffering=0)  # noqa: SIM115 - closed in finish()
+            self.log.write(encode_event(event))
+            self.changed.notify_all()
+
+    def record_note(self, text: str) -> None:
+        """A line from the server itself in the job's log (shown by `distrun logs`, `attach`)."""
+        self.record(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun server] {text}"))
+
+    def finish(self, state: str, result: dict[str, Any]) -> None:
+        with self.changed:
+            self.state, self.result = state, result
+            self.finished_at = time.monotonic()
+            (self.folder / "result.json").write_text(json.dumps(result))
+            if self.log is not None:
+                self.log.close()
+                self.log = None
+            self.changed.notify_all()
+
+    def decide_stop(self, reason: str) -> bool:
+        """Remember why the job stops (the first reason wins); True the first time."""
+        with self.changed:
+            if self.reason is not None:
+                return False
+            self.reason = reason
+        self.record_note(f"stopping: {reason}")
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        """What ``distrun jobs`` lists: the state, why it stopped, and (failed) the root cause."""
+        result = self.result or {}
+        reason = self.reason if self.state not in ("succeeded", "failed") else None
+        return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines),
+                "detached": self.detached, "followers": self.followers, "reason": reason,
+                "failure": result.get("failure"), "error": result.get("error"), **self.meta}

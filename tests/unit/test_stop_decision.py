@@ -1,0 +1,160 @@
+"""A stop is one decision: ranks that die after it are part of the stop, failures before it are not.
+
+Real processes under the real launcher (plain Python children, no torch): the interleaving
+of a multi-host cancel, where a rank sees its peer on another host vanish before its own
+host is told to kill, is forced here by killing or signalling a rank after ``stopping()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from distrun.client._job_state import STATE_ORDER, blame, merge_states
+from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
+from distrun.launch._stop import StopDecision
+from distrun.protocol import PEER_LOST, Failed, event_to_dict
+
+# Rank 1 waits for SIGUSR2, then writes a Failed event stamped AGE seconds ago and exits 1:
+# AGE 0 is a rank that saw its peer vanish now; AGE 30 one whose failure happened long before
+# its event was read.
+CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    rank, age_s = int(os.environ["RANK"]), float(sys.argv[1])
+    fd = int(os.environ["DISTRUN_EVENT_FD"])
+    print("ready", flush=True)
+    def fail(*_):
+        os.write(fd, (json.dumps({"type": "error", "rank": rank, "time": time.time() - age_s,
+                                  "kind": "peer-lost", "message": "RuntimeError: Connection closed by peer"})
+                      + "\\n").encode())
+        os._exit(1)
+    signal.signal(signal.SIGUSR2, fail)
+    time.sleep(600)
+    """
+)
+
+
+def _started(age_s: float = 0.0, n: int = 2) -> tuple[LocalLauncher, list, threading.Thread, dict]:
+    events: list = []
+    spec = WorkerSpec(argv=(sys.executable, "-c", CHILD, str(age_s)), local_world_size=n, stop_grace_s=2.0)
+    launcher = LocalLauncher(spec, events.append)
+    outcome: dict = {}
+    thread = threading.Thread(target=lambda: outcome.setdefault("result", launcher.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while sum(getattr(e, "line", None) == "ready" for e in events) < n:
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.05)
+    return launcher, events, thread, outcome
+
+
+def _finished(thread: threading.Thread, outcome: dict, within_s: float):
+    thread.join(within_s)
+    assert not thread.is_alive(), f"the launcher did not end within {within_s} s"
+    return outcome["result"]
+
+
+def test_a_rank_that_dies_after_the_decision_is_part_of_the_stop_and_ends_it_at_once() -> None:
+    launcher, _events, thread, outcome = _started()
+    launcher.stopping("cancelled by alice from laptop", kill_after_s=60)
+    os.kill(launcher.pids[1], signal.SIGUSR2)  # its peer on another host was killed first
+    t0 = time.monotonic()
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.STOPPED and result.failure is None
+    assert time.monotonic() - t0 < 10  # not the 60 s the decision would wait for its kill
+    assert launcher.stop_reason == "cancelled by alice from laptop"
+
+
+def test_a_rank_killed_from_outside_after_the_decision_is_part_of_the_stop() -> None:
+    launcher, _events, thread, outcome = _started()
+    launcher.stopping("cancelled", kill_after_s=60)
+    os.kill(launcher.pids[0], signal.SIGKILL)  # not the launcher's own kill
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.STOPPED and result.failure is None
+
+
+def test_a_failure_stamped_before_the_decision_is_still_the_jobs_failure() -> None:
+    launcher, _events, thread, outcome = _started(age_s=30)
+    launcher.stopping("cancelled", kill_after_s=60)
+    os.kill(launcher.pids[1], signal.SIGUSR2)  # its event arrives after the decision, stamped before
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.FAILED
+    assert result.failure is not None and result.failure.rank == 1
+
+
+def test_without_the_decision_the_same_death_is_a_failure() -> None:
+    launcher, _events, thread, outcome = _started()
+    os.kill(launcher.pids[1], signal.SIGUSR2)
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.FAILED and result.failure.rank == 1
+
+
+def test_a_decision_whose_kill_never_comes_kills_on_its_own() -> None:
+    launcher, _events, thread, outcome = _started()
+    t0 = time.monotonic()
+    launcher.stopping("the client died between the phases", kill_after_s=1.0)
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.STOPPED
+    assert 1.0 <= time.monotonic() - t0 < 10
+
+
+def test_the_first_reason_wins_and_a_request_kills_at_once() -> None:
+    decision = StopDecision()
+    assert not decision.decided and not decision.kill_due()
+    decision.decide("cancelled by alice from laptop", kill_after_s=60)
+    decision.request("client exiting")
+    assert decision.reason == "cancelled by alice from laptop" and decision.kill_due()
+    before = Failed(rank=1, time=time.time() - 1, kind="raised", message="x")
+    after = Failed(rank=1, time=time.time() + 1, kind=PEER_LOST, message="x")
+    assert not decision.part_of_stop(before) and decision.part_of_stop(after)
+
+
+# Every pair of host states, and the job's state they make: (a, b) -> merged.
+PAIRS = {
+    ("running", "pending"): "running", ("running", "failed"): "running", ("running", "preempted"): "running",
+    ("running", "stopped"): "running", ("running", "succeeded"): "running", ("running", "lost"): "running",
+    ("pending", "failed"): "pending", ("pending", "preempted"): "pending", ("pending", "stopped"): "pending",
+    ("pending", "succeeded"): "pending", ("pending", "lost"): "pending",
+    ("failed", "preempted"): "failed", ("failed", "stopped"): "failed", ("failed", "succeeded"): "failed",
+    ("failed", "lost"): "failed",
+    ("preempted", "stopped"): "preempted", ("preempted", "succeeded"): "preempted", ("preempted", "lost"): "preempted",
+    ("stopped", "succeeded"): "stopped", ("stopped", "lost"): "stopped",
+    ("succeeded", "lost"): "succeeded",
+}
+
+
+def test_the_table_covers_every_pair() -> None:
+    from itertools import combinations
+    assert set(PAIRS) == set(combinations(STATE_ORDER, 2))
+
+
+@pytest.mark.parametrize(("pair", "merged"), sorted(PAIRS.items()))
+def test_host_states_merge_the_same_in_either_order(pair: tuple[str, str], merged: str) -> None:
+    first, second = pair
+    assert merge_states([first, second]) == merge_states([second, first]) == merged
+    assert merge_states([first, first]) == first
+
+
+def test_a_state_this_client_does_not_know_is_shown_not_hidden() -> None:
+    assert merge_states(["failed", "draining"]) == "draining"
+    assert merge_states(["running", "draining"]) == "running"
+    assert merge_states([]) == "unknown"
+
+
+def test_blame_names_the_rank_that_failed_on_its_own_not_the_one_that_lost_its_peer() -> None:
+    own = event_to_dict(Failed(rank=1, time=200.0, kind="raised", message="RuntimeError: boom", file="r.py", line=9,
+                               step=5))
+    peer = event_to_dict(Failed(rank=0, time=100.0, kind=PEER_LOST, message="Connection closed by peer"))
+    assert blame([("h1", {"failure": peer}), ("h2", {"failure": own})]) == \
+        "h2: r.py:9: rank 1 failed at step 5: RuntimeError: boom"
+    assert blame([("h1", {"failure": peer}), ("h2", {"error": "the worker server went silent"})]) == \
+        "h2: the worker server went silent"
+    assert blame([("h1", {"failure": peer})]).startswith("h1: rank 0 failed")
+    assert blame([("h1", {"failure": None})]) is None
