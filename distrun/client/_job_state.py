@@ -26,13 +26,15 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from distrun.protocol import PEER_LOST, Failed, decode_event
+from distrun.protocol import PEER_LOST, EventDecodeError, Failed, decode_event
 
 __all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message"]
 
 STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
+#: Just after pending: a newer server's state is shown, not hidden behind "failed".
 _UNKNOWN = 1.5
-_IN_BUNDLE = re.compile(r"^.*/bundles/[0-9a-f]{64}/")  # a server unpacks each bundle in bundles/<sha256>/  # just after pending: a newer server's state is shown, not hidden behind "failed"
+#: A server unpacks each bundle in bundles/<sha256>/: a recipe's path there, as the user wrote it.
+_IN_BUNDLE = re.compile(r"^.*/bundles/[0-9a-f]{64}/")
 
 
 def merge_states(states: Iterable[str]) -> str:
@@ -62,7 +64,11 @@ def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
     for host, entry in parts:
         raw = entry.get("failure")
         if raw:
-            event = decode_event(json.dumps(raw))
+            try:
+                event = decode_event(json.dumps(raw))
+            except EventDecodeError:  # a server of another version: its own words, undecoded
+                errors.append(f"{host}: {raw.get('message', 'failed') if isinstance(raw, dict) else 'failed'}")
+                continue
             if isinstance(event, Failed):
                 failures.append((host, event))
         elif entry.get("error"):

@@ -398,7 +398,7 @@ class ClusterJob:
     def summary(self, status: str, error: str | None = None) -> JobSummary:
         warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
         return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm,
-                                   reason=self.stop_reason)
+                                   reason=self.stop_reason if status == "interrupted" else None)
 
     @property
     def stop_reason(self) -> str | None:
@@ -417,7 +417,7 @@ class ClusterJob:
                 client.close()
             return
         self._user_cancelled = True
-        self._cancel_attempt(by_whom(reason))
+        self._cancel_attempt(by_whom("interrupted") if interrupted else reason)
 
     def _cancel_attempt(self, reason: str) -> None:
         """Stop the attempt on every host as one decision; a host already gone is its follower's to report."""

@@ -114,7 +114,9 @@ def cancel_job(cluster: ClusterSpec, job_id: str) -> list[str]:
     with job_hosts(cluster, job_id) as holders:
         errors = stop_everywhere(holders, job_id, by_whom("cancelled"))
         if errors:
-            raise errors[0]
+            stopped = [link.label for link in holders if all(error.host != link.label for error in errors)]
+            also = f" (stopped on {', '.join(stopped)})" if stopped else ""
+            raise HostError(errors[0].host, f"{errors[0].reason}{also}")
         return [link.label for link in holders]
 
 

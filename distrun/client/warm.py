@@ -76,7 +76,8 @@ def find_warm_start(cluster: ClusterSpec) -> WarmStart:
         return WarmStart(None, f"the local server does not answer ({exc.reason})", noteworthy=True)
     if not zygote.get("ready"):
         why = (f"not ready after {WARM_WAIT_S:.0f} s" if zygote.get("starting")
-               else "not running (see server.log in $DISTRUN_HOME)")
+               else "not running (see server.log in $DISTRUN_HOME)" if zygote.get("starting") is False
+               else "not ready yet")
         return WarmStart(None, f"the local server's warm interpreter is {why}", noteworthy=True)
     python = str(zygote.get("python", ""))
     if not _same_file(python, sys.executable):

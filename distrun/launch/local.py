@@ -156,6 +156,9 @@ class LocalLauncher:
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
             self._close_diagnose_pipes()
+        if state is ProcessState.STOPPED and self._root_cause() is not None:
+            # A rank's own failure, stamped before the stop was decided but read after it: the job's.
+            state = ProcessState.FAILED
         return RunResult(
             state=state,
             returncodes={p.rank: (p.returncode if p.returncode is not None else -signal.SIGKILL) for p in self._procs},

@@ -54,7 +54,7 @@ def _not_one_number(loss_fn: Any, loss: Any) -> RecipeError:
     """``loss()`` returned a tensor with a shape (``reduction='none'``) or no tensor: named at the recipe's
     ``loss`` (backward would say only "grad can be implicitly created only for scalar outputs")."""
     got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
-    error = RecipeError(f"loss() returned {got}; it must return one number (a 0-d tensor) for backward: "
+    error = RecipeError(f"loss() returned {got}; it must return one number for backward: "
                         "reduce it, e.g. .mean(), or reduction='mean' (the default) in torch.nn.functional")
     code = getattr(loss_fn, "__code__", None)
     if code is not None:
@@ -119,7 +119,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     def train_step(batch: Any) -> torch.Tensor:
         batch = to_device(batch, device)
         loss = loss_fn(forward(model, batch), batch)
-        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # backward takes one number, any shape
             raise _not_one_number(loss_fn, loss)
         weight = strategy.batch_weight
         optimizer.zero_grad(set_to_none=True)

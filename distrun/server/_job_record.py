@@ -70,7 +70,7 @@ class JobRecord:
     def decide_stop(self, reason: str) -> bool:
         """Remember why the job stops (the first reason wins); True the first time."""
         with self.changed:
-            if self.reason is not None:
+            if self.reason is not None or self.result is not None:  # decided already, or finished
                 return False
             self.reason = reason
         self.record_note(f"stopping: {reason}")

@@ -26,6 +26,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import re
 import socket
 import sys
@@ -56,9 +57,11 @@ LEASE_S = 10.0
 #: A rendezvous socket waits this long for its job's submit, then closes.
 RENDEZVOUS_LEASE_S = 60.0
 #: A cancel's first phase (``stopping``) with no kill behind it (the client died) kills after this long.
-STOPPING_KILL_AFTER_S = 10.0
-#: A test hook: a file of this name in the server's folder delays this host's cancel (seconds).
+STOPPING_KILL_AFTER_S = 30.0
+#: A test hook: a file of this name in the server's folder delays this host's cancel (seconds),
+#: read only where the server's environment has DR_TEST_HOOKS=1.
 KILL_DELAY_HOOK = "test-hook-kill-delay-s"
+TEST_HOOKS_VAR = "DR_TEST_HOOKS"
 #: Finished jobs kept in memory: at most this many, for at most this long (their logs stay on disk).
 KEEP_FINISHED = 64
 KEEP_FINISHED_S = 24 * 3600.0
@@ -142,6 +145,8 @@ class JobManager:
         secret = _secret(args)
         if job.secret and not hmac.compare_digest(job.secret, secret):
             raise JobError(f"job {job_id}: the secret differs from the rendezvous's")
+        if job.reason is not None:  # cancelled between its rendezvous and this submit (checked again below)
+            raise JobError(f"job {job_id} is stopping ({job.reason}); not started here")
         sha = _sha(args)
         try:
             root = unpack(self.bundles / f"{sha}.tar.gz", sha, self.bundles / sha)
@@ -200,6 +205,8 @@ class JobManager:
         )
         starter = self._starter()
         with job.changed:  # the rendezvous lease's expiry checks the same state under this lock
+            if job.reason is not None:
+                raise JobError(f"job {job_id} is stopping ({job.reason}); not started here")
             if job.state != "pending":
                 raise JobError(f"job {job_id}: its rendezvous closed before the submit (no submit within "
                                f"{RENDEZVOUS_LEASE_S:.0f} s)")
@@ -278,8 +285,9 @@ class JobManager:
         job = self._get(args)
         reason = _reason(args)
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
-        if launcher is not None and job.decide_stop(reason):
+        if job.decide_stop(reason) and launcher is not None:
             launcher.stopping(reason, kill_after_s=STOPPING_KILL_AFTER_S)
+        # No launcher yet (a rendezvous, no submit): the decision is on the record, and refuses the submit.
         return {"job": job.id, "state": job.state}
 
     def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +298,7 @@ class JobManager:
         if launcher is not None:
             delay_s = self._kill_delay_s()
             if delay_s > 0:  # the test hook: this host hears of the cancel late (its peers are killed first)
+                job.record_note(f"test hook {KILL_DELAY_HOOK}: this cancel takes effect {delay_s:g} s late")
                 timer = threading.Timer(delay_s, _kill, args=(job, launcher, reason))
                 timer.daemon = True
                 timer.start()
@@ -311,8 +320,11 @@ class JobManager:
         return {"job": job.id, "state": job.state}
 
     def _kill_delay_s(self) -> float:
-        """The test hook ``KILL_DELAY_HOOK`` in this server's folder: seconds by which a cancel reaches
-        this host late, so a test can force the interleaving where a peer host is killed first."""
+        """The test hook ``KILL_DELAY_HOOK`` in this server's folder, read only where the server's
+        environment sets ``TEST_HOOKS_VAR`` (a test lab's cluster file): seconds by which a cancel
+        reaches this host late, so a test can force the interleaving where a peer is killed first."""
+        if os.environ.get(TEST_HOOKS_VAR) != "1":
+            return 0.0
         try:
             return max(0.0, min(60.0, float((self.state_dir / KILL_DELAY_HOOK).read_text())))
         except (OSError, ValueError):
@@ -427,7 +439,8 @@ class JobManager:
                 lines.append(json.loads(line))
             except ValueError:
                 continue
-        job = JobRecord(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result)
+        job = JobRecord(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result,
+                        reason=result.get("reason"))
         job.finished_at = time.monotonic()
         return job
 

@@ -178,11 +178,12 @@ def training_pids(lab: Lab) -> list[int]:
 
 
 @contextlib.contextmanager
-def brought_up(lab: Lab, roles: dict[str, dict[str, str]], name: str) -> Iterator[Path]:
-    """A cluster file of the lab's hosts (name -> their keys, e.g. roles and slots), up, and after, down."""
+def brought_up(lab: Lab, roles: dict[str, dict[str, str]], name: str, extra: str = "") -> Iterator[Path]:
+    """A cluster file of the lab's hosts (name -> their keys, e.g. roles and slots), up, and after, down;
+    ``extra``: more top-level lines of the file (``env: {...}``)."""
     hosts = [{"address": lab.hosts[host][1], **keys} for host, keys in roles.items()]
     path = lab.root / f"{name}.yaml"
-    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name=name))
+    path.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name=name, extra=extra))
     up = lab_cli(lab, "up", str(path), "--json")
     assert up.returncode == 0, up.stdout + up.stderr
     try:

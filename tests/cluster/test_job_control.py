@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -132,24 +133,34 @@ def _job_row(lab: Lab, cluster: Path, job_id: str) -> dict:
     return next(row for row in json_lines(listed) if row["job"] == job_id)
 
 
+@pytest.fixture
+def hooked(lab: Lab) -> Iterator[Path]:
+    """The lab's two hosts as `cluster` has them, with the servers' test hooks on (DR_TEST_HOOKS)."""
+    roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
+    with brought_up(lab, roles, "lab", extra="env: {DR_TEST_HOOKS: '1'}") as path:
+        yield path
+
+
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
-def test_a_cancel_reads_stopped_even_when_a_host_is_killed_late(lab: Lab, cluster: Path, slow_recipe: Path,
+def test_a_cancel_reads_stopped_even_when_a_host_is_killed_late(lab: Lab, hooked: Path, slow_recipe: Path,
                                                                 elastic: bool) -> None:
     """The interleaving that made the job read `failed`: h2 hears of the cancel 6 s late (a test hook
     on its server), so h1's rank is killed first and h2's rank sees its peer vanish and raises. With a
     single `cancel` per host h2 then recorded `failed`; now every host learnt that the job is stopping
     (the first phase) before any rank died, so h2's death is part of the stop; under --elastic it is
     not a lost replica to start again either."""
-    started = lab_cli(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker",
+    started = lab_cli(lab, "train", str(slow_recipe), "--cluster", str(hooked), "--strategy", "multi-worker",
                       "--detach", "--json", *(["--elastic", "1:2"] if elastic else []))
     assert started.returncode == 0, started.stderr
     job_id = json_lines(started)[0]["job"]
     _wait_until(lambda: any(e.get("type") == "step" for e in _host_log(lab, "h2", job_id)), 60, "rank 1 stepping")
     (lab.workdir / "lab" / lab.hosts["h2"][1] / "test-hook-kill-delay-s").write_text("6")
 
-    cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(cluster))
+    asked = time.monotonic()  # before the cancel reaches any host: h2's delayed stop is 6 s from here at least
+    cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(hooked))
     assert cancelled.returncode == 0, cancelled.stderr
-    took = _wait_until(lambda: not training_pids(lab), 20, "every training process ending after cancel")
+    _wait_until(lambda: not training_pids(lab), 20, "every training process ending after cancel")
+    took = time.monotonic() - asked
     h2 = _host_log(lab, "h2", job_id)
     # The forced interleaving happened: rank 1 raised on its own (its peer vanished) before its kill came.
     assert [e["kind"] for e in h2 if e.get("type") == "error" and e["rank"] == 1] == ["peer-lost"], h2[-5:]
@@ -157,18 +168,18 @@ def test_a_cancel_reads_stopped_even_when_a_host_is_killed_late(lab: Lab, cluste
     lines = [e.get("line") or "" for host in ("h1", "h2") for e in _host_log(lab, host, job_id)]
     assert not [line for line in lines if "starting it again" in line or "goes on without it" in line]
 
-    row = _job_row(lab, cluster, job_id)
+    row = _job_row(lab, hooked, job_id)
     who = f"cancelled by {getpass.getuser()} from {socket.gethostname()}"
     assert (row["state"], row["reason"], row["failure"]) == ("stopped", who, None)
     for host in ("h1", "h2"):
         result = json.loads((lab.workdir / "lab" / lab.hosts[host][1] / "jobs" / job_id / "result.json").read_text())
         assert (result["state"], result["reason"], result["failure"]) == ("stopped", who, None), host
-    table = lab_cli(lab, "jobs", "--cluster", str(cluster))
+    table = lab_cli(lab, "jobs", "--cluster", str(hooked))
     assert who in table.stdout, table.stdout
 
-    logs = lab_cli(lab, "logs", job_id, "--cluster", str(cluster))
+    logs = lab_cli(lab, "logs", job_id, "--cluster", str(hooked))
     assert f"server: [distrun server] stopping: {who}" in logs.stdout.splitlines(), logs.stdout
-    attach = lab_cli(lab, "attach", job_id, "--cluster", str(cluster), "--json")
+    attach = lab_cli(lab, "attach", job_id, "--cluster", str(hooked), "--json")
     summary = json_lines(attach)[-1]
     assert attach.returncode == 130 and summary["type"] == "summary" and summary["reason"] == who, attach.stderr
     assert who in attach.stderr.strip().splitlines()[-1]

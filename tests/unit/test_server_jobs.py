@@ -96,3 +96,18 @@ def test_a_failed_submit_leaves_the_lease_running_and_a_forgotten_id_is_not_reus
     assert "j" not in {job["job"] for job in manager.list({})["jobs"]}
     with pytest.raises(JobError, match="exists"):
         manager.rendezvous({"job": "j", "secret": new_job_secret(), "address": "127.0.0.1"})
+
+
+def test_a_job_told_to_stop_before_its_submit_is_never_started(tmp_path: Path) -> None:
+    """Ctrl-C right after the rendezvous: the stop is on the record, the submit is refused, the cancel ends it."""
+    manager = JobManager(tmp_path)
+    secret = new_job_secret()
+    port = manager.rendezvous({"job": "j", "secret": secret, "address": "127.0.0.1"})["port"]
+    manager.stopping({"job": "j", "reason": "interrupted by alice from laptop"})
+    with pytest.raises(JobError, match=r"is stopping \(interrupted by alice from laptop\)"):
+        manager.submit({"job": "j", "secret": secret, "bundle": "0" * 64})
+    manager.cancel({"job": "j", "reason": "interrupted by alice from laptop"})
+    listed = manager.list({})["jobs"][0]
+    assert (listed["state"], listed["reason"]) == ("stopped", "interrupted by alice from laptop")
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -21,13 +21,15 @@ from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
 from distrun.launch._stop import StopDecision
 from distrun.protocol import PEER_LOST, Failed, event_to_dict
 
-# Rank 1 waits for SIGUSR2, then writes a Failed event stamped AGE seconds ago and exits 1:
-# AGE 0 is a rank that saw its peer vanish now; AGE 30 one whose failure happened long before
-# its event was read.
+# Each rank waits for SIGUSR2, then writes a Failed event and exits 1; rank 1's is stamped AGE
+# seconds ago (the others' now): AGE 0 is a rank that saw its peer vanish now; AGE 30 one whose
+# failure happened long before its event was read. With "late", rank 1 does so on the launcher's
+# SIGTERM instead: its event is read only once the launcher is already stopping.
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys, time
-    rank, age_s = int(os.environ["RANK"]), float(sys.argv[1])
+    rank = int(os.environ["RANK"])
+    age_s = float(sys.argv[1]) if rank == 1 else 0.0
     fd = int(os.environ["DISTRUN_EVENT_FD"])
     print("ready", flush=True)
     def fail(*_):
@@ -35,15 +37,16 @@ CHILD = textwrap.dedent(
                                   "kind": "peer-lost", "message": "RuntimeError: Connection closed by peer"})
                       + "\\n").encode())
         os._exit(1)
-    signal.signal(signal.SIGUSR2, fail)
+    late = rank == 1 and sys.argv[2:] == ["late"]
+    signal.signal(signal.SIGTERM if late else signal.SIGUSR2, fail)
     time.sleep(600)
     """
 )
 
 
-def _started(age_s: float = 0.0, n: int = 2) -> tuple[LocalLauncher, list, threading.Thread, dict]:
+def _started(age_s: float = 0.0, n: int = 2, *mode: str) -> tuple[LocalLauncher, list, threading.Thread, dict]:
     events: list = []
-    spec = WorkerSpec(argv=(sys.executable, "-c", CHILD, str(age_s)), local_world_size=n, stop_grace_s=2.0)
+    spec = WorkerSpec(argv=(sys.executable, "-c", CHILD, str(age_s), *mode), local_world_size=n, stop_grace_s=2.0)
     launcher = LocalLauncher(spec, events.append)
     outcome: dict = {}
     thread = threading.Thread(target=lambda: outcome.setdefault("result", launcher.run()), daemon=True)
@@ -87,6 +90,17 @@ def test_a_failure_stamped_before_the_decision_is_still_the_jobs_failure() -> No
     result = _finished(thread, outcome, 20)
     assert result.state is ProcessState.FAILED
     assert result.failure is not None and result.failure.rank == 1
+
+
+def test_an_own_failure_read_after_the_stop_began_still_fails_the_job() -> None:
+    """Rank 0 dies of the stop (stamped after the decision), so the launcher is already stopping when
+    rank 1's own failure, stamped before the decision, is read (rank 1 reports it on the launcher's
+    SIGTERM): the run is the job's failure, not a stop with a root cause."""
+    launcher, _events, thread, outcome = _started(30, 2, "late")
+    launcher.stopping("cancelled", kill_after_s=60)
+    os.kill(launcher.pids[0], signal.SIGUSR2)
+    result = _finished(thread, outcome, 20)
+    assert result.state is ProcessState.FAILED and result.failure is not None and result.failure.rank == 1
 
 
 def test_without_the_decision_the_same_death_is_a_failure() -> None:
@@ -158,3 +172,40 @@ def test_blame_names_the_rank_that_failed_on_its_own_not_the_one_that_lost_its_p
         "h2: the worker server went silent"
     assert blame([("h1", {"failure": peer})]).startswith("h1: rank 0 failed")
     assert blame([("h1", {"failure": None})]) is None
+
+
+class _Link:
+    """A host as stop_everywhere sees it: a label and a control call (what the server answers is the test's)."""
+
+    def __init__(self, label: str, answers: dict) -> None:
+        self.label, self.answers, self.calls = label, answers, []
+        self._lock = threading.Lock()  # one control connection: calls queue, as HostLink's do
+
+    def call(self, op: str, **args: object) -> dict:
+        with self._lock:
+            self.calls.append((op, time.monotonic()))
+            answer = self.answers.get(op)
+            if isinstance(answer, Exception):
+                raise answer
+            if answer == "hang":
+                time.sleep(60)
+            return {}
+
+
+def test_every_host_decides_before_any_is_killed_and_every_host_gets_the_kill(monkeypatch) -> None:
+    from distrun.client import _stop
+    from distrun.errors import HostError
+
+    monkeypatch.setattr(_stop, "PHASE_S", 0.5)
+    ok = _Link("h1", {})
+    old = _Link("h2", {"stopping": HostError("h2", "the worker server failed 'stopping': unknown op")})
+    stuck = _Link("h3", {"stopping": "hang"})
+    t0 = time.monotonic()
+    errors = _stop.stop_everywhere([ok, old, stuck], "job", "cancelled by alice from laptop")
+    assert time.monotonic() - t0 < 5  # a host that never answers holds no one up for long
+    assert [op for op, _ in ok.calls] == ["stopping", "cancel"] == [op for op, _ in old.calls]
+    kills = [at for link in (ok, old) for op, at in link.calls if op == "cancel"]
+    decisions = [at for link in (ok, old, stuck) for op, at in link.calls if op == "stopping"]
+    assert max(decisions) < min(kills)
+    assert [op for op, _ in stuck.calls] == ["stopping"]  # still stuck in its first call: named, not waited for
+    assert [error.host for error in errors] == ["h3"]
