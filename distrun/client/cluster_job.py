@@ -288,10 +288,13 @@ class ClusterJob:
             self._follow_attempt()
             while self._restart_wanted():
                 self.restarts += 1
-                failure = next((r["failure"] for r in self._results.values() if r.get("failure")), None)
+                # The root cause, as outcome() would name it: not whichever host's result came first
+                # (a rejoining rank that lost its store may end before the rank that failed on its own).
+                root = _root_cause(self._failures())
+                failure = root[1] if root is not None else None
                 how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
-                why = f" after rank {failure['rank']}: {failure['message']}" if failure else ""
-                self._events.put(Output(rank=failure["rank"] if failure else 0, time=time.time(), stream="stderr",
+                why = f" after rank {failure.rank}: {failure.message}" if failure else ""
+                self._events.put(Output(rank=failure.rank if failure else 0, time=time.time(), stream="stderr",
                                         line=f"[distrun] restarting every rank ({self.restarts}/{self.max_restarts}) "
                                              f"{how}{why}"))
                 self._results = {}
@@ -440,14 +443,7 @@ class ClusterJob:
             step, where = self._last_checkpoint or (0, "")
             raise Preempted(f"the allocation warned that it will end: every rank checkpointed at step {step} "
                             f"({where}) and stopped; after `distrun up`, the same command with --resume goes on")
-        failures = []
-        for label, result in self._results.items():
-            raw = result.get("failure")
-            if raw:
-                failures.append((label, decode_event(json.dumps(raw))))
-            elif result.get("error"):
-                failures.append((label, None))
-        root = _root_cause(failures)
+        root = _root_cause(self._failures())
         if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
             why = f" ({self.stop_reason})" if self.stop_reason and not self._interrupted else ""
             raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)"
@@ -464,6 +460,18 @@ class ClusterJob:
             raise error_class(message, detail=failure.traceback)
         raise TrainingError(message, rank=failure.rank, detail=failure.traceback,
                             stderr_tail=self._events.stderr_tail(failure.rank))
+
+    def _failures(self) -> list[tuple[str, Failed | None]]:
+        """Each host's recorded failure: (host, the rank's Failed), or (host, None) for a host that broke."""
+        failures: list[tuple[str, Failed | None]] = []
+        for label, result in self._results.items():
+            raw = result.get("failure")
+            if raw:
+                event = decode_event(json.dumps(raw))
+                failures.append((label, event if isinstance(event, Failed) else None))
+            elif result.get("error"):
+                failures.append((label, None))
+        return failures
 
     def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
         """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``, and the

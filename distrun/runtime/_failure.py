@@ -47,7 +47,8 @@ def _classify(exc: BaseException, phase: str) -> str:
         return type(exc).__name__
     text = str(exc)
     name = type(exc).__name__
-    if name == "DistBackendError" or any(h in text for h in _PEER_LOST_HINTS):
+    # DistNetworkError: the store's connection closed under the rank (its host, or the rank hosting it, went).
+    if name in ("DistBackendError", "DistNetworkError") or any(h in text for h in _PEER_LOST_HINTS):
         return PEER_LOST
     return "import" if phase == "import" else "raised"
 
