@@ -11,7 +11,7 @@ Every host gets the second phase whatever the first answered: a server that refu
 ``stopping`` (another version's) or missed it still decides at ``cancel``. Each phase
 waits at most ``PHASE_S`` for the slowest host (a host that hangs must not hang Ctrl-C),
 which is well inside the time a server waits for the kill it was promised
-(``server/_jobs.STOPPING_KILL_AFTER_S``).
+(``launch/_stop.DEFAULT_KILL_AFTER_S``).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from distrun.protocol import Failed
 
 __all__ = ["StopDecision", "DEFAULT_KILL_AFTER_S"]
 
-#: How long a decided stop waits for its kill request before it kills on its own.
-DEFAULT_KILL_AFTER_S = 10.0
+#: How long a decided stop waits for its kill request before it kills on its own: well past the
+#: longest a client's phase waits for its slowest host (``client/_stop.PHASE_S``).
+DEFAULT_KILL_AFTER_S = 30.0
 
 
 class StopDecision:

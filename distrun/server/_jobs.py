@@ -56,8 +56,6 @@ FOLLOW_HEARTBEAT_S = 1.0
 LEASE_S = 10.0
 #: A rendezvous socket waits this long for its job's submit, then closes.
 RENDEZVOUS_LEASE_S = 60.0
-#: A cancel's first phase (``stopping``) with no kill behind it (the client died) kills after this long.
-STOPPING_KILL_AFTER_S = 30.0
 #: A test hook: a file of this name in the server's folder delays this host's cancel (seconds),
 #: read only where the server's environment has DR_TEST_HOOKS=1.
 KILL_DELAY_HOOK = "test-hook-kill-delay-s"
@@ -286,7 +284,7 @@ class JobManager:
         reason = _reason(args)
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if job.decide_stop(reason) and launcher is not None:
-            launcher.stopping(reason, kill_after_s=STOPPING_KILL_AFTER_S)
+            launcher.stopping(reason)  # with no kill behind it, the launcher kills after its own wait
         # No launcher yet (a rendezvous, no submit): the decision is on the record, and refuses the submit.
         return {"job": job.id, "state": job.state}
 
@@ -495,9 +493,9 @@ def _job_id(args: dict[str, Any]) -> str:
 
 
 def _kill(job: JobRecord, launcher: LocalLauncher, reason: str) -> None:
-    """Stop the job's ranks here, deciding first if ``stopping`` did not (an older client's cancel)."""
-    if job.decide_stop(reason):
-        launcher.stopping(reason, kill_after_s=STOPPING_KILL_AFTER_S)
+    """Stop the job's ranks here; the record notes why, if ``stopping`` did not (an older client's
+    cancel). ``stop`` decides in the launcher itself before it kills."""
+    job.decide_stop(reason)
     launcher.stop(reason)
 
 
