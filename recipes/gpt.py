@@ -3,6 +3,7 @@
     distrun train recipes/gpt.py                                  # one device
     distrun train recipes/gpt.py --strategy sharded --replicas 2  # FSDP2, each block a unit
     distrun train recipes/gpt.py -- --layers 12 --width 768       # GPT-2 small's shape (85M + embeddings)
+    distrun train recipes/gpt.py -s mirrored --tp 2               # each layer split over 2 ranks (tp_plan below)
 
 The text ships with the repository (``data/shakespeare.txt``, 300 KB of Shakespeare's plays,
 public domain): nothing is downloaded. Tokens are bytes (a vocabulary of 256), so there is no
@@ -41,21 +42,32 @@ tokens_per_sample = ARGS.context
 
 
 class Block(nn.Module):
+    """Attention and an MLP, each a colwise-then-rowwise pair under ``--tp`` (``tp_plan``).
+
+    Tensor parallel gives each rank some of the heads: q, k and v are separate layers (a fused
+    qkv layer split by columns would hand one rank all of q and part of k), and the forward
+    works out how many heads it holds from the shapes (``view(..., -1, head_dim)``), never
+    from ``heads``.
+    """
+
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.heads = heads
+        self.head_dim = width // heads
         self.norm1 = nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
+        self.q = nn.Linear(width, width)
+        self.k = nn.Linear(width, width)
+        self.v = nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
         self.norm2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        batch, length, _ = x.shape
+        normed = self.norm1(x)
+        q, k, v = (layer(normed).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                   for layer in (self.q, self.k, self.v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, -1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -90,6 +102,14 @@ def model() -> nn.Module:
 def shard_units(gpt: GPT) -> nn.ModuleList:
     """Under --strategy sharded, each transformer block is one FSDP unit (as torchtitan shards)."""
     return gpt.blocks
+
+
+def tp_plan(gpt: GPT) -> dict[str, str]:
+    """Under --tp: Megatron's split. q, k, v and the MLP's first layer by output features (each
+    rank some heads, some hidden units), the projections back by input features (one all-reduce
+    each). Embeddings, norms and the head stay whole on every rank."""
+    return {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise", "blocks.*.proj": "rowwise",
+            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
 def flops_per_token(gpt: GPT) -> float:

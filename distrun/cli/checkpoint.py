@@ -43,7 +43,8 @@ def ls(
     json_output: bool = typer.Option(False, "--json", help="One JSON object per checkpoint."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Each checkpoint in DIR: its step, the strategy and world size that wrote it, its size."""
+    """Each checkpoint in DIR: its step, the strategy and layout that wrote it (replicas, and under
+    --tp each replica's ranks), its size; any layout resumes it."""
     if not folder.is_dir():  # nothing to read: exit 5, as for a folder without checkpoints
         raise CheckpointError(f"{folder}: {'not a folder' if folder.exists() else 'no such folder'}")
     rows = _tool("ls", str(folder))["checkpoints"]
@@ -53,12 +54,14 @@ def ls(
         return
     table = Table(title=str(folder), title_justify="left")
     names = [Path(row["path"]).name + ("/" if row["format"] == "sharded" else "") for row in rows]
-    for name in ("step", "strategy", "world size", "parameters", "size MB", "file"):
+    for name in ("step", "strategy", "layout", "parameters", "size MB", "file"):
         whole = name in ("step", "file")  # at 80 columns the others wrap, never these
-        table.add_column(name, justify="right" if name in ("step", "world size", "parameters", "size MB") else "left",
+        table.add_column(name, justify="right" if name in ("step", "parameters", "size MB") else "left",
                          no_wrap=whole, min_width=max(map(len, names), default=4) if name == "file" else None)
     for row in rows:
-        table.add_row(str(row["step"]), str(row["strategy"]), str(row["world_size"]), f"{row['parameters']:,}",
+        mesh = row.get("mesh") or {}
+        table.add_row(str(row["step"]), str(row["strategy"]), " x ".join(f"{k} {v}" for k, v in mesh.items()) or "-",
+                      f"{row['parameters']:,}",
                       f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name + ("/" if row["format"] == "sharded" else ""))
     Console(highlight=False).print(table)
 

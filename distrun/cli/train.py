@@ -100,6 +100,8 @@ def train(
     shard_within: str = typer.Option("auto", "--shard-within", help="sharded: auto (HSDP on 2+ hosts when the model fits a host) | all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
     offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
     data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="mirrored, multi-worker, sharded: split each replica's layers over N ranks (tensor parallel; the recipe's tp_plan(model), else its MLP pairs); a job runs --replicas x N ranks, a cluster's slots / N replicas (docs/strategies.md#model-parallel)."),
+    activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
     async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
     allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
@@ -140,7 +142,8 @@ def train(
             compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
             allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
             shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
-            async_checkpoint=async_checkpoint, data_workers=data_workers,
+            async_checkpoint=async_checkpoint, data_workers=data_workers, tp=tp,
+            activation_checkpointing=activation_checkpointing,
             **observe,
         )
         if hang_timeout_s is not None and hang_timeout_s <= 0:
@@ -191,8 +194,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         device = str(flags.pop("device"))
         if device == "auto":
             device = "cuda" if job.gpus_everywhere else "cpu"
-        spec = build_spec(replicas=job.replicas, ps_tasks=job.ps_tasks, device=device,
-                          gpus=job.replicas if job.gpus_everywhere else 0, **flags)
+        spec = build_spec(replicas=replicas_of(job.replicas, int(flags.get("tp", 1)), cluster.source),
+                          ps_tasks=job.ps_tasks, device=device, gpus=job.replicas if job.gpus_everywhere else 0,
+                          **flags)
         if spec.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
                              "all-reduce across two or more worker hosts")
@@ -306,7 +310,13 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
                              "DDP's register_comm_hook in it")
     if replicas is None and not name.distributed:
         replicas = 1
-    device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus)
+    tp = rest.get("tp", 1)
+    if info.kind is RecipeKind.SCRIPT and (tp != 1 or rest.get("activation_checkpointing", "none") != "none"):
+        flag = "--tp" if tp != 1 else "--activation-checkpointing"
+        raise UsageError(f"{recipe}: {flag} applies to recipes distrun steps (fit-style or main(strategy)); a plain "
+                         "script owns its model: apply torch's parallelize_module / checkpoint in it")
+    device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus,
+                                    ranks_per_replica=tp if isinstance(tp, int) and tp > 1 else 1)
     defaults = dict(info.defaults)
     if steps is None and epochs is None:
         steps, epochs = defaults.get("steps"), defaults.get("epochs")
@@ -329,9 +339,10 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
     )
 
 
-def local_layout(device: str, replicas: int | None, gpus: int) -> tuple[str, int]:
-    """(device, processes) from ``--device`` and ``--replicas`` on a machine with ``gpus`` GPUs:
-    auto means a GPU if any; processes default to one per GPU, else DEFAULT_CPU_REPLICAS."""
+def local_layout(device: str, replicas: int | None, gpus: int, *, ranks_per_replica: int = 1) -> tuple[str, int]:
+    """(device, replicas) from ``--device`` and ``--replicas`` on a machine with ``gpus`` GPUs:
+    auto means a GPU if any; replicas default to one per GPU, else DEFAULT_CPU_REPLICAS. A
+    replica of several ranks (``--tp``) takes that many GPUs, and defaults to one replica on CPU."""
     if device == "auto":
         device = "cuda" if gpus else "cpu"
     elif device == "cuda" and not gpus:
@@ -339,10 +350,25 @@ def local_layout(device: str, replicas: int | None, gpus: int) -> tuple[str, int
     elif device not in ("cpu", "cuda"):
         raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
     if replicas is None:
-        replicas = gpus if device == "cuda" else DEFAULT_CPU_REPLICAS
-    elif device == "cuda" and replicas > gpus:
-        raise UsageError(f"--replicas {replicas}: only {gpus} GPU(s) found on this machine")
+        if device != "cuda":
+            replicas = DEFAULT_CPU_REPLICAS if ranks_per_replica == 1 else 1
+        elif gpus < ranks_per_replica:
+            raise UsageError(f"--tp {ranks_per_replica}: a replica takes {ranks_per_replica} GPUs, and this machine "
+                             f"has {gpus}")
+        else:
+            replicas = gpus // ranks_per_replica
+    elif device == "cuda" and replicas * ranks_per_replica > gpus:
+        ranks = f" x {ranks_per_replica} ranks" if ranks_per_replica > 1 else ""
+        raise UsageError(f"--replicas {replicas}{ranks}: only {gpus} GPU(s) found on this machine")
     return device, replicas
+
+
+def replicas_of(slots: int, tp: int, source: Any) -> int:
+    """A cluster's replicas: its worker slots, ``tp`` ranks to a replica."""
+    if tp > 1 and slots % tp:
+        raise UsageError(f"--tp {tp}: {source} has {slots} worker slot(s), which do not split into replicas of "
+                         f"{tp} ranks; give the workers a multiple of {tp} slots")
+    return slots // tp if tp > 1 else slots
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

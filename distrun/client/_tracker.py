@@ -40,7 +40,8 @@ from distrun.protocol import (
 def tracker_settings(spec: JobSpec) -> dict[str, Any]:
     """The step settings a summary reports, from the job's spec (JobTracker's keywords)."""
     return {"precision": spec.precision, "compile_mode": spec.compile_mode if spec.compile else None,
-            "compression": str(spec.compression_spec), "allreduce": spec.allreduce}
+            "compression": str(spec.compression_spec), "allreduce": spec.allreduce,
+            "mesh": spec.mesh if spec.ranks_per_replica > 1 else None}
 
 
 class JobTracker:
@@ -48,9 +49,12 @@ class JobTracker:
 
     def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
                  host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0, precision: str = "fp32",
-                 compile_mode: str | None = None, compression: str = "none", allreduce: str = "flat") -> None:
+                 compile_mode: str | None = None, compression: str = "none", allreduce: str = "flat",
+                 mesh: dict[str, int] | None = None) -> None:
         """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks; ``compile_mode``
-        is None unless the job runs with ``--compile``."""
+        is None unless the job runs with ``--compile``; ``mesh``: --tp's degrees (a replica of
+        several ranks: the summary's ``replicas`` is then its ``dp``)."""
+        self._mesh = dict(mesh) if mesh else None
         self._recipe = recipe
         self._strategy = strategy
         self._compression = compression
@@ -233,6 +237,7 @@ class JobTracker:
             compile_line=describe_compile(self._compiled) if self._compiled else None,
             membership_line=describe_membership(self._changes[-1], len(self._changes)) if self._changes else None,
             straggler_line=describe_stragglers(rows, self._stragglers.slow),
+            mesh=self._mesh,
             **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 
@@ -247,7 +252,8 @@ class JobTracker:
             status=status,
             recipe=self._recipe,
             strategy=self._strategy,
-            replicas=self._replicas,
+            replicas=self._mesh["dp"] if self._mesh else self._replicas,
+            mesh=self._mesh,
             steps=steps,
             final_loss=chief.final_loss if chief else (last.loss if last is not None else None),
             samples_per_s=chief.samples_per_s if chief else workers_rate,
@@ -267,7 +273,8 @@ class JobTracker:
             membership_changes=len(self._changes),
             steps_lost=self._steps_lost,
             recovery_s=max((c.recovery_s for c in self._changes), default=None),
-            world_size=self._changes[-1].world_size if self._changes else self._replicas,
+            world_size=self._changes[-1].world_size if self._changes else (
+                self._mesh["dp"] if self._mesh else self._replicas),
             peak_mem_mb={str(rank): round(row.peak_mem_mb, 1) for rank, row in sorted(self._rows.items())
                          if row.peak_mem_mb > 0},
             stragglers={str(rank): round(ratio, 2) for rank, ratio in sorted(self._stragglers.worst.items())},

@@ -218,7 +218,7 @@ class ClusterJob:
         self._bundle = bundle
         self._detach = detach
         self._debug_dir = debug_dir
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=time.time(),
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=time.time(),
                                           host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
                                           **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)

@@ -86,7 +86,7 @@ class LocalJob:
             # Flight Recorder dumps of a hang; removed at the end when nothing was dumped.
             debug_dir=os.path.join(tempfile.gettempdir(), f"distrun-debug-{run_id}"),
         )
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.replicas, started_at=self._t0,
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         self._launcher = LocalLauncher(worker, self._feed.put, starter=starter)
@@ -149,7 +149,7 @@ class LocalJob:
         if result.state is ProcessState.SUCCEEDED:
             return JobOutcome(self.summary("succeeded"), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
-            raise Interrupted(f"interrupted: stopped {self.spec.replicas} replica(s)")
+            raise Interrupted(f"interrupted: stopped {self.spec.trainer_ranks} rank(s)" if self.spec.tp > 1 else f"interrupted: stopped {self.spec.replicas} replica(s)")
         failure = result.failure
         message = failure_message(failure)
         detail = failure.traceback if failure else None

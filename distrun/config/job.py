@@ -17,6 +17,7 @@ from typing import Any
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
 from distrun.config._observe import check_profile, check_spec_trackers
+from distrun.config._parallel import validate_parallel
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
@@ -148,15 +149,35 @@ class JobSpec:
     run_name: str | None = None
     experiment: str | None = None
     tracker_checkpoint: bool = False
+    #: ``--tp N``: each replica's layers split over N ranks (mirrored, multi-worker, sharded), so
+    #: the job runs ``replicas x tp`` ranks; ``replicas`` stays the data-parallel degree.
+    tp: int = 1
+    #: ``--activation-checkpointing``: none | full | selective, on each block (config/_parallel.py).
+    activation_checkpointing: str = "none"
 
     @property
     def elastic(self) -> bool:
         return self.elastic_min > 0
 
     @property
+    def ranks_per_replica(self) -> int:
+        """Ranks one replica spans: its tensor-parallel degree (1 without --tp)."""
+        return self.tp
+
+    @property
+    def trainer_ranks(self) -> int:
+        """Ranks that train (every replica's), before any ps task."""
+        return self.replicas * self.ranks_per_replica
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """The job's degrees as the summary and the live view show them."""
+        return {"dp": self.replicas, "tp": self.tp}
+
+    @property
     def world_size(self) -> int:
-        """Processes in the job: the replicas (workers), then the ps tasks."""
-        return self.replicas + self.ps_tasks
+        """Processes in the job: the training ranks (workers), then the ps tasks."""
+        return self.trainer_ranks + self.ps_tasks
 
     @property
     def compression_spec(self) -> Compression:
@@ -240,6 +261,7 @@ def _validate(spec: JobSpec) -> None:
     _validate_elastic(spec)
     _validate_sharded(spec)
     _validate_preemptible(spec)
+    validate_parallel(spec)
     check_profile(spec.profile_steps, spec.steps)
     check_spec_trackers(spec.trackers, spec.tracker_uris, log_checkpoint=spec.tracker_checkpoint,
                         checkpoint_dir=spec.checkpoint_dir)

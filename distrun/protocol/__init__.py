@@ -31,7 +31,7 @@ from distrun.protocol.events import (
     encode_event,
     event_to_dict,
 )
-from distrun.protocol.snapshot import JobSnapshot, JobSummary, ReplicaRow, ReplicaStatus
+from distrun.protocol.snapshot import JobSnapshot, JobSummary, ReplicaRow, ReplicaStatus, describe_mesh, mesh_place
 
 __all__ = [
     "Event",
@@ -65,6 +65,8 @@ __all__ = [
     "event_to_dict",
     "JobSnapshot",
     "JobSummary",
+    "describe_mesh",
+    "mesh_place",
     "ReplicaRow",
     "ReplicaStatus",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-__all__ = ["ReplicaStatus", "ReplicaRow", "JobSnapshot", "JobSummary"]
+__all__ = ["ReplicaStatus", "ReplicaRow", "JobSnapshot", "JobSummary", "mesh_place", "describe_mesh"]
 
 
 class ReplicaStatus(str, Enum):
@@ -72,6 +72,7 @@ class JobSnapshot:
     tokens_per_s: float | None = None  # a recipe with tokens_per_sample: samples/s times it
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
+    mesh: dict[str, int] | None = None  # --tp: the degrees ({"dp": 2, "tp": 2}); None for one rank a replica
 
     @property
     def samples_per_s(self) -> float:
@@ -153,6 +154,21 @@ class JobSummary:
     #: fit, custom-loop or script (a plain torchrun script, which runs its own DDP: the strategy only
     #: set how many processes it got); None when no rank started.
     recipe_kind: str | None = None
+    #: ``--tp``: the job's degrees, ``{"dp": R, "tp": T}`` (``replicas`` is ``dp``, each of ``tp``
+    #: ranks); None where a replica is one rank.
+    mesh: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}
+
+
+def mesh_place(rank: int, mesh: dict[str, int]) -> dict[str, int]:
+    """Rank ``rank``'s replica (``dp``) and place in it (``tp``), tensor parallel innermost: the
+    one layout the strategies build and the live view shows (strategies/parallel/mesh.py)."""
+    tp, dp = mesh.get("tp", 1), mesh.get("dp", 1)
+    return {"dp": (rank // tp) % dp, "tp": rank % tp}
+
+
+def describe_mesh(mesh: dict[str, int]) -> str:
+    """``dp 2 x tp 2``."""
+    return " x ".join(f"{name} {size}" for name, size in mesh.items())

@@ -27,13 +27,22 @@ def _row(step: int, path: Path) -> dict[str, Any]:
     if shards.is_sharded(path):
         sidecar, index = shards.read_sidecar(path), shards.read_index(path)
         return {"path": str(path), "step": step, "strategy": sidecar.get("strategy"), "format": "sharded",
-                "world_size": sidecar.get("num_replicas"), "bytes": shards.size_bytes(path),
+                "world_size": sidecar.get("num_replicas"), "mesh": _mesh(sidecar), "bytes": shards.size_bytes(path),
                 "parameters": sum(entry.size.numel() for key, entry in index.state_dict_metadata.items()
                                   if key.startswith(layout.MODEL))}
     data = _load(path)
     return {"path": str(path), "step": step, "strategy": data.get("strategy"), "format": "plain",
-            "world_size": data.get("num_replicas"), "bytes": path.stat().st_size,
+            "world_size": data.get("num_replicas"), "mesh": _mesh(data), "bytes": path.stat().st_size,
             "parameters": sum(t.numel() for t in data.get("model", {}).values() if isinstance(t, torch.Tensor))}
+
+
+def _mesh(entries: dict[str, Any]) -> dict[str, int] | None:
+    """The layout that wrote it: ``{"dp": R, "tp": T}`` (a replica of one rank: ``{"dp": R}``)."""
+    mesh = entries.get("mesh")
+    if isinstance(mesh, dict):
+        return {str(k): int(v) for k, v in mesh.items()}
+    replicas = entries.get("num_replicas")
+    return {"dp": int(replicas)} if isinstance(replicas, int) else None
 
 
 def describe(folder: Path) -> list[dict[str, Any]]:

@@ -98,14 +98,15 @@ def main() -> None:
         if spec.elastic and info.kind is not RecipeKind.FIT:
             raise RecipeError(f"--elastic trains fit-style recipes (distrun's loop redoes a step after a change of "
                               f"membership); {spec.recipe} is a {info.kind.value}")
-        reporter = EventReporter(writer, launch.rank, spec.replicas, spec.log_interval_s, device.type)
+        reporter = EventReporter(writer, launch.rank, spec.trainer_ranks, spec.log_interval_s, device.type)
         if not os.environ.get(EVAL_CHECKPOINT_VAR):
             reporter.profile = _profile_window(spec, launch, device, writer)
         strategy = _make_strategy(spec, launch, device, reporter, store)
         phase = "import"
         module = load_module(spec.recipe)
-        if hasattr(strategy, "units_from"):  # sharded: the recipe may name the blocks it shards
-            strategy.units_from = getattr(module, "shard_units", None)
+        strategy.units_from = getattr(module, "shard_units", None)  # the blocks sharded and --activation-checkpointing use
+        if hasattr(strategy, "tp_plan_from"):  # --tp: the recipe may name how its layers split
+            strategy.tp_plan_from = getattr(module, "tp_plan", None)
         phase = "train"
 
         def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
@@ -295,13 +296,14 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
-    if spec.strategy.value in ("mirrored", "multi-worker"):
+    if spec.strategy.value in ("mirrored", "multi-worker") and spec.tp == 1:
         options |= {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
                    "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
-    if spec.strategy is StrategyName.SHARDED:
-        options |= {"reshard_after_forward": spec.reshard_after_forward, "shard_within": spec.shard_within,
+    if spec.strategy is StrategyName.SHARDED or spec.tp > 1:  # model parallel is built on sharded's FSDP2
+        sharded = spec.strategy is StrategyName.SHARDED
+        options |= {"reshard_after_forward": spec.reshard_after_forward and sharded, "shard_within": spec.shard_within,
                     "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-                    "async_checkpoint": spec.async_checkpoint}
+                    "async_checkpoint": spec.async_checkpoint, "tp": spec.tp}
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype
@@ -312,7 +314,7 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     replica = ReplicaInfo(rank=rank, world_size=world_size, local_rank=launch.local_rank,
                           device=device, seed=spec.seed, node_rank=launch.node_rank)
     step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode,
-                        clip_grad_norm=spec.clip_grad_norm)
+                        clip_grad_norm=spec.clip_grad_norm, activation_checkpointing=spec.activation_checkpointing)
     return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
 
 

@@ -15,6 +15,7 @@ from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, StepSetti
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from distrun.strategies.model_parallel import ModelParallelStrategy
 from distrun.strategies.one_device import OneDeviceStrategy
 from distrun.strategies.parameter_server import ParameterServerStrategy
 from distrun.strategies.sharded import ShardedStrategy
@@ -27,6 +28,7 @@ __all__ = [
     "CentralStorageStrategy",
     "ParameterServerStrategy",
     "ShardedStrategy",
+    "ModelParallelStrategy",
     "InputContext",
     "ReplicaInfo",
     "StepSettings",
@@ -50,5 +52,9 @@ _BY_NAME: dict[str, type[Strategy]] = {
 
 
 def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
-    """``options`` are the strategy's own keyword arguments (sync_batch_norm, store, num_ps, ...)."""
+    """``options`` are the strategy's own keyword arguments (sync_batch_norm, store, num_ps, ...);
+    ``tp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded)."""
+    if options.get("tp", 1) > 1:
+        return ModelParallelStrategy(replica, reporter, label=name, **options)
+    options.pop("tp", None)
     return _BY_NAME[name](replica, reporter, **options)

@@ -30,17 +30,18 @@ from distrun.strategies import checkpoint as ckpt
 from distrun.strategies.checkpoint.mismatch import describe_mismatch
 from distrun.strategies.checkpoint.pending import PendingSave
 from distrun.strategies.checkpoint.rng import rng_state, set_rng_state
+from distrun.strategies.collectives import REDUCE_OPS, ReplicaCollectives
 from distrun.strategies.step.compile import CompileStats, plain_module
 from distrun.strategies.data.plan import DistributedDataset
 from distrun.strategies.elastic.replica import Elastic, ElasticReplica, MembershipSwitch
+from distrun.strategies.parallel.activation import checkpoint_units
+from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.clipping import clip_before_step
 from distrun.strategies.step.precision import all_reduce_max
 from distrun.strategies.step.settings import ReplicaStep, StepSettings
 from distrun.strategies.step.sync_clock import SyncClock
 
 __all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
-
-REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 class Reporter(Protocol):
@@ -75,7 +76,7 @@ class ReplicaInfo:
     node_rank: int = 0  # the host this replica runs on (hierarchical all-reduce groups by it)
 
 
-class Strategy(ElasticReplica, ABC):
+class Strategy(ReplicaCollectives, ElasticReplica, ABC):
     """Base class; subclasses decide where parameters live and how gradients meet."""
 
     name = "strategy"
@@ -102,6 +103,12 @@ class Strategy(ElasticReplica, ABC):
         self._global_batch_size: int | None = None
         self._dataset: DistributedDataset | None = None
         self._clock = SyncClock()  # each step's wait for peers: compute time = step time less it
+        #: The recipe's ``shard_units(model)``, when it defines one (the runtime sets it): the
+        #: blocks sharded shards one by one and activation checkpointing recomputes.
+        self.units_from: Callable[[nn.Module], Any] | None = None
+        #: The group ``reduce`` and ``gather`` run over: one rank per replica's share (None: all
+        #: ranks; model parallel's replicas span several ranks, each holding the same values).
+        self._replica_group: Any = None
 
     # -- identity -------------------------------------------------------------
 
@@ -168,6 +175,12 @@ class Strategy(ElasticReplica, ABC):
         if self._elastic is not None and self._elastic.round is None:  # a joiner, its model built: join now
             round_ = self._elastic.first_round()
             self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
+        mode = self._step.settings.activation_checkpointing
+        if mode != "none":  # before the strategy wraps: FSDP's and DDP's hooks stay outside the recomputation
+            units = pick_units(model, self.units_from)
+            checkpoint_units(units.modules or (model,), mode)
+            if self.is_chief:
+                print(f"[{self.name}] activation checkpointing ({mode}): {units.description}", flush=True)
         model, optimizer = self._wrap(model if self._compiles_units else self._step.root(model), optimizer)
         stepping = self._stepping_optimizer(optimizer)
         if self._step.settings.clip_grad_norm and stepping is not None:
@@ -313,58 +326,8 @@ class Strategy(ElasticReplica, ABC):
         (docs/debugging.md#slow-ranks)."""
         return timed_s
 
-    def reduce(self, op: str, value: torch.Tensor | float) -> torch.Tensor | float:
-        """All-reduce ``value`` over replicas with ``op`` in sum|mean|max|min."""
-        if op not in REDUCE_OPS:
-            raise ConfigError(f"strategy.reduce: op must be one of {', '.join(REDUCE_OPS)}. Received: {op!r}")
-        as_float = not isinstance(value, torch.Tensor)
-        tensor = torch.tensor(float(value), dtype=torch.float64) if as_float else value.detach().clone()
-        if self._distributed:
-            tensor = tensor.to(self._collective_device)
-            dist_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-            dist.all_reduce(tensor, op=dist_op)
-            if op == "mean":
-                tensor = tensor / self.num_replicas
-        return float(tensor.item()) if as_float else tensor
-
-    def gather(self, value: torch.Tensor) -> torch.Tensor:
-        """Concatenate every replica's ``value`` along dim 0 (first dims may differ)."""
-        if not self._distributed:
-            return value.detach().clone()
-        value = value.detach().to(self._collective_device)
-        if value.dim() == 0:
-            value = value.reshape(1)
-        size = torch.tensor([value.shape[0]], device=self._collective_device)
-        sizes = [torch.zeros_like(size) for _ in range(self.num_replicas)]
-        dist.all_gather(sizes, size)
-        longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros((longest, *value.shape[1:]), dtype=value.dtype, device=value.device)
-        padded[: value.shape[0]] = value
-        parts = [torch.empty_like(padded) for _ in range(self.num_replicas)]
-        dist.all_gather(parts, padded)
-        return torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)])
-
-    def barrier(self) -> None:
-        if self._distributed:
-            dist.barrier()
-
     def log(self, **scalars: float) -> None:
         self._reporter.log(self.step, {k: float(v) for k, v in scalars.items()})
-
-    @property
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized()
-
-    @property
-    def _collective_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-    def _any_true(self, flag: bool) -> bool:
-        if not self._distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], device=self._collective_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
 
     # -- checkpoints ----------------------------------------------------------
 

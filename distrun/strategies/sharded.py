@@ -32,7 +32,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +88,6 @@ class ShardedStrategy(Strategy):
         self._shard_within = shard_within
         self._offload = offload
         self._hosts = hosts
-        #: The recipe's ``shard_units(model)``, when it defines one (the runtime sets it).
-        self.units_from: Callable[[nn.Module], Iterable[nn.Module]] | None = None
         self.mesh: DeviceMesh | None = None
         # DCP's background collectives must not interleave with training's on the same group.
         self._checkpoint_group = dist.new_group(backend="gloo") if async_checkpoint else None
@@ -191,7 +189,7 @@ class ShardedStrategy(Strategy):
         mine = torch.zeros(1, _HOST_BYTES, dtype=torch.uint8)
         mine[0, 0] = int(probe.exists())
         mine[0, 1:1 + len(host)] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
-        every = self.gather(mine).cpu()  # every rank's (sees it, host name): all agree on the verdict
+        every = self._gather(mine, None).cpu()  # every rank's (sees it, host name): all agree on the verdict
         if self.is_chief:
             probe.unlink(missing_ok=True)
         if cannot is not None:

@@ -7,7 +7,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from distrun.protocol import JobSnapshot, JobSummary, ReplicaRow, ReplicaStatus
+from distrun.protocol import JobSnapshot, JobSummary, ReplicaRow, ReplicaStatus, describe_mesh, mesh_place
 from distrun.ui._format import fmt_loss, fmt_rate, fmt_seconds
 
 _STATUS_STYLE = {
@@ -52,7 +52,7 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
 
 
 #: Figures a user reads whole at 80 columns (a loss of 0.01355, a step): the other columns give way.
-_WHOLE = ("rank", "step", "loss", "samples/s", "status")
+_WHOLE = ("rank", "place", "step", "loss", "samples/s", "status")
 
 
 def _columns(table: Table, names: tuple[str, ...], hosts: bool, host_width: int = 0) -> None:
@@ -110,16 +110,21 @@ def _add_row(table: Table, row: ReplicaRow, hosts: bool, *cells: RenderableType)
 
 
 def _replica_table(snapshot: JobSnapshot) -> Table:
-    table = Table(title=f"{snapshot.recipe} · {snapshot.strategy}", title_justify="left", expand=False)
+    """One row per rank; under --tp the title shows the mesh and a column each rank's place in it."""
+    mesh = snapshot.mesh
+    title = f"{snapshot.recipe} · {snapshot.strategy}" + (f" · {describe_mesh(mesh)}" if mesh else "")
+    table = Table(title=title, title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
     gpu = any(row.gpu_util is not None for row in snapshot.rows)  # NVML figures: a GPU % column
-    names = ("host", "rank", "device", "step", "loss", "samples/s", *(("GPU %",) if gpu else ()), "mem MB",
-             "peak MB", "seen", "status")
+    names = ("host", "rank", *(("place",) if mesh else ()), "device", "step", "loss", "samples/s",
+             *(("GPU %",) if gpu else ()), "mem MB", "peak MB", "seen", "status")
     _columns(table, names, hosts, _host_width(snapshot))
     for row in snapshot.rows:
         util = (("-" if row.gpu_util is None else f"{row.gpu_util:.0f}"),) if gpu else ()
-        _add_row(table, row, hosts, row.device, str(row.step), fmt_loss(row.loss), fmt_rate(row.samples_per_s),
-                 *util, f"{row.mem_mb:.0f}", f"{row.peak_mem_mb:.0f}" if row.peak_mem_mb else "-")
+        place = (" ".join(f"{k}{v}" for k, v in mesh_place(row.rank, mesh).items()),) if mesh else ()
+        _add_row(table, row, hosts, *place, row.device, str(row.step), fmt_loss(row.loss),
+                 fmt_rate(row.samples_per_s), *util, f"{row.mem_mb:.0f}",
+                 f"{row.peak_mem_mb:.0f}" if row.peak_mem_mb else "-")
     return table
 
 
@@ -132,6 +137,10 @@ def render_summary(summary: JobSummary) -> RenderableType:
                   + (Text(f" ({summary.reason})") if summary.reason else Text("")))
     if summary.recipe_kind == "script":  # its own DDP: the strategy only chose how many processes
         table.add_row("strategy", f"script ({summary.replicas} processes)")
+    elif summary.mesh:  # a replica of several ranks
+        ranks = summary.mesh.get("dp", 1) * summary.mesh.get("tp", 1)
+        table.add_row("strategy", f"{summary.strategy} × {summary.replicas} ({describe_mesh(summary.mesh)}, "
+                                  f"{ranks} ranks)")
     else:
         table.add_row("strategy", f"{summary.strategy} × {summary.replicas}")
     table.add_row("steps", str(summary.steps))

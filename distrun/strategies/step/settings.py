@@ -31,6 +31,7 @@ class StepSettings:
     compile: bool = False
     compile_mode: str = "default"
     clip_grad_norm: float | None = None  # --clip-grad-norm: the gradients' global norm, at most
+    activation_checkpointing: str = "none"  # none | full | selective, on each unit (parallel/activation.py)
 
 
 class ReplicaStep:

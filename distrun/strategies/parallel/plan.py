@@ -1,0 +1,173 @@
+"""A tensor-parallel plan: which modules split how, from the recipe's ``tp_plan(model)`` or derived.
+
+A plan maps module names to a style. ``colwise`` splits a layer's output features over the
+tensor-parallel ranks (each computes its share of the outputs); ``rowwise`` splits its input
+features and sums the partial outputs (one all-reduce); ``replicate`` keeps the module whole on
+every rank. A colwise layer, elementwise work, then a rowwise layer is the Megatron pair: one
+all-reduce forward and one backward for the whole pair. torch ``ParallelStyle`` objects are
+accepted as values too, for anything the three words do not say.
+
+Keys are module names or fnmatch patterns over them (``*.attn.q``). torch's
+``parallelize_module`` only warns about a pattern that matches nothing, and a typo then trains
+unsplit; here every key must match, and a word style must name an ``nn.Linear`` or
+``nn.Embedding`` whose split dimension the tensor-parallel degree divides, or the job stops
+before its first step naming the key.
+
+Which layers pair up cannot be read off the module tree in general (the forward decides), so
+distrun derives a plan only where it can be sure: inside an ``nn.Sequential``, a Linear, then
+only elementwise modules, then a Linear whose input is the first one's output (an MLP).
+Everything else is left whole, and the one line that reports the plan says so; attention needs
+the recipe's ``tp_plan``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from distrun.config._suggest import did_you_mean
+from distrun.errors import RecipeError
+
+__all__ = ["STYLES", "TensorPlan", "resolve_plan", "style_object"]
+
+STYLES = ("colwise", "rowwise", "replicate")
+
+#: Modules that act on each feature alone: a colwise layer's shards pass through them unchanged.
+_ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU, nn.ELU,
+                nn.Mish, nn.Hardswish, nn.Softplus, nn.ReLU6, nn.SELU, nn.CELU, nn.Hardtanh)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Module name -> style (a word of STYLES or a ParallelStyle), each name a real module."""
+
+    styles: Mapping[str, Any]
+    description: str  # the one line the chief prints: what is split, and where the plan came from
+
+    @property
+    def split(self) -> tuple[str, ...]:
+        return tuple(name for name, style in self.styles.items() if style != "replicate")
+
+
+def style_object(style: Any) -> ParallelStyle | None:
+    """The torch style for a plan entry; None for ``replicate`` (distrun replicates it itself)."""
+    if isinstance(style, ParallelStyle):
+        return style
+    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(), "replicate": None}[style]
+
+
+def resolve_plan(model: nn.Module, recipe_plan: Callable[[nn.Module], Any] | None, tp: int) -> TensorPlan:
+    """The plan for ``model`` split over ``tp`` ranks: the recipe's, checked, or derived."""
+    _refuse_tied(model)
+    if recipe_plan is not None:
+        given = recipe_plan(model)
+        if not isinstance(given, Mapping) or not given:
+            raise RecipeError(f"tp_plan(model) must return a non-empty mapping of module name (or pattern) to "
+                              f"{', '.join(STYLES)}. Received: {type(given).__name__}")
+        styles = _expand(model, given, tp)
+        counts = {pattern: sum(1 for name in styles if fnmatch.fnmatchcase(name, pattern)) for pattern in given}
+        said = ", ".join(f"{pattern} {_word(style)}" + (f" ({counts[pattern]})" if counts[pattern] > 1 else "")
+                         for pattern, style in given.items())
+        return TensorPlan(styles, f"tensor parallel over {tp} ranks, the recipe's tp_plan: {said}")
+    else:
+        styles = _derive(model)
+        if not styles:
+            raise RecipeError("--tp: distrun found no layer it can split safely (a Linear, elementwise modules, "
+                              "then a Linear, inside an nn.Sequential); define tp_plan(model) in the recipe "
+                              "(docs/recipes.md#tensor-parallel)")
+        _check_sizes(model, styles, tp, lambda name: f"--tp: {name}")
+    shown = ", ".join(f"{name} {style}" for name, style in list(styles.items())[:4])
+    more = f", ... ({len(styles)} in all)" if len(styles) > 4 else ""
+    return TensorPlan(styles, f"tensor parallel over {tp} ranks, derived (the MLP pairs of nn.Sequential; the rest "
+                              f"whole: tp_plan(model) splits more): {shown}{more}")
+
+
+def _word(style: Any) -> str:
+    return style if isinstance(style, str) else type(style).__name__
+
+
+def _refuse_tied(model: nn.Module) -> None:
+    """One tensor under two names (tied embeddings) would be split under one and not the other."""
+    seen: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen and seen[id(param)] != name:
+            raise RecipeError(f"--tp: {seen[id(param)]} and {name} are one tensor (tied weights), which tensor "
+                              "parallel cannot split in two places; untie them (give each its own parameter)")
+        seen[id(param)] = name
+
+
+def _expand(model: nn.Module, given: Mapping[Any, Any], tp: int) -> dict[str, Any]:
+    names = [name for name, _ in model.named_modules() if name]
+    styles: dict[str, Any] = {}
+    pattern_of: dict[str, str] = {}
+    for pattern, style in given.items():
+        if not isinstance(pattern, str):
+            raise RecipeError(f"tp_plan: keys are module names or fnmatch patterns. Received: {pattern!r}")
+        if not (isinstance(style, ParallelStyle) or style in STYLES):
+            raise RecipeError(f"tp_plan[{pattern!r}]: expected {', '.join(STYLES)} or a torch ParallelStyle. "
+                              f"Received: {style!r}")
+        matched = [name for name in names if fnmatch.fnmatchcase(name, pattern)]
+        if not matched:
+            hint = did_you_mean(pattern, names) or f" (names look like {', '.join(names[:3])})"
+            raise RecipeError(f"tp_plan[{pattern!r}]: matches no module of the model{hint}")
+        for name in matched:
+            if name in styles and _word(styles[name]) != _word(style):
+                raise RecipeError(f"tp_plan: {name} is matched by {pattern_of[name]!r} ({_word(styles[name])}) "
+                                  f"and by {pattern!r} ({_word(style)}); give each module one style")
+            styles[name], pattern_of[name] = style, pattern
+    _check_sizes(model, styles, tp, lambda name: f"tp_plan[{pattern_of[name]!r}]")
+    return styles
+
+
+def _check_sizes(model: nn.Module, styles: Mapping[str, Any], tp: int, label: Callable[[str], str]) -> None:
+    """A word style names a Linear or an Embedding whose split dimension ``tp`` divides."""
+    for name, style in styles.items():
+        if not isinstance(style, str) or style == "replicate":
+            continue
+        module = model.get_submodule(name)
+        key = label(name)
+        if isinstance(module, nn.Linear):
+            size, what = (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
+        elif isinstance(module, nn.Embedding):
+            size, what = ((module.embedding_dim, "embedding dimension") if style == "colwise"
+                          else (module.num_embeddings, "rows"))
+        else:
+            raise RecipeError(f"{key}: {style} splits nn.Linear and nn.Embedding; {name} is a "
+                              f"{type(module).__name__} (give it a torch ParallelStyle, or leave it out)")
+        if size % tp:
+            raise RecipeError(f"{key}: {name}'s {size} {what} features do not split over --tp {tp}")
+
+
+def _derive(model: nn.Module) -> dict[str, Any]:
+    """Colwise/rowwise for each Linear -> elementwise* -> Linear run inside an nn.Sequential."""
+    styles: dict[str, Any] = {}
+    for prefix, container in model.named_modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        children = list(container.named_children())
+        index = 0
+        while index < len(children):
+            name, first = children[index]
+            if not isinstance(first, nn.Linear):
+                index += 1
+                continue
+            after = index + 1
+            while after < len(children) and isinstance(children[after][1], _ELEMENTWISE):
+                after += 1
+            if after < len(children) and isinstance(children[after][1], nn.Linear) \
+                    and children[after][1].in_features == first.out_features:
+                styles[_join(prefix, name)] = "colwise"
+                styles[_join(prefix, children[after][0])] = "rowwise"
+                index = after + 1
+            else:
+                index += 1
+    return styles
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

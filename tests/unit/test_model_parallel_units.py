@@ -1,0 +1,163 @@
+"""Model parallelism's pieces that need no process group: the flags' refusals, the mesh's shape
+and each rank's place in it, the tensor-parallel plan's checks, and what activation
+checkpointing keeps for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from distrun.client._tracker import JobTracker
+from distrun.config import JobSpec, StrategyName
+from distrun.errors import ConfigError, RecipeError
+from distrun.protocol import describe_mesh, mesh_place
+from distrun.strategies.parallel.activation import checkpoint_units
+from distrun.strategies.parallel.mesh import MeshShape, mesh_shape
+from distrun.strategies.parallel.plan import resolve_plan
+
+
+def _spec(strategy: str, **kwargs) -> JobSpec:
+    return JobSpec(recipe="/r.py", strategy=StrategyName.parse(strategy), **kwargs)
+
+
+def test_a_replica_spans_tp_ranks():
+    spec = _spec("sharded", replicas=2, tp=2)
+    assert spec.world_size == 4 and spec.trainer_ranks == 4 and spec.mesh == {"dp": 2, "tp": 2}
+    assert _spec("mirrored", replicas=3).world_size == 3  # one rank a replica, as before
+
+
+@pytest.mark.parametrize("strategy, extra, says", [
+    ("one-device", {}, "--tp with --strategy one-device: one-device runs one rank"),
+    ("central-storage", {"replicas": 2}, "--tp with --strategy central-storage"),
+    ("parameter-server", {"replicas": 2, "ps_tasks": 1}, "--tp with --strategy parameter-server"),
+    ("mirrored", {"replicas": 2, "elastic_min": 1, "elastic_max": 2}, "--tp with --elastic"),
+    ("mirrored", {"replicas": 2, "compression": "bf16"}, "--compression with --tp"),
+    ("mirrored", {"replicas": 2, "sync_batch_norm": True}, "--sync-batch-norm with --tp"),
+    ("mirrored", {"tp": 0}, "--tp: expected a positive whole number"),
+])
+def test_what_tp_cannot_do_is_refused_in_one_line(strategy, extra, says):
+    with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace("*", r"\*")) as caught:
+        _spec(strategy, **{"tp": 2, **extra})
+    assert "\n" not in str(caught.value)
+
+
+def test_activation_checkpointing_values_are_checked():
+    with pytest.raises(ConfigError, match="--activation-checkpointing: expected none, full, selective"):
+        _spec("mirrored", replicas=2, activation_checkpointing="some")
+    with pytest.raises(ConfigError, match="--activation-checkpointing with --strategy parameter-server"):
+        _spec("ps", replicas=2, ps_tasks=1, activation_checkpointing="full")
+
+
+def test_the_mesh_puts_tensor_parallel_innermost():
+    """Consecutive ranks (one host's) share a tensor-parallel group; replicas go across."""
+    shape = mesh_shape(8, tp=2, sharded=True, shard_within="auto", hosts=2)
+    assert shape == MeshShape(dp_shard=4, tp=2) and shape.dp == 4
+    assert [(shape.place(r)["dp"], shape.place(r)["tp"]) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(shape.place(r)["dp"] == mesh_place(r, {"dp": 4, "tp": 2})["dp"] for r in range(8))
+    # HSDP under --tp: shard over a host's replicas, replicate across hosts.
+    assert mesh_shape(8, tp=2, sharded=True, shard_within="host", hosts=2) == MeshShape(dp_replicate=2, dp_shard=2,
+                                                                                       tp=2)
+    assert mesh_shape(4, tp=2, sharded=False, shard_within="auto", hosts=1) == MeshShape(dp_replicate=2, tp=2)
+    assert mesh_shape(4, tp=2, sharded=False, shard_within="auto", hosts=1).describe() == "dp 2 x tp 2 (dp replicated)"
+    assert describe_mesh({"dp": 2, "tp": 2}) == "dp 2 x tp 2"
+
+
+def test_a_tensor_parallel_group_never_crosses_hosts():
+    with pytest.raises(ConfigError, match="a tensor-parallel group stays inside one host, and each host runs 1"):
+        mesh_shape(2, tp=2, sharded=False, shard_within="auto", hosts=2)
+    with pytest.raises(ConfigError, match="do not split into groups of 2"):
+        mesh_shape(3, tp=2, sharded=False, shard_within="auto", hosts=1)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.o = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 8))
+
+
+def test_a_derived_plan_splits_only_what_is_sure():
+    """The MLP pair through elementwise modules; attention (a plain module) stays whole."""
+    plan = resolve_plan(_Attention(), None, 2)
+    assert dict(plan.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise"}
+    assert "derived" in plan.description and "tp_plan(model) splits more" in plan.description
+
+
+@pytest.mark.parametrize("plan, says", [
+    ({"qq": "colwise"}, "tp_plan['qq']: matches no module of the model (did you mean 'q'?)"),
+    ({"mlp.1": "colwise"}, "tp_plan['mlp.1']: colwise splits nn.Linear and nn.Embedding; mlp.1 is a ReLU"),
+    ({"q": "sideways"}, "tp_plan['q']: expected colwise, rowwise, replicate or a torch ParallelStyle"),
+    ({"q": "colwise", "[qo]": "rowwise"}, "tp_plan: q is matched by 'q' (colwise) and by '[qo]' (rowwise)"),
+    ({"mlp.0": "colwise"}, None),
+])
+def test_a_recipe_plan_is_checked_against_the_model(plan, says):
+    if says is None:
+        assert resolve_plan(_Attention(), lambda model: plan, 4).styles == plan
+        with pytest.raises(RecipeError, match=r"tp_plan\['mlp.0'\]: mlp.0's 32 output features do not split over --tp 3"):
+            resolve_plan(_Attention(), lambda model: plan, 3)
+        return
+    with pytest.raises(RecipeError) as caught:
+        resolve_plan(_Attention(), lambda model: plan, 2)
+    assert str(caught.value).startswith(says), caught.value
+
+
+def test_tied_weights_are_refused_under_tp():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10, bias=False))
+    model[1].weight = model[0].weight
+    with pytest.raises(RecipeError, match="0.weight and 1.weight are one tensor"):
+        resolve_plan(model, lambda m: {"1": "colwise"}, 2)
+
+
+def _saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward during one forward."""
+    kept = []
+
+    def pack(tensor):
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(x).sum().backward()
+    return sum(kept)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_less_and_computes_the_same(mode):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.Tanh())
+                               for _ in range(4)])
+
+    x = torch.randn(32, 64)
+    plain, checkpointed = build(), build()
+    assert checkpoint_units(list(checkpointed), mode) == 4
+    kept_plain, kept_checkpointed = _saved_bytes(plain, x), _saved_bytes(checkpointed, x)
+    assert kept_checkpointed < kept_plain * (0.5 if mode == "full" else 0.9), (kept_checkpointed, kept_plain)
+    for a, b in zip(plain.parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    # The units keep their names: a checkpoint moves between jobs with and without it.
+    assert [name for name, _ in checkpointed.named_parameters()] == [name for name, _ in plain.named_parameters()]
+
+
+def test_the_summary_counts_replicas_not_ranks():
+    tracker = JobTracker("r.py", "sharded", 4, mesh={"dp": 2, "tp": 2})
+    summary = tracker.summary("succeeded")
+    assert summary.replicas == 2 and summary.mesh == {"dp": 2, "tp": 2} and len(tracker.snapshot().rows) == 4
+
+
+def test_the_live_view_shows_the_mesh_and_each_ranks_place():
+    from rich.console import Console
+
+    from distrun.ui.train import render_progress, render_summary
+
+    tracker = JobTracker("r.py", "mirrored", 4, mesh={"dp": 2, "tp": 2})
+    console = Console(width=100, record=True)
+    console.print(render_progress(tracker.snapshot()))
+    console.print(render_summary(tracker.summary("succeeded")))
+    text = console.export_text()
+    assert "r.py · mirrored · dp 2 x tp 2" in text
+    rows = [line.split("│") for line in text.splitlines() if line.startswith("│") and "starting" in line]
+    assert [(cells[1].strip(), cells[2].strip()) for cells in rows] == [
+        ("0", "dp0 tp0"), ("1", "dp0 tp1"), ("2", "dp1 tp0"), ("3", "dp1 tp1")]
+    assert "mirrored × 2 (dp 2 x tp 2, 4 ranks)" in text
