@@ -4,6 +4,7 @@
     distrun train recipes/gpt.py --strategy sharded --replicas 2  # FSDP2, each block a unit
     distrun train recipes/gpt.py -- --layers 12 --width 768       # GPT-2 small's shape (85M + embeddings)
     distrun train recipes/gpt.py -s mirrored --tp 2               # each layer split over 2 ranks (tp_plan below)
+    distrun train recipes/gpt.py -s sharded --pp 2 --tp 2         # 2 pipeline stages of 2 ranks (pp_chain below)
 
 The text ships with the repository (``data/shakespeare.txt``, 300 KB of Shakespeare's plays,
 public domain): nothing is downloaded. Tokens are bytes (a vocabulary of 256), so there is no
@@ -71,12 +72,23 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+class Embeddings(nn.Module):
+    """Each byte's embedding plus its position's: the first link of the chain ``--pp`` cuts."""
+
+    def __init__(self, width: int, context: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(VOCAB, width)
+        self.positions = nn.Embedding(context, width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+
+
 class GPT(nn.Module):
     def __init__(self, layers: int, width: int, heads: int, context: int) -> None:
         super().__init__()
         self.context = context
-        self.embed = nn.Embedding(VOCAB, width)
-        self.position = nn.Embedding(context, width)
+        self.embed = Embeddings(width, context)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB, bias=False)
@@ -88,8 +100,7 @@ class GPT(nn.Module):
                 nn.init.zeros_(param)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.embed(tokens) + self.position(positions)
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -112,11 +123,17 @@ def tp_plan(gpt: GPT) -> dict[str, str]:
             "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
 
 
+def pp_chain(gpt: GPT) -> list[nn.Module]:
+    """Under --pp: the forward as a chain of modules, each feeding the next (distrun cuts it into
+    stages balanced by parameters, and checks on the first batch that it composes to forward)."""
+    return [gpt.embed, *gpt.blocks, gpt.norm, gpt.head]
+
+
 def flops_per_token(gpt: GPT) -> float:
     """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's scores
     and weighted sum (PaLM's appendix B: 12 x layers x width x context)."""
-    weights = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith(("embed", "position")))
-    return 6 * weights + 12 * len(gpt.blocks) * gpt.embed.embedding_dim * gpt.context
+    weights = sum(p.numel() for name, p in gpt.named_parameters() if not name.startswith("embed."))
+    return 6 * weights + 12 * len(gpt.blocks) * gpt.embed.tokens.embedding_dim * gpt.context
 
 
 def optimizer(params):

@@ -26,7 +26,7 @@ from distrun.bench.straggler import run_straggler
 from distrun.bench.ttfs import run_local_ttfs, run_ttfs
 from distrun.cli._app import app, stderr
 from distrun.cli.cluster import resolve_cluster
-from distrun.cli.train import local_layout
+from distrun.cli._spec import local_layout
 from distrun.config import Role
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError

@@ -55,7 +55,7 @@ def ls(
     table = Table(title=str(folder), title_justify="left")
     names = [Path(row["path"]).name + ("/" if row["format"] == "sharded" else "") for row in rows]
     for name in ("step", "strategy", "layout", "parameters", "size MB", "file"):
-        whole = name in ("step", "file")  # at 80 columns the others wrap, never these
+        whole = name in ("step", "layout", "file")  # at 80 columns the others wrap, never these
         table.add_column(name, justify="right" if name in ("step", "parameters", "size MB") else "left",
                          no_wrap=whole, min_width=max(map(len, names), default=4) if name == "file" else None)
     for row in rows:

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from distrun.cli._app import app, stderr
-from distrun.cli.train import build_spec
+from distrun.cli._spec import build_spec
 from distrun.client import pack
 from distrun.client.cluster_job import training_hosts
 from distrun.client.k8s import K8sJob, job_name, manifests, write

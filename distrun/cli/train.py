@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.live import Live
 
 from distrun.cli._app import app, stderr
+from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, local_layout, replicas_of
 from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
 from distrun.client.warm import WarmStart, find_warm_start
@@ -26,23 +27,15 @@ from distrun.config import (
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_PS_PARTITION_MB,
     ClusterSpec,
-    JobSpec,
-    RecipeKind,
     StrategyName,
-    inspect_recipe,
-    load_cluster,
     parse_elastic,
     check_trackers,
     parse_profile,
     parse_tracker_uris,
 )
 from distrun.errors import DistrunError, Interrupted, UsageError
-from distrun.launch import visible_gpu_count
 from distrun.protocol import Diagnosed, Event, Heartbeat, JobSummary, Output, Resumed, event_to_dict
 from distrun.ui import render_diagnosis, render_progress, render_summary
-
-#: Global batch size when neither the flag nor the recipe's defaults give one.
-DEFAULT_GLOBAL_BATCH_SIZE = 64
 
 
 @dataclasses.dataclass
@@ -101,6 +94,9 @@ def train(
     offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
     data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
     tp: int = typer.Option(1, "--tp", metavar="N", help="mirrored, multi-worker, sharded: split each replica's layers over N ranks (tensor parallel; the recipe's tp_plan(model), else its MLP pairs); a job runs --replicas x N ranks, a cluster's slots / N replicas (docs/strategies.md#model-parallel)."),
+    pp: int = typer.Option(1, "--pp", metavar="P", help="mirrored, multi-worker, sharded: cut each replica's layer chain (an nn.Sequential's children, or the recipe's pp_chain(model)) into P pipeline stages, balanced by parameters; a job runs --replicas x --tp x P ranks, stages across hosts (docs/strategies.md#pipeline-parallel---pp)."),
+    pp_schedule: str = typer.Option("1f1b", "--pp-schedule", help="--pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (the interleaved ones: two stages a rank)."),
+    microbatches: int | None = typer.Option(None, "--microbatches", metavar="M", help="--pp: split each replica's batch into M microbatches (default 2 x P); M must divide it."),
     activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
     async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
     allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
@@ -142,7 +138,8 @@ def train(
             compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
             allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
             shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
-            async_checkpoint=async_checkpoint, data_workers=data_workers, tp=tp,
+            async_checkpoint=async_checkpoint, data_workers=data_workers, tp=tp, pp=pp, pp_schedule=pp_schedule,
+            microbatches=microbatches or 0,
             activation_checkpointing=activation_checkpointing,
             **observe,
         )
@@ -194,7 +191,14 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         device = str(flags.pop("device"))
         if device == "auto":
             device = "cuda" if job.gpus_everywhere else "cpu"
-        spec = build_spec(replicas=replicas_of(job.replicas, int(flags.get("tp", 1)), cluster.source),
+        per_replica = int(flags.get("tp", 1)) * int(flags.get("pp", 1))
+        tp = int(flags.get("tp", 1))
+        uneven = [p.host.label for p in job.placements if tp > 1 and p.slots % tp]
+        if uneven:
+            raise UsageError(f"--tp {tp}: a tensor-parallel group stays inside one host, and {uneven[0]} has "
+                             f"{next(p.slots for p in job.placements if p.host.label == uneven[0])} slot(s) in "
+                             f"{cluster.source}; give each worker host a multiple of {tp} slots")
+        spec = build_spec(replicas=replicas_of(job.replicas, per_replica, cluster.source),
                           ps_tasks=job.ps_tasks, device=device, gpus=job.replicas if job.gpus_everywhere else 0,
                           **flags)
         if spec.allreduce == "hierarchical" and len(job.placements) < 2:
@@ -277,98 +281,6 @@ def observe_flags(*, profile: str | None, trackers: list[str], tracker_uris: lis
 def default_strategy(on_cluster: bool) -> str:
     """``--strategy`` left out: multi-worker over every worker host on a cluster, one-device here."""
     return StrategyName.MULTI_WORKER.value if on_cluster else StrategyName.ONE_DEVICE.value
-
-
-def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,
-               epochs: int | None, global_batch_size: int | None, seed: int | None,
-               checkpoint_dir: Path | None, gpus: int | None = None, **rest: Any) -> JobSpec:
-    """Merge flags with the recipe's ``defaults`` (flags win) into a validated JobSpec.
-
-    ``gpus``: GPUs the job may use (a cluster's); default: this machine's.
-    """
-    path = recipe.expanduser().resolve()
-    if not path.is_file():
-        raise UsageError(f"{recipe}: recipe not found")
-    info = inspect_recipe(str(path))
-    name = StrategyName.parse(strategy)
-    if name is StrategyName.PARAMETER_SERVER and info.kind is not RecipeKind.FIT:
-        raise UsageError(f"{recipe}: --strategy parameter-server trains fit-style recipes (model, optimizer, loss, "
-                         f"train_data), where the ps tasks can build the model and its optimizer; this one is a "
-                         f"{info.kind.value}")
-    if info.kind is RecipeKind.SCRIPT and name in (StrategyName.CENTRAL_STORAGE, StrategyName.SHARDED):
-        raise UsageError(f"{recipe}: a plain script builds its own model and loop (its own DDP or FSDP), so "
-                         f"--strategy {name.value} cannot apply to it; -s mirrored (or multi-worker on a cluster) "
-                         "starts its processes")
-    if info.kind is RecipeKind.SCRIPT:
-        step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
-                                              ("--precision", rest.get("precision", "fp32") != "fp32"),
-                                              ("--compression", rest.get("compression", "none") != "none"),
-                                              ("--clip-grad-norm", rest.get("clip_grad_norm") is not None)) if used]
-        if step_flags:
-            raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
-                             "a plain script owns its model and loop: call torch.compile / torch.autocast / "
-                             "DDP's register_comm_hook in it")
-    if replicas is None and not name.distributed:
-        replicas = 1
-    tp = rest.get("tp", 1)
-    if info.kind is RecipeKind.SCRIPT and (tp != 1 or rest.get("activation_checkpointing", "none") != "none"):
-        flag = "--tp" if tp != 1 else "--activation-checkpointing"
-        raise UsageError(f"{recipe}: {flag} applies to recipes distrun steps (fit-style or main(strategy)); a plain "
-                         "script owns its model: apply torch's parallelize_module / checkpoint in it")
-    device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus,
-                                    ranks_per_replica=tp if isinstance(tp, int) and tp > 1 else 1)
-    defaults = dict(info.defaults)
-    if steps is None and epochs is None:
-        steps, epochs = defaults.get("steps"), defaults.get("epochs")
-        if steps is not None:
-            epochs = None
-    if info.kind is RecipeKind.FIT and global_batch_size is None:  # a custom loop batches its own data
-        global_batch_size = defaults.get("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
-    return JobSpec(
-        recipe=str(path),
-        strategy=name,
-        replicas=replicas,
-        device=device,
-        steps=steps,
-        epochs=epochs,
-        global_batch_size=global_batch_size,
-        seed=seed if seed is not None else defaults.get("seed", 0),
-        checkpoint_dir=str(checkpoint_dir.expanduser().resolve()) if checkpoint_dir else None,
-        checkpoint_every=rest.pop("checkpoint_every") or defaults.get("checkpoint_every"),
-        **rest,
-    )
-
-
-def local_layout(device: str, replicas: int | None, gpus: int, *, ranks_per_replica: int = 1) -> tuple[str, int]:
-    """(device, replicas) from ``--device`` and ``--replicas`` on a machine with ``gpus`` GPUs:
-    auto means a GPU if any; replicas default to one per GPU, else DEFAULT_CPU_REPLICAS. A
-    replica of several ranks (``--tp``) takes that many GPUs, and defaults to one replica on CPU."""
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    elif device == "cuda" and not gpus:
-        raise UsageError("--device cuda: no GPU found on this machine (CUDA_VISIBLE_DEVICES and the NVIDIA driver)")
-    elif device not in ("cpu", "cuda"):
-        raise UsageError(f"--device: expected auto, cpu or cuda. Received: {device!r}")
-    if replicas is None:
-        if device != "cuda":
-            replicas = DEFAULT_CPU_REPLICAS if ranks_per_replica == 1 else 1
-        elif gpus < ranks_per_replica:
-            raise UsageError(f"--tp {ranks_per_replica}: a replica takes {ranks_per_replica} GPUs, and this machine "
-                             f"has {gpus}")
-        else:
-            replicas = gpus // ranks_per_replica
-    elif device == "cuda" and replicas * ranks_per_replica > gpus:
-        ranks = f" x {ranks_per_replica} ranks" if ranks_per_replica > 1 else ""
-        raise UsageError(f"--replicas {replicas}{ranks}: only {gpus} GPU(s) found on this machine")
-    return device, replicas
-
-
-def replicas_of(slots: int, tp: int, source: Any) -> int:
-    """A cluster's replicas: its worker slots, ``tp`` ranks to a replica."""
-    if tp > 1 and slots % tp:
-        raise UsageError(f"--tp {tp}: {source} has {slots} worker slot(s), which do not split into replicas of "
-                         f"{tp} ranks; give the workers a multiple of {tp} slots")
-    return slots // tp if tp > 1 else slots
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -1,8 +1,8 @@
-"""``--tp`` and ``--activation-checkpointing``: which strategies take them, and what they refuse.
+"""``--tp``, ``--pp`` and ``--activation-checkpointing``: which strategies take them, what they refuse.
 
 A replica may span several ranks (TensorFlow's logical devices per replica): ``--tp N`` splits
-each layer over N ranks, so a job runs ``replicas x tp`` ranks, and ``--replicas`` stays the
-data-parallel degree. Only the strategies whose replicas step in lockstep over one process
+each layer over N ranks, ``--pp P`` splits the layer stack into P pipeline stages, so a job
+runs ``replicas x tp x pp`` ranks, and ``--replicas`` stays the data-parallel degree. Only the strategies whose replicas step in lockstep over one process
 group take it: mirrored and multi-worker (replicated over the data-parallel ranks) and sharded
 (sharded over them). Each refusal below says why in one line (docs/strategies.md#model-parallel).
 """
@@ -13,7 +13,29 @@ from typing import Any
 
 from distrun.errors import ConfigError
 
-__all__ = ["ACTIVATION_CHECKPOINTING", "MODEL_PARALLEL_STRATEGIES", "validate_parallel"]
+__all__ = ["ACTIVATION_CHECKPOINTING", "MODEL_PARALLEL_STRATEGIES", "PP_SCHEDULES", "stages_per_rank",
+           "validate_parallel"]
+
+#: ``--pp-schedule``: torch.distributed.pipelining's schedules by distrun's names. The
+#: interleaved ones hold two stages on each rank (fewer idle slots, more messages).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+_INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+
+
+def stages_per_rank(schedule: str) -> int:
+    """How many pipeline stages each rank holds under ``schedule``."""
+    return 2 if schedule in _INTERLEAVED else 1
+
+
+def _microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` over ``pp`` ranks (torch's own rules), or None."""
+    if schedule == "1f1b" and microbatches < pp:
+        return f"1F1B needs at least one microbatch per stage ({pp})"
+    if schedule in _INTERLEAVED:
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return f"{schedule} runs microbatches in rounds of {pp}: give a multiple of {pp}, or fewer than {pp}"
+    return None
 
 #: ``--activation-checkpointing``: keep every activation, recompute each unit's in backward,
 #: or recompute only the cheap ones (elementwise, norms) and keep the matmuls' outputs.
@@ -41,10 +63,12 @@ _DDP_ONLY = (
 
 
 def validate_parallel(spec: Any) -> None:
-    """Refuse, in one line naming the flag, what ``--tp``/``--activation-checkpointing`` cannot do."""
+    """Refuse, in one line naming the flag, what ``--tp``/``--pp``/``--activation-checkpointing`` cannot do."""
+    for flag, value in (("--tp", spec.tp), ("--pp", spec.pp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag}: expected a positive whole number of ranks. Received: {value!r}")
+    _validate_pipeline(spec)
     tp = spec.tp
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"--tp: expected a positive whole number of ranks. Received: {tp!r}")
     if spec.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(f"--activation-checkpointing: expected {', '.join(ACTIVATION_CHECKPOINTING)}. "
                           f"Received: {spec.activation_checkpointing!r}")
@@ -52,14 +76,43 @@ def validate_parallel(spec: Any) -> None:
     if spec.activation_checkpointing != "none" and name == "parameter-server":
         raise ConfigError("--activation-checkpointing with --strategy parameter-server: its workers pull parameters "
                           "in forward hooks, which a recomputed forward would run again; use a synchronous strategy")
-    if tp == 1:
+    if tp == 1 and spec.pp == 1:
         return
+    flag = "--tp" if tp > 1 else "--pp"
     if name not in MODEL_PARALLEL_STRATEGIES:
-        raise ConfigError(f"--tp with --strategy {name}: {_WHY_NOT[name]}")
+        raise ConfigError(f"{flag} with --strategy {name}: {_WHY_NOT[name].replace('--tp N', flag + ' N')}")
     if spec.elastic:
-        raise ConfigError("--tp with --elastic: a lost rank takes a piece of every layer of its replica with it, so "
-                          "no replica could go on; run --tp without --elastic (with --max-restarts on a cluster)")
-    for flag, used in _DDP_ONLY:
+        raise ConfigError(f"{flag} with --elastic: a lost rank takes a piece of every layer (or a stage) of its "
+                          f"replica with it, so no replica could go on; run {flag} without --elastic (with "
+                          "--max-restarts on a cluster)")
+    for ddp_flag, used in _DDP_ONLY:
         if used(spec):
-            raise ConfigError(f"{flag} with --tp: it configures DDP's gradient all-reduce, and under --tp the "
-                              "replicas meet through FSDP2's collectives instead")
+            raise ConfigError(f"{ddp_flag} with {flag}: it configures DDP's gradient all-reduce, and under {flag} "
+                              "the replicas meet through FSDP2's collectives instead")
+
+
+def _validate_pipeline(spec: Any) -> None:
+    """``--pp-schedule`` and ``--microbatches``: known, and what the schedule and the batch allow."""
+    if spec.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"--pp-schedule: expected {', '.join(PP_SCHEDULES)}. Received: {spec.pp_schedule!r}")
+    microbatches = spec.microbatches
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 0:
+        raise ConfigError(f"--microbatches: expected a positive whole number. Received: {microbatches!r}")
+    if spec.pp == 1:
+        used = [flag for flag, on in (("--pp-schedule", spec.pp_schedule != "1f1b"),
+                                      ("--microbatches", microbatches != 0)) if on]
+        if used:
+            raise ConfigError(f"{used[0]} is for pipeline parallel: it needs --pp 2 or more")
+        return
+    count = spec.pipeline_microbatches
+    problem = _microbatch_problem(spec.pp_schedule, count, spec.pp)
+    if problem:
+        raise ConfigError(f"--microbatches {count}: {problem}")
+    if spec.precision == "fp16":
+        raise ConfigError("--precision fp16 with --pp: the loss scaler scales one model's output, and a pipeline's "
+                          "output is on its last stage only; use --precision bf16 (no scaler needed)")
+    if spec.global_batch_size is not None and (spec.global_batch_size // spec.replicas) % count:
+        per = spec.global_batch_size // spec.replicas
+        raise ConfigError(f"--microbatches {count}: a replica's batch of {per} (--global-batch-size "
+                          f"{spec.global_batch_size} over {spec.replicas} replica(s)) does not split into {count} "
+                          "equal microbatches")

@@ -152,6 +152,12 @@ class JobSpec:
     #: ``--tp N``: each replica's layers split over N ranks (mirrored, multi-worker, sharded), so
     #: the job runs ``replicas x tp`` ranks; ``replicas`` stays the data-parallel degree.
     tp: int = 1
+    #: ``--pp P``: each replica's layer chain cut into P pipeline stages (a rank each, or two under
+    #: the interleaved schedules); ``pp_schedule`` orders the microbatches, ``microbatches``
+    #: splits each replica's batch (0: twice ``pp``).
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0
     #: ``--activation-checkpointing``: none | full | selective, on each block (config/_parallel.py).
     activation_checkpointing: str = "none"
 
@@ -161,8 +167,13 @@ class JobSpec:
 
     @property
     def ranks_per_replica(self) -> int:
-        """Ranks one replica spans: its tensor-parallel degree (1 without --tp)."""
-        return self.tp
+        """Ranks one replica spans: its tensor-parallel times its pipeline degree (1 without either)."""
+        return self.tp * self.pp
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """``--microbatches``, or its default: two per pipeline rank."""
+        return self.microbatches or 2 * self.pp
 
     @property
     def trainer_ranks(self) -> int:
@@ -172,7 +183,7 @@ class JobSpec:
     @property
     def mesh(self) -> dict[str, int]:
         """The job's degrees as the summary and the live view show them."""
-        return {"dp": self.replicas, "tp": self.tp}
+        return {"dp": self.replicas, "tp": self.tp, **({"pp": self.pp} if self.pp > 1 else {})}
 
     @property
     def world_size(self) -> int:

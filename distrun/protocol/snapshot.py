@@ -72,7 +72,7 @@ class JobSnapshot:
     tokens_per_s: float | None = None  # a recipe with tokens_per_sample: samples/s times it
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
-    mesh: dict[str, int] | None = None  # --tp: the degrees ({"dp": 2, "tp": 2}); None for one rank a replica
+    mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2}); None for one rank a replica
 
     @property
     def samples_per_s(self) -> float:
@@ -154,8 +154,8 @@ class JobSummary:
     #: fit, custom-loop or script (a plain torchrun script, which runs its own DDP: the strategy only
     #: set how many processes it got); None when no rank started.
     recipe_kind: str | None = None
-    #: ``--tp``: the job's degrees, ``{"dp": R, "tp": T}`` (``replicas`` is ``dp``, each of ``tp``
-    #: ranks); None where a replica is one rank.
+    #: ``--tp``/``--pp``: the job's degrees, ``{"dp": R, "tp": T}`` and ``"pp": P`` when pipelined
+    #: (``replicas`` is ``dp``, each of ``tp x pp`` ranks); None where a replica is one rank.
     mesh: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,10 +163,14 @@ class JobSummary:
 
 
 def mesh_place(rank: int, mesh: dict[str, int]) -> dict[str, int]:
-    """Rank ``rank``'s replica (``dp``) and place in it (``tp``), tensor parallel innermost: the
-    one layout the strategies build and the live view shows (strategies/parallel/mesh.py)."""
+    """Rank ``rank``'s replica (``dp``) and place in it (``tp``, and ``pp`` when pipelined), tensor
+    parallel innermost and pipeline stages outermost: the one layout the strategies build and
+    the live view shows (strategies/parallel/mesh.py)."""
     tp, dp = mesh.get("tp", 1), mesh.get("dp", 1)
-    return {"dp": (rank // tp) % dp, "tp": rank % tp}
+    place = {"dp": (rank // tp) % dp, "tp": rank % tp}
+    if "pp" in mesh:
+        place["pp"] = rank // (tp * dp)
+    return place
 
 
 def describe_mesh(mesh: dict[str, int]) -> str:

@@ -80,6 +80,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
     forward = getattr(recipe, "forward", _default_forward)
+    if spec.pp > 1 and forward is not _default_forward:
+        raise RecipeError(f"{spec.recipe}: --pp runs the model as a chain of stages fed batch[0]; a recipe "
+                          "forward(model, batch) cannot be split into them: drop it, or put its work in pp_chain")
     loss_fn = recipe.loss
     # On a GPU the batches come in page-locked memory, so to_device's non-blocking copy overlaps compute.
     train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size, num_workers=spec.data_workers,
@@ -116,17 +119,17 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     preempt = PreemptWatch(spec.preemptible)
     reporter.learning_rate = lambda: optimizer.param_groups[0]["lr"]  # --tensorboard's train/learning_rate
 
-    def train_step(batch: Any) -> torch.Tensor:
-        batch = to_device(batch, device)
-        loss = loss_fn(forward(model, batch), batch)
+    def one_number(loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # backward takes one number, any shape
             raise _not_one_number(loss_fn, loss)
-        weight = strategy.batch_weight
+
+    def train_step(batch: Any) -> torch.Tensor:
+        batch = to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
-        (loss * weight if weight != 1.0 else loss).backward()
+        loss = strategy.forward_backward(model, batch, forward, loss_fn, one_number)
         if guard.update_allowed(loss):
             optimizer.step()
-        return loss.detach()
+        return loss
 
     last_eval: dict[str, float] = {}
     last_loss: torch.Tensor | None = None

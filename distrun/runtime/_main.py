@@ -105,8 +105,9 @@ def main() -> None:
         phase = "import"
         module = load_module(spec.recipe)
         strategy.units_from = getattr(module, "shard_units", None)  # the blocks sharded and --activation-checkpointing use
-        if hasattr(strategy, "tp_plan_from"):  # --tp: the recipe may name how its layers split
+        if hasattr(strategy, "tp_plan_from"):  # --tp/--pp: the recipe may name how its layers split
             strategy.tp_plan_from = getattr(module, "tp_plan", None)
+            strategy.pp_chain_from = getattr(module, "pp_chain", None)
         phase = "train"
 
         def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
@@ -296,14 +297,18 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
-    if spec.strategy.value in ("mirrored", "multi-worker") and spec.tp == 1:
+    model_parallel = spec.ranks_per_replica > 1
+    if spec.strategy.value in ("mirrored", "multi-worker") and not model_parallel:
         options |= {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
                    "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
-    if spec.strategy is StrategyName.SHARDED or spec.tp > 1:  # model parallel is built on sharded's FSDP2
+    if spec.strategy is StrategyName.SHARDED or model_parallel:  # model parallel is built on sharded's FSDP2
         sharded = spec.strategy is StrategyName.SHARDED
         options |= {"reshard_after_forward": spec.reshard_after_forward and sharded, "shard_within": spec.shard_within,
                     "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-                    "async_checkpoint": spec.async_checkpoint, "tp": spec.tp}
+                    "async_checkpoint": spec.async_checkpoint}
+        if model_parallel:
+            options |= {"tp": spec.tp, "pp": spec.pp, "pp_schedule": spec.pp_schedule,
+                        "microbatches": spec.pipeline_microbatches}
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype

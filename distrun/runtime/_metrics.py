@@ -10,6 +10,7 @@ padding or duplicates, so the reduced figures are exact.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -48,19 +49,23 @@ def evaluate(
         forwards, last = 0, None
         for batch in batches:
             batch = to_device(batch, device)
-            outputs = forward(model, batch)
+            outputs = strategy.eval_outputs(model, forward, batch)
+            forwards, last = forwards + 1, batch
+            if outputs is None:  # a pipeline stage before the last: its metrics stay empty (zero weight)
+                continue
             n = batch_len(batch)
             mean_loss.update(loss_fn(outputs, batch).detach(), weight=n)
             target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
             for m in named.values():
                 m.update(outputs, target)
-            forwards, last = forwards + 1, batch
         extra = strategy.eval_forwards_to_match(forwards)
         if extra and last is None:  # this replica's share was empty: any sample makes a forward
             last = to_device(next(iter(DataLoader(torch.utils.data.Subset(dataset, [0]), batch_size=1))), device)
         for _ in range(extra):  # counted nowhere: they only keep a collective forward in step
-            forward(model, last)
+            strategy.eval_outputs(model, forward, last)
         model.train(was_training)
-    result = {"loss": float(mean_loss.compute())}
-    result.update({name: float(m.compute()) for name, m in named.items()})
+    with warnings.catch_warnings():  # a pipeline stage before the last reads metrics it never updated
+        warnings.filterwarnings("ignore", message=r".*compute.* method of metric .* was called before")
+        result = {"loss": float(mean_loss.compute())}
+        result.update({name: float(m.compute()) for name, m in named.items()})
     return result

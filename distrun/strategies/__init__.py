@@ -53,8 +53,9 @@ _BY_NAME: dict[str, type[Strategy]] = {
 
 def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
     """``options`` are the strategy's own keyword arguments (sync_batch_norm, store, num_ps, ...);
-    ``tp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded)."""
-    if options.get("tp", 1) > 1:
+    ``tp`` or ``pp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded)."""
+    if options.get("tp", 1) > 1 or options.get("pp", 1) > 1:
         return ModelParallelStrategy(replica, reporter, label=name, **options)
-    options.pop("tp", None)
+    for key in ("tp", "pp", "pp_schedule", "microbatches"):
+        options.pop(key, None)
     return _BY_NAME[name](replica, reporter, **options)

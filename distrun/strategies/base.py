@@ -311,6 +311,23 @@ class Strategy(ReplicaCollectives, ElasticReplica, ABC):
         self._report_step(result)
         return result
 
+    def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
+                         loss_fn: Callable[[Any, Any], torch.Tensor],
+                         check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
+        """One replica batch's forward, loss and backward (the gradients weighted by
+        ``batch_weight``); the loss, detached. ``check`` sees each loss before its backward.
+        Under ``--pp`` the pipeline's schedule does it, microbatch by microbatch."""
+        loss = loss_fn(forward(model, batch), batch)
+        check(loss)
+        weight = self.batch_weight
+        (loss * weight if weight != 1.0 else loss).backward()
+        return loss.detach()
+
+    def eval_outputs(self, model: nn.Module, forward: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
+        """The model's outputs for an evaluation batch; None on a rank that has none (a pipeline
+        stage before the last)."""
+        return forward(model, batch)
+
     def _report_step(self, result: Any) -> None:
         self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None

@@ -210,9 +210,8 @@ class ShardedStrategy(Strategy):
 
     def _write_checkpoint(self, directory: Path, meta: dict[str, Any], *, keep: int, started: float,
                           wait: bool) -> Path | None:
-        model = self.unwrap()
-        reshard_all(model)  # a custom loop may save after a forward without backward
-        tensors, rest = sharded_state(model, self._torch_optimizer)
+        reshard_all(self.unwrap())  # a custom loop may save after a forward without backward
+        tensors, rest = self._sharded_state()
         sidecar = {**meta, "rng": rng_to_json(meta["rng"]), **rest}
         step = self.step
         if self.is_chief:
@@ -238,13 +237,21 @@ class ShardedStrategy(Strategy):
             self._reporter.checkpoint(step, str(path), (time.perf_counter() - started) * 1e3)
         return path
 
+    def _sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(this rank's tensors for DCP, the JSON rest the chief writes beside them)."""
+        return sharded_state(self.unwrap(), self._torch_optimizer)
+
+    def _load_sharded(self, path: Path, data: dict[str, Any]) -> None:
+        """Fill this rank's pieces from the DCP folder ``path`` (``data``: its sidecar)."""
+        load_sharded(path, self.unwrap(), self._torch_optimizer, data)
+
     def _read_checkpoint(self, path: Path) -> dict[str, Any]:
         """A sharded checkpoint's entries without its tensors (they load straight into the shards)."""
         return ckpt.read_entries(path) if shards.is_sharded(path) else super()._read_checkpoint(path)
 
     def _load_checkpoint(self, path: Path, data: dict[str, Any]) -> None:
         if shards.is_sharded(path):
-            load_sharded(path, self.unwrap(), self._torch_optimizer, data)
+            self._load_sharded(path, data)
         else:  # a plain file, whole: each rank keeps its shards of it
             super()._load_checkpoint(path, data)
 

@@ -138,7 +138,7 @@ def render_summary(summary: JobSummary) -> RenderableType:
     if summary.recipe_kind == "script":  # its own DDP: the strategy only chose how many processes
         table.add_row("strategy", f"script ({summary.replicas} processes)")
     elif summary.mesh:  # a replica of several ranks
-        ranks = summary.mesh.get("dp", 1) * summary.mesh.get("tp", 1)
+        ranks = summary.mesh.get("dp", 1) * summary.mesh.get("tp", 1) * summary.mesh.get("pp", 1)
         table.add_row("strategy", f"{summary.strategy} × {summary.replicas} ({describe_mesh(summary.mesh)}, "
                                   f"{ranks} ranks)")
     else:

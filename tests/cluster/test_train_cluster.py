@@ -59,6 +59,34 @@ def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, t
         assert [pid for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)] == []
 
 
+def test_pipeline_stages_go_across_hosts(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    """One slot on each of two hosts: --pp 2 puts stage 0 on the first host and stage 1 on the
+    second, only activations cross between them, and the parameters are one-device's. --tp 2
+    would put a tensor-parallel group across them: refused before anything starts."""
+    recipe = tmp_path / "code" / "equiv.py"
+    recipe.parent.mkdir()
+    recipe.write_text(EQUIV)
+    flags = ("--epochs", "2", "--json", "--", "--samples", "99")
+    local = run_cli("train", str(recipe), "--checkpoint-dir", str(tmp_path / "one"), *flags)
+    assert local.returncode == 0, local.stderr[-2000:]
+    remote = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--pp", "2",
+                     "--checkpoint-dir", str(tmp_path / "pp"), *flags)
+    assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
+    lines = json_lines(remote)
+    assert lines[0]["hosts"] == [lab.hosts["h1"][1], lab.hosts["h2"][1]] and lines[0]["world_size"] == 2
+    said = [line["line"] for line in lines if line.get("type") == "output" and "pipeline:" in line["line"]]
+    assert len(said) == 1 and "stage 0 = 0 (" in said[0] and "stage 1 = 1..2 (" in said[0], said
+    assert lines[-1]["mesh"] == {"dp": 1, "tp": 1, "pp": 2} and lines[-1]["replicas"] == 1
+    base, piped = (load_checkpoint(latest_checkpoint(tmp_path / name)) for name in ("one", "pp"))
+    assert piped["step"] == base["step"] == 14
+    for key, tensor in base["model"].items():
+        torch.testing.assert_close(piped["model"][key], tensor, rtol=0, atol=2e-4, msg=key)
+    refused = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--tp", "2",
+                      "--steps", "2")
+    assert refused.returncode == 2, refused.stderr
+    assert "--tp 2: a tensor-parallel group stays inside one host" in refused.stderr, refused.stderr
+
+
 def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, cluster: Path, tmp_path: Path) -> None:
     code = tmp_path / "code"
     code.mkdir()

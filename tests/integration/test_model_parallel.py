@@ -1,6 +1,7 @@
-"""``--tp`` (tensor parallel, alone and with mirrored/sharded data parallelism) and
-``--activation-checkpointing``, on real gloo groups on the CPU: one-device's parameters after
-the same steps, checkpoints that move between layouts both ways, and one-line refusals."""
+"""``--tp`` and ``--pp`` (tensor and pipeline parallel, alone, together, and with mirrored/sharded
+data parallelism) and ``--activation-checkpointing``, on real gloo groups on the CPU:
+one-device's parameters after the same steps, checkpoints that move between layouts both
+ways, and one-line refusals."""
 
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ class Net(nn.Module):
 
 def model():
     return Net()
+
+
+def pp_chain(net):
+    return [net.embed, *net.blocks, net.head]
 
 
 def tp_plan(net):
@@ -216,3 +221,108 @@ def test_a_plan_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path,
     assert says in result.summary["error"], result.summary["error"]
     steps = [line for line in result.json_lines() if line["type"] == "step"]
     assert not steps, steps  # stopped before the first step
+
+
+#: An nn.Sequential of 7 modules whose 60 samples make a short last batch (4 of 8): the pipeline
+#: pads it, and the padding must carry no weight.
+SEQUENTIAL = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 8, "seed": 0}
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3))
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def loss(outputs, batch):
+    return nn.functional.cross_entropy(outputs, batch[1])
+
+
+def _points(seed, count):
+    x = torch.randn(count, 6, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def train_data(ctx):
+    return _points(42, 60)
+
+
+def eval_data(ctx):
+    return _points(7, 21)
+"""
+
+
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pp")
+    recipe = folder / "sequential.py"
+    recipe.write_text(SEQUENTIAL)
+    result, data = _train(recipe, folder / "one", "--epochs", "2", "--clip-grad-norm", "0.5")
+    return recipe, result, data
+
+
+@pytest.mark.parametrize("flags", [
+    ("-s", "mirrored", "--pp", "2"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "gpipe"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "interleaved-1f1b"),
+    ("-s", "sharded", "--pp", "2", "--replicas", "2", "--pp-schedule", "zero-bubble"),
+])
+def test_every_pipeline_schedule_ends_with_one_devices_parameters(sequential, tmp_path, flags):
+    recipe, reference, one = sequential
+    result, data = _train(recipe, tmp_path / "ck", *flags, "--epochs", "2", "--clip-grad-norm", "0.5")
+    _close(data["model"], one["model"], " ".join(flags))
+    assert data["step"] == one["step"] == 16  # 8 batches an epoch, the last one short
+    summary = result.summary
+    assert summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=TOLERANCE)
+    assert summary["eval_metrics"]["loss"] == pytest.approx(reference.summary["eval_metrics"]["loss"], abs=TOLERANCE)
+    replicas = 2 if "--replicas" in flags else 1
+    assert summary["mesh"] == {"dp": replicas, "tp": 1, "pp": 2} and summary["replicas"] == replicas
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "pipeline:" in line["line"]]
+    stages = 4 if "interleaved" in " ".join(flags) or "zero-bubble" in flags else 2
+    assert len(said) == 1 and f"pipeline: {stages} stages over 2 ranks" in said[0], said
+    assert "chain from nn.Sequential: stage 0 = 0" in said[0], said
+
+
+def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_device, tmp_path):
+    """sharded --pp 2 --tp 2 (4 ranks: two stages of two) matches one-device; its step-4
+    checkpoint resumes under mirrored with 2 replicas, and one-device's under --pp 2 --tp 2."""
+    _, one, one_dir = one_device
+    result, data = _train(transformer, tmp_path / "both", "-s", "sharded", "--pp", "2", "--tp", "2",
+                          "--microbatches", "2", *STEPS, "--checkpoint-every", "4")
+    _close(data["model"], one["model"], "sharded --pp 2 --tp 2")
+    assert result.summary["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "pipeline:" in line["line"]]
+    assert said and "the recipe's pp_chain: stage 0 = embed..blocks.0" in said[0], said
+
+    latest_checkpoint(tmp_path / "both").rename(tmp_path / "step8")  # leave step 4 the newest
+    _, mirrored = _train(transformer, tmp_path / "both", "-s", "mirrored", "--replicas", "2", *STEPS, "--resume")
+    _close(mirrored["model"], one["model"], "pp 2 x tp 2 -> mirrored x 2")
+
+    shutil.copytree(one_dir, tmp_path / "back")
+    latest_checkpoint(tmp_path / "back").unlink()
+    _, back = _train(transformer, tmp_path / "back", "-s", "sharded", "--pp", "2", "--tp", "2", "--microbatches",
+                     "2", *STEPS, "--resume")
+    _close(back["model"], one["model"], "one-device -> pp 2 x tp 2")
+
+
+@pytest.mark.parametrize("edit, says, code", [
+    (("def pp_chain(net):\n    return [net.embed, *net.blocks, net.head]",
+      "def pp_chain(net):\n    return [net.embed, net.blocks[0], net.head]"), "pp_chain(model) leaves out blocks.1", 3),
+    (("return self.head(x)", "return self.head(x * 2)"), "does not compose to the model's forward", 3),
+    (("def pp_chain(net):", "def _no_chain(net):"), "--pp: the model is a Net, not an nn.Sequential", 3),
+])
+def test_a_chain_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path, edit, says, code):
+    recipe = tmp_path / "bad.py"
+    recipe.write_text(transformer.read_text().replace(*edit))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--pp", "2", "--steps", "2", "--json")
+    assert result.returncode == code, result.stderr[-2000:]
+    assert says in result.summary["error"], result.summary["error"]
+    assert not [line for line in result.json_lines() if line["type"] == "step"]

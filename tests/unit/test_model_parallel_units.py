@@ -66,7 +66,7 @@ def test_the_mesh_puts_tensor_parallel_innermost():
 def test_a_tensor_parallel_group_never_crosses_hosts():
     with pytest.raises(ConfigError, match="a tensor-parallel group stays inside one host, and each host runs 1"):
         mesh_shape(2, tp=2, sharded=False, shard_within="auto", hosts=2)
-    with pytest.raises(ConfigError, match="do not split into groups of 2"):
+    with pytest.raises(ConfigError, match="do not split into replicas of 2"):
         mesh_shape(3, tp=2, sharded=False, shard_within="auto", hosts=1)
 
 
@@ -161,3 +161,55 @@ def test_the_live_view_shows_the_mesh_and_each_ranks_place():
     assert [(cells[1].strip(), cells[2].strip()) for cells in rows] == [
         ("0", "dp0 tp0"), ("1", "dp0 tp1"), ("2", "dp1 tp0"), ("3", "dp1 tp1")]
     assert "mirrored × 2 (dp 2 x tp 2, 4 ranks)" in text
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"pp": 2, "microbatches": 1}, "--microbatches 1: 1F1B needs at least one microbatch per stage (2)"),
+    ({"pp": 2, "global_batch_size": 6}, "--microbatches 4: a replica's batch of 6"),
+    ({"pp": 2, "pp_schedule": "wavy"}, "--pp-schedule: expected gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
+    ({"pp_schedule": "gpipe"}, "--pp-schedule is for pipeline parallel: it needs --pp 2 or more"),
+    ({"microbatches": 4}, "--microbatches is for pipeline parallel"),
+    ({"pp": 2, "precision": "fp16"}, "--precision fp16 with --pp"),
+    ({"pp": 2, "elastic_min": 1, "elastic_max": 2}, "--pp with --elastic"),
+])
+def test_what_pp_cannot_do_is_refused_in_one_line(extra, says):
+    with pytest.raises(ConfigError) as caught:
+        _spec("mirrored", **{"global_batch_size": 8, **extra})
+    assert str(caught.value).startswith(says) and "\n" not in str(caught.value), caught.value
+
+
+def test_a_pipelined_replica_spans_tp_x_pp_ranks():
+    spec = _spec("sharded", replicas=2, tp=2, pp=2, global_batch_size=8)
+    assert spec.world_size == 8 and spec.mesh == {"dp": 2, "tp": 2, "pp": 2} and spec.pipeline_microbatches == 4
+    # Stages outermost: ranks 0-3 (one host's, with 4 slots) hold stage 0, ranks 4-7 stage 1.
+    assert [mesh_place(rank, spec.mesh)["pp"] for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert mesh_place(5, spec.mesh) == {"dp": 0, "tp": 1, "pp": 1}
+
+
+def test_the_chain_is_cut_where_the_heaviest_stage_is_lightest():
+    from distrun.strategies.parallel.pipeline import Chain, chain_of, cut_chain
+
+    chain = Chain(tuple("abcdef"), (10, 10, 10, 10, 10, 50), "test")
+    assert cut_chain(chain, 2).bounds == (0, 5, 6)  # 50 alone, the rest together
+    assert cut_chain(chain, 3).bounds[-2:] == (5, 6)
+    assert cut_chain(Chain(tuple("abcd"), (1, 1, 1, 1), "test"), 4).bounds == (0, 1, 2, 3, 4)
+    with pytest.raises(RecipeError, match="has 2 module.s., fewer than the 3 pipeline stages"):
+        cut_chain(Chain(("a", "b"), (1, 1), "test"), 3)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert chain_of(model, None).names == ("0", "1", "2")
+    with pytest.raises(RecipeError, match="pp_chain.model.: a module appears twice"):
+        chain_of(model, lambda m: [m[0], m[0], m[2]])
+    with pytest.raises(RecipeError, match="pp_chain.model. leaves out 2.weight"):
+        chain_of(model, lambda m: [m[0], m[1]])
+
+
+def test_a_stage_keeps_the_whole_models_names():
+    from distrun.strategies.parallel.pipeline import chain_of, check_chain, keep_stages, meta_copy
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    chain = chain_of(model, None)
+    stage = keep_stages(meta_copy(model), chain, range(2, 5))
+    assert [name for name, _ in stage.named_parameters()] == ["2.weight", "2.bias", "4.weight", "4.bias"]
+    assert all(p.is_meta for p in stage.parameters()) and not any(p.is_meta for p in model.parameters())
+    assert check_chain(model, chain, torch.randn(3, 4)) is None
+    assert "does not compose" in check_chain(model, chain_of(model, lambda m: [m[0], m[2], m[4]]), torch.randn(3, 4))

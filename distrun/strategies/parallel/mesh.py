@@ -51,9 +51,8 @@ class MeshShape:
 
     def place(self, rank: int) -> dict[str, int]:
         """Rank ``rank``'s coordinate on each dimension, and ``dp`` (its replica)."""
-        dp = mesh_place(rank, {"dp": self.dp, "tp": self.tp})["dp"]  # the live view's formula
-        return {"pp": rank // (self.tp * self.dp), "dp": dp, "dp_replicate": dp // self.dp_shard,
-                "dp_shard": dp % self.dp_shard, "tp": rank % self.tp}
+        place = mesh_place(rank, {"dp": self.dp, "tp": self.tp, "pp": self.pp})  # the live view's formula
+        return {**place, "dp_replicate": place["dp"] // self.dp_shard, "dp_shard": place["dp"] % self.dp_shard}
 
     def describe(self) -> str:
         """``dp 2 x tp 2``, and how the data-parallel ranks hold the state."""
@@ -68,27 +67,29 @@ class MeshShape:
         return text
 
 
-def mesh_shape(world: int, *, tp: int, sharded: bool, shard_within: str, hosts: int) -> MeshShape:
+def mesh_shape(world: int, *, tp: int, sharded: bool, shard_within: str, hosts: int, pp: int = 1) -> MeshShape:
     """The mesh for ``world`` ranks on ``hosts`` hosts (in rank order, equally many each).
 
     ``sharded``: the data-parallel ranks shard the state (``--strategy sharded``), over all of
     them, or with ``shard_within == "host"`` only over those on one host (HSDP). ``auto`` shards
-    over all of them: under --tp the per-host choice sharded makes alone does not apply.
+    over all of them: under --tp/--pp the per-host choice sharded makes alone does not apply.
     """
-    if world % tp:
-        raise ConfigError(f"--tp {tp}: the job's {world} rank(s) do not split into groups of {tp}")
+    if world % (tp * pp):
+        raise ConfigError(f"--tp {tp} --pp {pp}: the job's {world} rank(s) do not split into replicas of {tp * pp}")
     if hosts > 1 and world % hosts == 0 and (world // hosts) % tp:
         raise ConfigError(f"--tp {tp}: a tensor-parallel group stays inside one host, and each host runs "
                           f"{world // hosts} rank(s); give every host a multiple of {tp} slots")
-    dp = world // tp
+    dp = world // (tp * pp)
     if not sharded:
-        return MeshShape(dp_replicate=dp, tp=tp)
+        return MeshShape(pp=pp, dp_replicate=dp, tp=tp)
     if shard_within != "host" or hosts < 2:
-        return MeshShape(dp_shard=dp, tp=tp)
+        return MeshShape(pp=pp, dp_shard=dp, tp=tp)
     if world % hosts:
         raise ConfigError(f"--shard-within host: {world} ranks do not split evenly over {hosts} hosts")
-    inside = max(1, world // hosts // tp)
-    return MeshShape(dp_replicate=dp // inside, dp_shard=inside, tp=tp)
+    inside = min(dp, max(1, world // hosts // tp))
+    if dp % inside:
+        raise ConfigError(f"--shard-within host: {dp} replicas do not split into groups of the {inside} on a host")
+    return MeshShape(pp=pp, dp_replicate=dp // inside, dp_shard=inside, tp=tp)
 
 
 class ParallelMesh:
@@ -112,6 +113,11 @@ class ParallelMesh:
     @property
     def tp(self) -> DeviceMesh:
         return self.root["tp"]
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline: the ranks of its replica at its tensor-parallel place, one per stage."""
+        return self.root.get_group("pp")
 
     @property
     def data_parallel(self) -> DeviceMesh:

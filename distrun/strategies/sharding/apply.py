@@ -57,8 +57,10 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(param): name for name, param in model.named_parameters()}
 
 
-def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str]) -> Any:
-    """``optimizer``'s class, groups and hyperparameters over ``model``'s sharded parameters."""
+def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str], *, part: bool = False) -> Any:
+    """``optimizer``'s class, groups and hyperparameters over ``model``'s sharded parameters.
+    ``part``: ``model`` is one pipeline stage, holding some of the optimizer's parameters; each
+    group keeps those (a group may end empty: the groups stay in step with the whole model's)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise RecipeError(f"--strategy sharded rebuilds the optimizer on the sharded parameters, so it must be a "
                           f"torch.optim.Optimizer. Received: {type(optimizer).__name__}")
@@ -68,7 +70,8 @@ def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str]) -
     groups = []
     for group in optimizer.param_groups:
         try:
-            params = [sharded[names[id(param)]] for param in group["params"]]
+            params = [sharded[names[id(param)]] for param in group["params"]
+                      if not part or names.get(id(param)) in sharded]
         except KeyError:
             raise RecipeError("--strategy sharded: the optimizer holds a tensor that is not one of the model's "
                               "parameters") from None

@@ -1,0 +1,165 @@
+"""Running a replica's pipeline: torch's schedules for training, a plain forward pass for evaluation.
+
+Training hands each step to a torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved
+1F1B, interleaved zero bubble). The first stage feeds the replica's inputs (``batch[0]``), the
+schedule splits them into microbatches, and the last stage computes the recipe's
+``loss(outputs, batch)`` on each: its target is the microbatch's row numbers
+(``torch.arange``, torchtitan's trick), so the loss sees the rows of the whole batch that the
+microbatch holds, whatever the batch is made of.
+
+A replica's last batch of an epoch may be short (the global batch does not divide the data),
+and torch's schedules need equal microbatches of the size they first saw. The batch is padded
+to its full size with copies of its last row, and the padding is given no weight: each
+microbatch's loss is scaled so that the gradients are those of the recipe's mean loss over
+the real rows times the batch weight, exactly as one-device's step (``_microbatch_loss``).
+On the first step torch also calls the loss once on uninitialised tensors, to learn the
+gradients' shapes; that call is not a microbatch, and the loss reported leaves it out.
+
+Evaluation batches vary in size and need no backward, so evaluation does not use the
+schedules: each rank runs its stages in order, receiving a stage's input from the rank before
+and sending its output on (a shape header, then the tensor). The last stage has the outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from distrun.errors import RecipeError
+
+__all__ = ["Pipeline", "SCHEDULES"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
+
+#: Activations between stages in evaluation: the header carries the dtype's index here.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
+_MAX_DIMS = 8
+
+
+def _rows(value: Any, index: torch.Tensor) -> Any:
+    """The rows ``index`` of every tensor in a batch (tensors, tuples, lists, dicts of them)."""
+    if isinstance(value, torch.Tensor):
+        return value[index.to(value.device)]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(item, index) for item in value)
+    if isinstance(value, dict):
+        return {key: _rows(item, index) for key, item in value.items()}
+    return value
+
+
+def _padded(value: Any, rows: int) -> Any:
+    """Every tensor of a batch grown to ``rows`` rows with copies of its last row."""
+    if isinstance(value, torch.Tensor):
+        short = rows - value.shape[0]
+        return torch.cat([value, value[-1:].expand(short, *value.shape[1:])]) if short > 0 else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_padded(item, rows) for item in value)
+    if isinstance(value, dict):
+        return {key: _padded(item, rows) for key, item in value.items()}
+    return value
+
+
+class Pipeline:
+    """This rank's stages of one replica's pipeline and the schedule that runs them."""
+
+    def __init__(self, parts: Sequence[tuple[int, nn.Module]], *, stages: int, device: torch.device,
+                 group: dist.ProcessGroup, schedule: str, microbatches: int, batch_rows: int) -> None:
+        """``parts``: (stage index, module) for each stage this rank holds, in order; ``batch_rows``:
+        a replica's full batch (what a short batch is padded to)."""
+        self._parts = list(parts)
+        self._stages = stages
+        self._device = device
+        self._group = group
+        self._microbatches = microbatches
+        self._rows = batch_rows
+        indices = [index for index, _ in self._parts]
+        self.first, self.last = 0 in indices, stages - 1 in indices
+        pipeline_stages = [PipelineStage(module, index, stages, device, group=group) for index, module in self._parts]
+        cls = SCHEDULES[schedule]
+        runs = pipeline_stages if len(pipeline_stages) > 1 else pipeline_stages[0]
+        self._schedule = cls(runs, n_microbatches=microbatches, loss_fn=self._microbatch_loss)
+        self._step: dict[str, Any] = {}  # the batch being trained: what the loss of each microbatch needs
+
+    # -- training -------------------------------------------------------------
+
+    def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], weight: float,
+                   check: Callable[[Any], None]) -> torch.Tensor:
+        """Forward and backward of one replica batch; the loss (the mean over its real rows),
+        on every rank of the pipeline."""
+        if not isinstance(batch, (tuple, list)) or not batch:
+            raise RecipeError("--pp: the first stage reads batch[0], so a batch must be a tuple or list "
+                              f"(inputs, ...). Received: {type(batch).__name__}")
+        real = int(batch[0].shape[0])
+        if real > self._rows:
+            raise RecipeError(f"--pp: a batch of {real} rows, more than a replica's {self._rows}")
+        full = _padded(batch, self._rows)
+        self._step = {"batch": full, "real": real, "weight": weight, "loss_fn": loss_fn, "check": check, "sums": []}
+        losses: list[torch.Tensor] = []
+        args = (full[0],) if self.first else ()
+        target = torch.arange(self._rows, device=self._device) if self.last else None
+        self._schedule.step(*args, target=target, losses=losses if self.last else None)
+        mean = torch.zeros((), dtype=torch.float64, device=self._device)
+        if self.last:  # the last M calls: the first step's first call is torch's shape inference, on no data
+            mean = torch.stack(self._step["sums"][-self._microbatches:]).sum() / real
+        self._step = {}
+        dist.all_reduce(mean, group=self._group)  # only the last stage held it: every rank reports it
+        return mean.float()
+
+    def _microbatch_loss(self, outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The loss of the microbatch holding ``rows`` of the batch, weighted so that the schedule's
+        mean over microbatches is the batch weight times the mean over the real rows."""
+        step = self._step
+        kept = rows[rows < step["real"]]
+        if kept.numel() == 0:  # all padding: no gradient, but a backward all the same
+            return outputs.sum() * 0.0
+        loss = step["loss_fn"](outputs[(rows < step["real"]).to(outputs.device)], _rows(step["batch"], kept))
+        step["check"](loss)
+        step["sums"].append(loss.detach().double() * kept.numel())
+        return loss * (self._microbatches * step["weight"] * kept.numel() / step["real"])
+
+    # -- evaluation -----------------------------------------------------------
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for ``inputs`` on the last stage's ranks; None on the others."""
+        x: Any = inputs if self.first else None
+        for index, module in self._parts:
+            if index > 0:
+                x = self._receive(self._peer(index - 1))
+            x = module(x)
+            if index < self._stages - 1:
+                self._send(x, self._peer(index + 1))
+                x = None
+        return x
+
+    def _peer(self, stage: int) -> int:
+        return dist.get_global_rank(self._group, stage % dist.get_world_size(self._group))
+
+    def _send(self, tensor: torch.Tensor, to: int) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise RecipeError("--pp: a stage must give the next one a tensor (of at most 8 dimensions)")
+        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        dist.send(header, dst=to, group=self._group)
+        dist.send(tensor.detach().contiguous(), dst=to, group=self._group)
+
+    def _receive(self, sender: int) -> torch.Tensor:
+        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
+        dist.recv(header, src=sender, group=self._group)
+        dims = int(header[0])
+        tensor = torch.empty([int(size) for size in header[2:2 + dims]], dtype=_DTYPES[int(header[1])],
+                             device=self._device)
+        dist.recv(tensor, src=sender, group=self._group)
+        return tensor
