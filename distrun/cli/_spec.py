@@ -21,6 +21,7 @@ __all__ = ["DEFAULT_GLOBAL_BATCH_SIZE", "build_spec", "local_layout", "replicas_
 #: Samples per step over all replicas when neither the flag nor the recipe says.
 DEFAULT_GLOBAL_BATCH_SIZE = 64
 
+
 def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None, steps: int | None,
                epochs: int | None, global_batch_size: int | None, seed: int | None,
                checkpoint_dir: Path | None, gpus: int | None = None, **rest: Any) -> JobSpec:

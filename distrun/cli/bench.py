@@ -18,6 +18,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.compression import run_compression
+from distrun.bench.layouts import run_layouts
+from distrun.bench.pipeline import run_pipeline
 from distrun.bench.elastic import run_elastic
 from distrun.bench.memory import run_memory
 from distrun.bench.overhead import run_overhead
@@ -31,19 +33,19 @@ from distrun.config import Role
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_memory, render_overhead, render_scaling, render_straggler, render_ttfs
+from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_layouts, render_memory, render_overhead, render_pipeline, render_scaling, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | resnet50 | resnet18 | mlp"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic: the (running) cluster to measure (none: this machine)."),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | resnet50 | resnet18 | mlp"),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline: the (running) cluster to measure (none: this machine)."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda"),
-    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory: steps (3); scaling, compression: timed steps (20); elastic: steps (60, a rank lost halfway)."),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); scaling, compression: timed steps (20); pipeline: steps (10); elastic: steps (60, a rank lost halfway)."),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first."),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step."),
@@ -110,6 +112,17 @@ def bench(
             counts = tuple(n for n in (1, 2, 4, 8, 16, 32) if n < most) + (most,)
             report = run_memory(replica_counts=counts, steps=steps or 3, progress=say)
             _show(report, json_output, render_memory)
+        elif workload == "pipeline":
+            if cluster_file is None:
+                raise UsageError("bench pipeline: needs --cluster FILE (a running cluster of two worker hosts of one "
+                                 "slot each; pipeline stages pay across hosts)")
+            _positive(steps=steps or 10)
+            report = run_pipeline(cluster=cluster_file, steps=steps or 10, progress=say)
+            _show(report, json_output, render_pipeline)
+        elif workload == "layouts":
+            _positive(steps=steps or 3)
+            report = run_layouts(steps=steps or 3, progress=say)
+            _show(report, json_output, render_layouts)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
                               strategy, compare, json_output, precision, compile_model)
@@ -117,7 +130,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None

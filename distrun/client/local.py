@@ -149,7 +149,9 @@ class LocalJob:
         if result.state is ProcessState.SUCCEEDED:
             return JobOutcome(self.summary("succeeded"), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
-            raise Interrupted(f"interrupted: stopped {self.spec.trainer_ranks} rank(s)" if self.spec.tp > 1 else f"interrupted: stopped {self.spec.replicas} replica(s)")
+            what = (f"{self.spec.trainer_ranks} rank(s)" if self.spec.ranks_per_replica > 1
+                    else f"{self.spec.replicas} replica(s)")
+            raise Interrupted(f"interrupted: stopped {what}")
         failure = result.failure
         message = failure_message(failure)
         detail = failure.traceback if failure else None

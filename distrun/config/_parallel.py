@@ -2,9 +2,10 @@
 
 A replica may span several ranks (TensorFlow's logical devices per replica): ``--tp N`` splits
 each layer over N ranks, ``--pp P`` splits the layer stack into P pipeline stages, so a job
-runs ``replicas x tp x pp`` ranks, and ``--replicas`` stays the data-parallel degree. Only the strategies whose replicas step in lockstep over one process
-group take it: mirrored and multi-worker (replicated over the data-parallel ranks) and sharded
-(sharded over them). Each refusal below says why in one line (docs/strategies.md#model-parallel).
+runs ``replicas x tp x pp`` ranks, and ``--replicas`` stays the data-parallel degree. Only
+the strategies whose replicas step in lockstep over one process group take them: mirrored and
+multi-worker (replicated over the data-parallel ranks) and sharded (sharded over them). Each
+refusal below says why in one line (docs/strategies.md#model-parallel---tp).
 """
 
 from __future__ import annotations

@@ -47,7 +47,9 @@ def _report_workload(recipe: ModuleType, model: torch.nn.Module, strategy: Strat
         raise RecipeError(f"{spec.recipe}: tokens_per_sample must be a positive int. Received: {tokens!r}")
     count = getattr(recipe, "flops_per_token", None)
     flops = float(count(model)) if callable(count) else None
-    reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision), strategy.num_replicas)
+    # Every rank's device counts: a replica of --tp x --pp ranks computes on that many.
+    reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision),
+                      strategy.num_replicas * spec.ranks_per_replica)
 
 
 def _not_one_number(loss_fn: Any, loss: Any) -> RecipeError:

@@ -43,6 +43,7 @@ def evaluate(
         batches: Any = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_replica_batch_size)
     else:
         batches = dataset
+    updating = strategy.updates_metrics
     with strategy.evaluating() as model, torch.no_grad():
         was_training = model.training
         model.eval()
@@ -51,7 +52,7 @@ def evaluate(
             batch = to_device(batch, device)
             outputs = strategy.eval_outputs(model, forward, batch)
             forwards, last = forwards + 1, batch
-            if outputs is None:  # a pipeline stage before the last: its metrics stay empty (zero weight)
+            if outputs is None or not updating:  # another rank of the replica counts this batch
                 continue
             n = batch_len(batch)
             mean_loss.update(loss_fn(outputs, batch).detach(), weight=n)
@@ -64,8 +65,9 @@ def evaluate(
         for _ in range(extra):  # counted nowhere: they only keep a collective forward in step
             strategy.eval_outputs(model, forward, last)
         model.train(was_training)
-    with warnings.catch_warnings():  # a pipeline stage before the last reads metrics it never updated
-        warnings.filterwarnings("ignore", message=r".*compute.* method of metric .* was called before")
+    with warnings.catch_warnings():
+        if not updating:  # a rank that counted nothing: its part of the sync is zeros, not a mistake
+            warnings.filterwarnings("ignore", message=r".*compute.* method of metric .* was called before")
         result = {"loss": float(mean_loss.compute())}
         result.update({name: float(m.compute()) for name, m in named.items()})
     return result

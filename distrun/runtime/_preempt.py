@@ -50,4 +50,5 @@ class PreemptWatch:
     def agreed(self, strategy: Any) -> bool:
         if not self.enabled:
             return False
-        return strategy.reduce("max", 1.0 if _asked else 0.0) > 0.0
+        # Over every rank, not one per replica: under --tp/--pp each rank of a replica must stop too.
+        return bool(strategy._any_true(_asked))

@@ -166,9 +166,7 @@ class JobManager:
             if self.state_dir.resolve() not in evaluating.parents or not (evaluating.is_file() or evaluating.is_dir()):
                 raise JobError(f"checkpoint {args['eval_checkpoint']!r} is not in this server's folder")
         if evaluating:  # the evaluator role: one process, one device, no process group
-            spec = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False,
-                                       checkpoint_dir=None, checkpoint_every=None, ps_tasks=0, ps_sync=False,
-                                       max_staleness=None)
+            spec = evaluator_spec(spec)
             args = {**args, "local_world_size": 1, "world_size": 1, "rank_offset": 0, "node_rank": 0,
                     "master_addr": "127.0.0.1", "master_port": None}
         master_addr = str(args["master_addr"])
@@ -541,3 +539,12 @@ def _traces_in(folder: Path) -> list[str]:
     return sorted(path.name for path in folder.iterdir()
                   if path.name.endswith(".pt.trace.json") and not path.name.startswith(".")
                   and path.is_file() and not path.is_symlink())
+
+
+def evaluator_spec(spec: JobSpec) -> JobSpec:
+    """The training job's spec for its evaluator host: one process, one device, no process group,
+    whatever the job's layout (--tp/--pp and the parameter-server's settings go)."""
+    return dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
+                               checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
+                               pp_schedule="1f1b", microbatches=0)
+

@@ -323,6 +323,12 @@ class Strategy(ReplicaCollectives, ElasticReplica, ABC):
         (loss * weight if weight != 1.0 else loss).backward()
         return loss.detach()
 
+    @property
+    def updates_metrics(self) -> bool:
+        """Whether this rank's evaluation outputs go into the metrics (every replica's rank does;
+        a model-parallel replica's other ranks hold the same outputs, or none)."""
+        return True
+
     def eval_outputs(self, model: nn.Module, forward: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
         """The model's outputs for an evaluation batch; None on a rank that has none (a pipeline
         stage before the last)."""

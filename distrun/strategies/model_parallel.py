@@ -29,10 +29,9 @@ and ``replica_id`` count replicas, each rank of a replica reads the same batches
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,22 +49,25 @@ from distrun.strategies.parallel.pipeline import Chain, chain_of, check_chain, c
 from distrun.strategies.parallel.plan import TensorPlan, resolve_plan
 from distrun.strategies.parallel.schedule import Pipeline
 from distrun.strategies.parallel.tensor import apply_tensor_parallel
-from distrun.strategies.sharded import ShardedStrategy, _on_cpu, _on_meta
-from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
+from distrun.strategies.sharded import ShardedStrategy
+from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
 from distrun.strategies.sharding.compile import compile_units
-from distrun.strategies.sharding.state import broadcast_from_rank0, load_full_model_state
+from distrun.strategies.sharding.state import load_full_model_state, on_cpu, on_meta, same_rng_as_rank0
 from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.precision import PRECISION_DTYPES
 
 __all__ = ["ModelParallelStrategy"]
 
-# The replicated modules' outputs leave as ``to_local()`` views (parallel/tensor.py), which FSDP2
-# warns about at the root in case a recipe writes into its output in place; the loss never does.
-warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-# --clip-grad-norm's norm of the gradients on the 4-D mesh reduces over two dimensions in two
-# all-reduces (a few floats each); DTensor says so on every step.
-logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+def _quiet_torch() -> None:
+    """What torch says on every step of a model-parallel job that is not news (this process only
+    runs one job): the replicated modules' outputs leave as ``to_local()`` views
+    (parallel/tensor.py), which FSDP2 warns about at the root in case a recipe writes into its
+    output in place (the loss never does); and --clip-grad-norm's norm on the 4-D mesh reduces
+    over two dimensions in two all-reduces of a few floats, which DTensor logs."""
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 class ModelParallelStrategy(ShardedStrategy):
@@ -75,6 +77,7 @@ class ModelParallelStrategy(ShardedStrategy):
     def __init__(self, *args: Any, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b", microbatches: int = 0,
                  label: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        _quiet_torch()
         self.name = label
         self.shape: MeshShape = mesh_shape(self._replica.world_size, tp=tp, pp=pp, sharded=label == "sharded",
                                            shard_within=self._shard_within, hosts=self._hosts)
@@ -107,8 +110,11 @@ class ModelParallelStrategy(ShardedStrategy):
     # -- building ---------------------------------------------------------------
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        initial = _on_cpu(model.state_dict()) if self.is_chief else {}  # rank 0's values, for everyone
-        shapes = {key: (value.shape, value.dtype) for key, value in model.state_dict().items()}
+        # Rank 0's values for everyone: the state_dict and every buffer (non-persistent ones too: a
+        # causal mask, RoPE's tables), taken before its model goes to the meta device.
+        whole = _values(model)
+        initial = on_cpu(whole) if self.is_chief else {}
+        shapes = {key: (value.shape, value.dtype) for key, value in whole.items()}
         names = parameter_names(model)
         if optimizer is not None:
             self._full_order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -132,11 +138,12 @@ class ModelParallelStrategy(ShardedStrategy):
         if self.is_chief:
             print(f"[{self.name}] " + "; ".join(said), flush=True)
         self._parts = [part for _, part in parts]
-        if not self.pipelined:
-            broadcast_from_rank0(self._parts[0], initial, self._collective_device)
-            return self._parts[0], rebuild_optimizer(optimizer, self._parts[0], names) if optimizer is not None else None
         self._broadcast_pieces(initial, shapes)
         del initial
+        same_rng_as_rank0(self._collective_device)
+        if not self.pipelined:
+            rebuilt = rebuild_optimizer(optimizer, self._parts[0], names) if optimizer is not None else None
+            return self._parts[0], rebuilt
         self.pipeline = Pipeline(parts, stages=self.shape.pp * stages_per_rank(self._schedule_name), device=self.device,
                                  group=self.parallel.pipeline_group, schedule=self._schedule_name,
                                  microbatches=self._microbatches, batch_rows=1)
@@ -150,7 +157,7 @@ class ModelParallelStrategy(ShardedStrategy):
     def _stages(self, model: nn.Module) -> list[tuple[int, nn.Module]]:
         """(stage index, module) for each stage this rank holds: the whole model without --pp."""
         if not self.pipelined:
-            if not _on_meta(model):  # rank 0's copy: its values are in ``initial``, the pieces come from there
+            if not on_meta(model):  # rank 0's copy: its values are in ``initial``, the pieces come from there
                 model.to(torch.device("meta"))
             return [(0, model)]
         chain = chain_of(model, self.pp_chain_from)
@@ -160,7 +167,7 @@ class ModelParallelStrategy(ShardedStrategy):
             self._reference = (model, chain)  # checked against the chain on the first batch
             print(f"[{self.name}] pipeline: {cut.stages} stages over {self.shape.pp} ranks ({self._schedule_name}, "
                   f"{self._microbatches} microbatches), chain from {chain.source}: {cut.describe(chain)}", flush=True)
-        base = meta_copy(model) if not _on_meta(model) else model
+        base = meta_copy(model) if not on_meta(model) else model
         mine = [self.place["pp"] + k * self.shape.pp for k in range(per_rank)]
         return [(stage, keep_stages(meta_copy(base) if per_rank > 1 else base, chain, cut.items(stage)))
                 for stage in mine]
@@ -170,7 +177,7 @@ class ModelParallelStrategy(ShardedStrategy):
         keeps what its stages hold (its slice of it, for a DTensor)."""
         mine: dict[str, torch.Tensor] = {}
         for part in self._parts:
-            mine.update(part.state_dict(keep_vars=True))
+            mine.update(_values(part))
         with torch.no_grad():
             for key, (shape, dtype) in shapes.items():
                 whole = (initial[key].to(self._collective_device) if self.is_chief
@@ -195,7 +202,7 @@ class ModelParallelStrategy(ShardedStrategy):
             if rows % self._microbatches:
                 raise ConfigError(f"--microbatches {self._microbatches}: a replica's batch of {rows} does not split "
                                   "into equal microbatches")
-            self.pipeline._rows = rows
+            self.pipeline.set_batch_rows(rows)
         return distributed
 
     def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
@@ -227,12 +234,11 @@ class ModelParallelStrategy(ShardedStrategy):
             return super().eval_outputs(model, forward, batch)
         return self.pipeline.forward(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
-    @contextlib.contextmanager
-    def evaluating(self) -> Iterator[nn.Module]:
-        try:
-            yield self.compute_model()
-        finally:
-            reshard_all(self.unwrap())
+    @property
+    def updates_metrics(self) -> bool:
+        """One rank per replica updates evaluation metrics (the last stage's, tensor-parallel rank
+        0): every rank syncs them over all ranks, so sums and counts come out once per sample."""
+        return self.place["tp"] == 0 and (self.pipeline is None or self.pipeline.last)
 
     def _on_batch(self, samples: int, weight: float) -> None:
         """Every rank of a replica reads its batch: each reports its share, so the job counts it once."""
@@ -303,3 +309,12 @@ def _within(plan: TensorPlan, part: nn.Module) -> TensorPlan:
     """The plan's entries for the modules a pipeline stage holds."""
     present = {name for name, _ in part.named_modules()}
     return TensorPlan({name: style for name, style in plan.styles.items() if name in present}, plan.description)
+
+
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state_dict's tensors (kept as they are: a DTensor stays one) and every buffer by name,
+    non-persistent ones too."""
+    values = dict(model.state_dict(keep_vars=True))
+    for name, buffer in model.named_buffers():
+        values.setdefault(name, buffer)
+    return {name: value for name, value in values.items() if isinstance(value, torch.Tensor)}

@@ -56,21 +56,20 @@ from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebui
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
 from distrun.strategies.sharding.compile import compile_units
 from distrun.strategies.sharding.mesh import Layout, choose_layout
-from distrun.strategies.sharding.state import broadcast_from_rank0, load_full_model_state, load_full_optimizer_state
+from distrun.strategies.sharding.state import (
+    broadcast_from_rank0,
+    load_full_model_state,
+    load_full_optimizer_state,
+    on_cpu,
+    on_meta,
+    same_rng_as_rank0,
+)
 from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.precision import PRECISION_DTYPES, ScaledOptimizer
 
 __all__ = ["ShardedStrategy"]
 
 _HOST_BYTES = 64  # a host name as the shared-folder check gathers it
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
-
-
-def _on_cpu(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 class ShardedStrategy(Strategy):
@@ -99,9 +98,9 @@ class ShardedStrategy(Strategy):
         return torch.device("cpu") if self.is_chief else torch.device("meta")
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
-        initial = _on_cpu(model.state_dict()) if self.is_chief else {}  # rank 0's values, for everyone
+        initial = on_cpu(model.state_dict()) if self.is_chief else {}  # rank 0's values, for everyone
         home = torch.device("cpu") if self._offload else self.device
-        if not _on_meta(model):
+        if not on_meta(model):
             model = model.to(home)
         layout = self._choose_layout(sum(p.numel() for p in model.parameters()))
         self.mesh = self._make_mesh(layout.hsdp)
@@ -114,10 +113,11 @@ class ShardedStrategy(Strategy):
             compile_units(units.modules, self._step.settings.compile_mode)
         apply_fsdp(model, units.modules, self.mesh, param_dtype=PRECISION_DTYPES.get(self.precision),
                    reshard_after_forward=self._reshard, offload=self._offload)
-        if _on_meta(model):
+        if on_meta(model):
             model.to_empty(device=home)  # only this rank's shards (and the buffers) are allocated
         broadcast_from_rank0(model, initial, self._collective_device)
         del initial
+        same_rng_as_rank0(self._collective_device)
         return model, rebuild_optimizer(optimizer, model, names) if optimizer is not None else None
 
     def _choose_layout(self, parameters: int) -> Layout:

@@ -139,3 +139,29 @@ def render_memory(report: Mapping[str, Any]) -> Table:
             table.add_row("ratio", "", "", "", "", f"{ratio['state']:.2f}x",
                           f"{ratio['added_rank0']:.2f}x", others_ratio, end_section=True)
     return table
+
+
+def render_pipeline(report: Mapping[str, Any]) -> Table:
+    title = (f"pipeline across hosts: MLP of {report['parameters']:,} parameters ({report['layers']} blocks of "
+             f"{report['width']}), global batch {report['global_batch_size']}, {report['steps']} steps")
+    table = _contenders(title, f"samples/s: the mean after step 1; the goal is at least {report['goal_vs_sharded']:g}x "
+                        "sharded for --pp 2", ("contender", "samples/s", "step", "vs sharded", "peak MB"))
+    for row in report["rows"]:
+        table.add_row(row["contender"], f"{row['samples_per_s']:.1f}",
+                      "-" if row["step_s"] is None else f"{row['step_s']:.2f} s",
+                      "-" if row["vs_sharded"] is None else f"{row['vs_sharded']:.2f}x",
+                      "-" if row["peak_mb"] is None else f"{row['peak_mb']:.0f}")
+    return table
+
+
+def render_layouts(report: Mapping[str, Any]) -> Table:
+    title = (f"memory per rank: MLP of {report['parameters']:,} parameters ({report['layers']} blocks of "
+             f"{report['width']}), global batch {report['global_batch_size']}, 2 ranks each")
+    table = _contenders(title, "peak: the highest rank's peak resident memory (VmHWM, interpreter and torch "
+                        "included); rank 0 also built the whole model before splitting it",
+                        ("layout", "peak MB", "rank 0", "others", "vs sharded", "samples/s"))
+    for row in report["rows"]:
+        others = "-" if row["others_peak_mb"] is None else f"{row['others_peak_mb']:.0f}"
+        table.add_row(row["layout"], f"{row['peak_mb']:.0f}", f"{row['rank0_peak_mb']:.0f}", others,
+                      f"{row['vs_sharded']:.2f}x", f"{row['samples_per_s']:.1f}")
+    return table

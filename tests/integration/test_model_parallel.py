@@ -146,42 +146,66 @@ def test_tensor_parallel_ends_with_one_devices_parameters(transformer, one_devic
     said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "mesh dp" in line["line"]]
     assert len(said) == 1 and f"mesh dp {mesh['dp']} x tp 2" in said[0], said
     assert "the recipe's tp_plan: blocks.*.[qkv] colwise (6), blocks.*.o rowwise (2)" in said[0], said
-    # Every rank of a replica reads its batches: the job counts each replica's samples once.
     assert data["mesh"] == mesh and data["strategy"] == strategy
-    assert summary["samples_per_s"] > 0
+    # Every rank of a replica reads its batches: the job counts each replica's samples once. The
+    # summary's rate (after step 1) against the global batch over rank 0's own step times: a
+    # replica counted once per rank would read tp times too high.
+    steps = {line["step"]: line["time"] for line in result.json_lines() if line["type"] == "step" and line["rank"] == 0}
+    assert min(steps) == 1 and max(steps) == 8, sorted(steps)
+    measured = 8 * (8 - 1) / (steps[8] - steps[1])
+    assert 0.5 < summary["samples_per_s"] / measured < 1.5, (summary["samples_per_s"], measured)
 
 
-def test_a_tp_checkpoint_resumes_under_one_device_and_back(transformer, one_device, tmp_path):
-    """dp 2 x tp 2 writes step 4; one-device resumes it to step 8. One-device's step 4 resumes
-    under mirrored --tp 2. Both end where the uninterrupted one-device run ended."""
-    _, one, one_dir = one_device
+def test_ranks_of_a_replica_draw_alike_and_keep_rank_0s_buffers(transformer, tmp_path):
+    """Dropout outside the split layers must draw one mask on every rank of a replica, as one
+    device would (each rank but 0 built its model on the meta device, drawing nothing), and a
+    non-persistent buffer must hold rank 0's values after the model is split and allocated."""
+    source = transformer.read_text().replace(
+        "        self.head = nn.Linear(WIDTH, VOCAB)\n",
+        "        self.head = nn.Linear(WIDTH, VOCAB)\n"
+        "        self.register_buffer('scale', torch.linspace(0.5, 1.5, WIDTH), persistent=False)\n").replace(
+        "        x = self.embed(tokens)\n",
+        "        x = F.dropout(self.embed(tokens), 0.2, self.training) * self.scale\n")
+    recipe = tmp_path / "dropout.py"
+    recipe.write_text(source)
+    _, one = _train(recipe, tmp_path / "one", *STEPS)
+    _, tp = _train(recipe, tmp_path / "tp", "-s", "mirrored", "--tp", "2", *STEPS)
+    _close(tp["model"], one["model"], "dropout and a non-persistent buffer under --tp 2")
+
+
+def test_bf16_under_tp_and_pp_trains_like_fp32(transformer, one_device, tmp_path):
+    """FSDP2's bf16 policy over the tensor-parallel stages: the loss within bf16's rounding of fp32's."""
+    reference, _, _ = one_device
+    result, data = _train(transformer, tmp_path / "bf16", "-s", "mirrored", "--tp", "2", "--pp", "2",
+                          "--microbatches", "2", "--precision", "bf16", *STEPS)
+    assert all(t.dtype == torch.float32 for t in data["model"].values())  # fp32 master weights
+    assert result.summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=0.05)
+
+
+def test_a_tp_checkpoint_resumes_under_one_device_and_exports_whole(transformer, one_device, tmp_path):
+    """dp 2 x tp 2 writes step 4; one-device resumes it to step 8, where the uninterrupted
+    one-device run ended (one-device's checkpoints resume under --tp: the next test)."""
+    _, one, _ = one_device
     _train(transformer, tmp_path / "tp", "-s", "sharded", "--tp", "2", "--replicas", "2", "--steps", "4",
            "--clip-grad-norm", "0.5")
     rows = run_cli("checkpoint", "ls", str(tmp_path / "tp"), "--json")
     assert rows.returncode == 0 and '"mesh": {"dp": 2, "tp": 2}' in rows.stdout, rows.stdout
-    _, resumed = _train(transformer, tmp_path / "tp", *STEPS, "--resume")
-    assert resumed["step"] == 8
-    _close(resumed["model"], one["model"], "tp 2 x dp 2 -> one-device")
-
-    shutil.copytree(one_dir, tmp_path / "back")
-    latest_checkpoint(tmp_path / "back").unlink()  # step 8's file: step 4's is the newest
-    _, back = _train(transformer, tmp_path / "back", "-s", "mirrored", "--tp", "2", *STEPS, "--resume")
-    assert back["step"] == 8 and back["mesh"] == {"dp": 1, "tp": 2}
-    _close(back["model"], one["model"], "one-device -> tp 2")
-
     exported = tmp_path / "export.pt"
-    result = run_cli("checkpoint", "export", str(tmp_path / "back"), "-o", str(exported))
+    result = run_cli("checkpoint", "export", str(tmp_path / "tp"), "-o", str(exported))
     assert result.returncode == 0, result.stderr
     state = torch.load(exported, weights_only=True)
     assert sorted(state) == sorted(one["model"])  # the model's own names, whole tensors
     assert all(type(t) is torch.Tensor and t.shape == one["model"][k].shape for k, t in state.items())
 
+    _, resumed = _train(transformer, tmp_path / "tp", *STEPS, "--resume")
+    assert resumed["step"] == 8
+    _close(resumed["model"], one["model"], "tp 2 x dp 2 -> one-device")
 
-@pytest.mark.parametrize("strategy, mode", [("one-device", "full"), ("mirrored", "selective"), ("sharded", "full")])
+
+@pytest.mark.parametrize("strategy, mode", [("mirrored", "selective"), ("sharded", "full")])
 def test_activation_checkpointing_changes_no_parameter(transformer, one_device, tmp_path, strategy, mode):
     _, one, _ = one_device
-    replicas = () if strategy == "one-device" else ("--replicas", "2")
-    result, data = _train(transformer, tmp_path / "ck", "-s", strategy, *replicas, "--activation-checkpointing",
+    result, data = _train(transformer, tmp_path / "ck", "-s", strategy, "--replicas", "2", "--activation-checkpointing",
                           mode, *STEPS)
     _close(data["model"], one["model"], f"{strategy} --activation-checkpointing {mode}")
     said = [line["line"] for line in result.json_lines() if line["type"] == "output"
@@ -239,7 +263,10 @@ def model():
 
 
 def optimizer(params):
-    return torch.optim.AdamW(params, lr=0.01)
+    params = list(params)  # two groups: the checkpoints' param groups span the pipeline's stages
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                              {"params": [p for p in params if p.dim() == 1], "lr": 0.02, "weight_decay": 0.0}],
+                             lr=0.01)
 
 
 def loss(outputs, batch):
@@ -293,7 +320,8 @@ def test_every_pipeline_schedule_ends_with_one_devices_parameters(sequential, tm
 
 def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_device, tmp_path):
     """sharded --pp 2 --tp 2 (4 ranks: two stages of two) matches one-device; its step-4
-    checkpoint resumes under mirrored with 2 replicas, and one-device's under --pp 2 --tp 2."""
+    checkpoint resumes under sharded with 2 replicas and under one-device, and one-device's
+    under --pp 2 --tp 2."""
     _, one, one_dir = one_device
     result, data = _train(transformer, tmp_path / "both", "-s", "sharded", "--pp", "2", "--tp", "2",
                           "--microbatches", "2", *STEPS, "--checkpoint-every", "4")
@@ -303,8 +331,11 @@ def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_devic
     assert said and "the recipe's pp_chain: stage 0 = embed..blocks.0" in said[0], said
 
     latest_checkpoint(tmp_path / "both").rename(tmp_path / "step8")  # leave step 4 the newest
-    _, mirrored = _train(transformer, tmp_path / "both", "-s", "mirrored", "--replicas", "2", *STEPS, "--resume")
-    _close(mirrored["model"], one["model"], "pp 2 x tp 2 -> mirrored x 2")
+    shutil.copytree(tmp_path / "both", tmp_path / "whole")
+    _, sharded = _train(transformer, tmp_path / "both", "-s", "sharded", "--replicas", "2", *STEPS, "--resume")
+    _close(sharded["model"], one["model"], "pp 2 x tp 2 -> sharded x 2")
+    _, whole = _train(transformer, tmp_path / "whole", *STEPS, "--resume")
+    _close(whole["model"], one["model"], "pp 2 x tp 2 -> one-device")
 
     shutil.copytree(one_dir, tmp_path / "back")
     latest_checkpoint(tmp_path / "back").unlink()
@@ -326,3 +357,20 @@ def test_a_chain_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path
     assert result.returncode == code, result.stderr[-2000:]
     assert says in result.summary["error"], result.summary["error"]
     assert not [line for line in result.json_lines() if line["type"] == "step"]
+
+
+def test_a_pipelined_checkpoint_resumes_pipelined_and_whole(sequential, tmp_path):
+    """interleaved-1f1b (two stages a rank, four in all) writes step 8; the same layout resumes
+    it to step 16, and so does one-device: both end where the uninterrupted run ended. The
+    optimizer's two groups span every stage (their names merged into one sidecar)."""
+    recipe, _, one = sequential
+    layout = ("-s", "mirrored", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--clip-grad-norm", "0.5")
+    _train(recipe, tmp_path / "pp", *layout, "--steps", "8")
+    shutil.copytree(tmp_path / "pp", tmp_path / "whole")
+    _, resumed = _train(recipe, tmp_path / "pp", *layout, "--epochs", "2", "--resume")
+    _close(resumed["model"], one["model"], "interleaved pp 2 -> itself")
+    groups = resumed["optimizer"]["param_groups"]
+    assert [len(group["params"]) for group in groups] == [4, 4] and groups[1]["lr"] == 0.02
+    _, whole = _train(recipe, tmp_path / "whole", "--epochs", "2", "--clip-grad-norm", "0.5", "--resume")
+    _close(whole["model"], one["model"], "interleaved pp 2 -> one-device")
+

@@ -213,3 +213,25 @@ def test_a_stage_keeps_the_whole_models_names():
     assert all(p.is_meta for p in stage.parameters()) and not any(p.is_meta for p in model.parameters())
     assert check_chain(model, chain, torch.randn(3, 4)) is None
     assert "does not compose" in check_chain(model, chain_of(model, lambda m: [m[0], m[2], m[4]]), torch.randn(3, 4))
+
+
+def test_a_tracked_run_records_its_layout(tmp_path):
+    from distrun.runtime.tracking import RunParams
+
+    recipe = tmp_path / "r.py"
+    recipe.write_text("")
+    spec = JobSpec(recipe=str(recipe), strategy=StrategyName.SHARDED, replicas=2, tp=2, pp=2,
+                   pp_schedule="gpipe", global_batch_size=8, activation_checkpointing="full")
+    params = RunParams.from_spec(spec, world_size=8, tf_config=None).as_dict()
+    assert (params["tp"], params["pp"], params["pp_schedule"], params["microbatches"]) == (2, 2, "gpipe", 4)
+    assert params["activation_checkpointing"] == "full"
+    plain = RunParams.from_spec(JobSpec(recipe=str(recipe)), world_size=1, tf_config=None).as_dict()
+    assert "pp_schedule" not in plain and plain["tp"] == 1
+
+
+def test_the_evaluator_role_runs_one_device_whatever_the_layout():
+    from distrun.server._jobs import evaluator_spec
+
+    evaluator = evaluator_spec(_spec("sharded", replicas=2, tp=2, pp=2, pp_schedule="gpipe", global_batch_size=8))
+    assert evaluator.world_size == 1 and evaluator.strategy is StrategyName.ONE_DEVICE and evaluator.mesh == {
+        "dp": 1, "tp": 1}

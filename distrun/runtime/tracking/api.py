@@ -66,6 +66,13 @@ class RunParams:
     distrun_version: str
     torch_version: str
     python_version: str
+    #: the layout of a replica (--tp, --pp, its schedule and microbatches; 1, 1, None, None without
+    #: them) and --activation-checkpointing: runs of one model in two layouts must not look alike
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str | None = None
+    microbatches: int | None = None
+    activation_checkpointing: str = "none"
 
     @classmethod
     def from_spec(cls, spec: JobSpec, *, world_size: int, tf_config: str | None) -> RunParams:
@@ -77,7 +84,10 @@ class RunParams:
             strategy=spec.strategy.value, replicas=spec.replicas, world_size=world_size,
             hosts=",".join(worker_hosts(tf_config)), global_batch_size=spec.global_batch_size,
             precision=spec.precision, compile=spec.compile, compression=spec.compression, seed=spec.seed,
-            steps=spec.steps, epochs=spec.epochs, recipe=recipe.name,
+            steps=spec.steps, epochs=spec.epochs, recipe=recipe.name, tp=spec.tp, pp=spec.pp,
+            pp_schedule=spec.pp_schedule if spec.pp > 1 else None,
+            microbatches=spec.pipeline_microbatches if spec.pp > 1 else None,
+            activation_checkpointing=spec.activation_checkpointing,
             recipe_sha256=hashlib.sha256(recipe.read_bytes()).hexdigest(),
             distrun_version=distrun_version, torch_version=str(torch.__version__),
             python_version=platform.python_version(),

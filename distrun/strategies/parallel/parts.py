@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distrun.errors import RecipeError
+
 __all__ = ["PipelineParts", "PipelineOptimizer", "merge_rest", "restricted"]
 
 
@@ -33,8 +35,8 @@ class PipelineParts(nn.Module):
         self.parts = nn.ModuleList(parts)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError("under --pp a rank holds pipeline stages: strategy.forward_backward(...) trains a batch "
-                        "and evaluation runs the pipeline; the stages cannot be called as one model")
+        raise RecipeError("--pp: a rank holds pipeline stages, which cannot be called as one model; "
+                          "strategy.forward_backward(...) trains a batch and evaluation runs the pipeline")
 
 
 class PipelineOptimizer:
@@ -84,7 +86,7 @@ class PipelineOptimizer:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        raise TypeError("under --pp the optimizer's state is saved by the strategy (strategy.save), per stage")
+        raise RecipeError("--pp: the optimizer's state is each stage's; strategy.save() writes it whole")
 
 
 def merge_rest(rests: Sequence[dict[str, Any]]) -> dict[str, Any]:

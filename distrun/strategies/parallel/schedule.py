@@ -92,6 +92,10 @@ class Pipeline:
         self._schedule = cls(runs, n_microbatches=microbatches, loss_fn=self._microbatch_loss)
         self._step: dict[str, Any] = {}  # the batch being trained: what the loss of each microbatch needs
 
+    def set_batch_rows(self, rows: int) -> None:
+        """A replica's full batch, once the data is known: what a short batch is padded to."""
+        self._rows = rows
+
     # -- training -------------------------------------------------------------
 
     def train_step(self, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], weight: float,

@@ -18,9 +18,30 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from distrun.strategies.checkpoint import layout
 
-__all__ = ["broadcast_from_rank0", "load_full_model_state", "load_full_optimizer_state"]
+__all__ = ["broadcast_from_rank0", "load_full_model_state", "load_full_optimizer_state", "on_cpu", "on_meta",
+           "same_rng_as_rank0"]
 
 _SCATTER = StateDictOptions(full_state_dict=True)
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` was built on the meta device (every rank but 0 builds it there)."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def on_cpu(state: dict[str, Any]) -> dict[str, Any]:
+    """A state_dict's tensors on the CPU (rank 0's initial values, kept while the model is split)."""
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+
+def same_rng_as_rank0(device: torch.device) -> None:
+    """Every rank takes rank 0's CPU random state. Only rank 0 drew from it to initialise the model
+    (the others built theirs on the meta device), and the ranks of one model-parallel replica must
+    draw alike afterwards (dropout in replicated modules, augmentation), as mirrored's replicas,
+    which all build the model, do."""
+    state = torch.get_rng_state().to(device)
+    dist.broadcast(state, src=0)
+    torch.set_rng_state(state.cpu())
 
 
 def broadcast_from_rank0(model: nn.Module, state: dict[str, Any], device: torch.device) -> None:
