@@ -1,6 +1,6 @@
 """`distrun bench pipeline --cluster FILE`: pipeline stages against replicas across slow links, in one run.
 
-Three ``distrun train`` runs of ``_pipeline_recipe.py`` (an MLP of 8.4M parameters at the
+Three ``distrun train`` runs of ``_pipeline_recipe.py`` (an MLP of 33.8M parameters at the
 defaults, a small batch) on the same cluster, one after another: ``multi-worker`` (each host
 a whole replica, gradients all-reduced every step), ``sharded`` (FSDP2 over every rank:
 parameters all-gathered and gradients reduce-scattered every step) and ``multi-worker --pp
