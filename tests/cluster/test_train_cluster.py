@@ -59,16 +59,22 @@ def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, t
         assert [pid for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)] == []
 
 
-def test_pipeline_stages_go_across_hosts(lab: Lab, cluster: Path, tmp_path: Path) -> None:
-    """One slot on each of two hosts: --pp 2 puts stage 0 on the first host and stage 1 on the
-    second, only activations cross between them, and the parameters are one-device's. --tp 2
-    would put a tensor-parallel group across them: refused before anything starts."""
+def _equiv_on_one_device(tmp_path: Path) -> tuple[Path, tuple[str, ...], dict]:
+    """EQUIV in a code folder, its flags (2 epochs of 99 samples), and its one-device checkpoint."""
     recipe = tmp_path / "code" / "equiv.py"
     recipe.parent.mkdir()
     recipe.write_text(EQUIV)
     flags = ("--epochs", "2", "--json", "--", "--samples", "99")
     local = run_cli("train", str(recipe), "--checkpoint-dir", str(tmp_path / "one"), *flags)
     assert local.returncode == 0, local.stderr[-2000:]
+    return recipe, flags, torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+
+
+def test_pipeline_stages_go_across_hosts(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    """One slot on each of two hosts: --pp 2 puts stage 0 on the first host and stage 1 on the
+    second, only activations cross between them, and the parameters are one-device's. --tp 2
+    would put a tensor-parallel group across them: refused before anything starts."""
+    recipe, flags, base = _equiv_on_one_device(tmp_path)
     remote = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--pp", "2",
                      "--checkpoint-dir", str(tmp_path / "pp"), *flags)
     assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
@@ -77,7 +83,7 @@ def test_pipeline_stages_go_across_hosts(lab: Lab, cluster: Path, tmp_path: Path
     said = [line["line"] for line in lines if line.get("type") == "output" and "pipeline:" in line["line"]]
     assert len(said) == 1 and "stage 0 = 0 (" in said[0] and "stage 1 = 1..2 (" in said[0], said
     assert lines[-1]["mesh"] == {"dp": 1, "tp": 1, "pp": 2} and lines[-1]["replicas"] == 1
-    base, piped = (load_checkpoint(latest_checkpoint(tmp_path / name)) for name in ("one", "pp"))
+    piped = load_checkpoint(latest_checkpoint(tmp_path / "pp"))
     assert piped["step"] == base["step"] == 14
     for key, tensor in base["model"].items():
         torch.testing.assert_close(piped["model"][key], tensor, rtol=0, atol=2e-4, msg=key)
@@ -240,13 +246,7 @@ def test_an_evaluator_host_evaluates_each_new_checkpoint(lab: Lab, tmp_path: Pat
 def test_sharded_on_two_hosts_hsdp_and_flat_match_one_device(lab: Lab, tmp_path: Path) -> None:
     """Two ranks on each of two hosts: HSDP (a 2x2 mesh: shard in a host, replicate across) and
     sharding over all four both end with one-device's parameters."""
-    recipe = tmp_path / "code" / "equiv.py"
-    recipe.parent.mkdir()
-    recipe.write_text(EQUIV)
-    flags = ("--epochs", "2", "--json", "--", "--samples", "99")
-    local = run_cli("train", str(recipe), "--checkpoint-dir", str(tmp_path / "one"), *flags)
-    assert local.returncode == 0, local.stderr[-2000:]
-    base = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    recipe, flags, base = _equiv_on_one_device(tmp_path)
     roles = {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[worker]", "slots": "2"}}
     with brought_up(lab, roles, "sharded") as cluster:
         # No --shard-within: auto, which takes HSDP on two hosts for a model this small.
