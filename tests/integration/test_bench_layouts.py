@@ -2,7 +2,8 @@
 
 The report's shape, and what must hold whatever the machine: every layout trains the same
 batches to one loss, and keeping less for backward (activation checkpointing) never raises
-a rank's peak. The documented figures (docs/performance.md) are the defaults'.
+a rank's peak where activations set it (sharded). The documented figures
+(docs/performance.md) are the defaults'.
 """
 
 from __future__ import annotations
@@ -25,4 +26,5 @@ def test_bench_layouts_reports_each_layout_against_sharded():
     assert len(rows) == 7 and rows["sharded x2"]["vs_sharded"] == 1.0
     losses = [row["final_loss"] for row in rows.values()]
     assert max(losses) - min(losses) < 1e-3, losses
-    assert rows["mirrored x2, checkpointing full"]["peak_mb"] < rows["mirrored x2"]["peak_mb"]
+    # Sharded's peak is its activations (no DDP buckets): keeping fewer of them lowers it (0.72x here).
+    assert rows["sharded x2, checkpointing full"]["peak_mb"] < rows["sharded x2"]["peak_mb"]
