@@ -547,4 +547,3 @@ def evaluator_spec(spec: JobSpec) -> JobSpec:
     return dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
                                checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
                                pp_schedule="1f1b", microbatches=0)
-

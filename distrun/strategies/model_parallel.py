@@ -112,9 +112,9 @@ class ModelParallelStrategy(ShardedStrategy):
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         # Rank 0's values for everyone: the state_dict and every buffer (non-persistent ones too: a
         # causal mask, RoPE's tables), taken before its model goes to the meta device.
-        whole = _values(model)
-        initial = on_cpu(whole) if self.is_chief else {}
-        shapes = {key: (value.shape, value.dtype) for key, value in whole.items()}
+        whole = _values(model)  # rank 0's real tensors; the others' on the meta device, for their shapes
+        if self.is_chief:
+            whole = on_cpu(whole)
         names = parameter_names(model)
         if optimizer is not None:
             self._full_order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
@@ -138,15 +138,15 @@ class ModelParallelStrategy(ShardedStrategy):
         if self.is_chief:
             print(f"[{self.name}] " + "; ".join(said), flush=True)
         self._parts = [part for _, part in parts]
-        self._broadcast_pieces(initial, shapes)
-        del initial
+        self._broadcast_pieces(whole)
+        del whole
         same_rng_as_rank0(self._collective_device)
         if not self.pipelined:
             rebuilt = rebuild_optimizer(optimizer, self._parts[0], names) if optimizer is not None else None
             return self._parts[0], rebuilt
         self.pipeline = Pipeline(parts, stages=self.shape.pp * stages_per_rank(self._schedule_name), device=self.device,
                                  group=self.parallel.pipeline_group, schedule=self._schedule_name,
-                                 microbatches=self._microbatches, batch_rows=1)
+                                 microbatches=self._microbatches)
         container = PipelineParts(self._parts)
         if optimizer is None:
             return container, None
@@ -172,26 +172,27 @@ class ModelParallelStrategy(ShardedStrategy):
         return [(stage, keep_stages(meta_copy(base) if per_rank > 1 else base, chain, cut.items(stage)))
                 for stage in mine]
 
-    def _broadcast_pieces(self, initial: dict[str, Any], shapes: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-        """Rank 0's initial values into every rank's pieces, tensor by tensor in one order: each rank
-        keeps what its stages hold (its slice of it, for a DTensor)."""
+    def _broadcast_pieces(self, whole: dict[str, torch.Tensor]) -> None:
+        """Rank 0's initial values (``whole``: rank 0's tensors, the others' meta ones of the same
+        names and shapes) into every rank's pieces, tensor by tensor in one order: each rank keeps
+        what its stages hold (its slice of it, for a DTensor)."""
         mine: dict[str, torch.Tensor] = {}
         for part in self._parts:
             mine.update(_values(part))
         with torch.no_grad():
-            for key, (shape, dtype) in shapes.items():
-                whole = (initial[key].to(self._collective_device) if self.is_chief
-                         else torch.empty(shape, dtype=dtype, device=self._collective_device))
-                dist.broadcast(whole, src=0)
+            for key, value in whole.items():
+                tensor = (value.to(self._collective_device) if self.is_chief
+                          else torch.empty(value.shape, dtype=value.dtype, device=self._collective_device))
+                dist.broadcast(tensor, src=0)
                 target = mine.get(key)
                 if target is None:
                     continue
                 if isinstance(target, DTensor):
-                    piece = distribute_tensor(whole.to(target.device), target.device_mesh, target.placements,
+                    piece = distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements,
                                               src_data_rank=None)
                     target.to_local().copy_(piece.to_local())
                 else:
-                    target.copy_(whole)
+                    target.copy_(tensor)
 
     # -- stepping ---------------------------------------------------------------
 

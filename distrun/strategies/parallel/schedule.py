@@ -75,15 +75,14 @@ class Pipeline:
     """This rank's stages of one replica's pipeline and the schedule that runs them."""
 
     def __init__(self, parts: Sequence[tuple[int, nn.Module]], *, stages: int, device: torch.device,
-                 group: dist.ProcessGroup, schedule: str, microbatches: int, batch_rows: int) -> None:
-        """``parts``: (stage index, module) for each stage this rank holds, in order; ``batch_rows``:
-        a replica's full batch (what a short batch is padded to)."""
+                 group: dist.ProcessGroup, schedule: str, microbatches: int) -> None:
+        """``parts``: (stage index, module) for each stage this rank holds, in order."""
         self._parts = list(parts)
         self._stages = stages
         self._device = device
         self._group = group
         self._microbatches = microbatches
-        self._rows = batch_rows
+        self._rows: int | None = None  # a replica's full batch (set_batch_rows): what a short one is padded to
         indices = [index for index, _ in self._parts]
         self.first, self.last = 0 in indices, stages - 1 in indices
         pipeline_stages = [PipelineStage(module, index, stages, device, group=group) for index, module in self._parts]
@@ -106,6 +105,8 @@ class Pipeline:
             raise RecipeError("--pp: the first stage reads batch[0], so a batch must be a tuple or list "
                               f"(inputs, ...). Received: {type(batch).__name__}")
         real = int(batch[0].shape[0])
+        if self._rows is None:  # no distributed dataset told it: every batch is full
+            self._rows = real
         if real > self._rows:
             raise RecipeError(f"--pp: a batch of {real} rows, more than a replica's {self._rows}")
         full = _padded(batch, self._rows)

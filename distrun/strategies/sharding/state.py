@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
 from distrun.strategies.checkpoint import layout
@@ -50,11 +49,10 @@ def broadcast_from_rank0(model: nn.Module, state: dict[str, Any], device: torch.
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for buffer in model.buffers():
-            local = buffer.to_local() if isinstance(buffer, DTensor) else buffer  # tensor parallel's replicated
-            staged = local.detach().to(device)
+            staged = buffer.detach().to(device)
             dist.broadcast(staged, src=0)
-            if staged is not local:
-                local.copy_(staged)
+            if staged is not buffer:
+                buffer.copy_(staged)
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any]) -> None:
