@@ -3,6 +3,7 @@ or a cluster gives a job (one per GPU, ``--tp`` x ``--pp`` ranks to a replica)."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from distrun.config import (
 from distrun.errors import UsageError
 from distrun.launch import visible_gpu_count
 
-__all__ = ["DEFAULT_GLOBAL_BATCH_SIZE", "build_spec", "local_layout", "replicas_of"]
+__all__ = ["DEFAULT_GLOBAL_BATCH_SIZE", "build_spec", "diloco_alone", "local_layout", "replicas_of"]
 
 #: Samples per step over all replicas when neither the flag nor the recipe says.
 DEFAULT_GLOBAL_BATCH_SIZE = 64
@@ -38,7 +39,8 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         raise UsageError(f"{recipe}: --strategy parameter-server trains fit-style recipes (model, optimizer, loss, "
                          f"train_data), where the ps tasks can build the model and its optimizer; this one is a "
                          f"{info.kind.value}")
-    if info.kind is RecipeKind.SCRIPT and name in (StrategyName.CENTRAL_STORAGE, StrategyName.SHARDED):
+    if info.kind is RecipeKind.SCRIPT and name in (StrategyName.CENTRAL_STORAGE, StrategyName.SHARDED,
+                                                   StrategyName.DILOCO):
         raise UsageError(f"{recipe}: a plain script builds its own model and loop (its own DDP or FSDP), so "
                          f"--strategy {name.value} cannot apply to it; -s mirrored (or multi-worker on a cluster) "
                          "starts its processes")
@@ -51,6 +53,9 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
                              "a plain script owns its model and loop: call torch.compile / torch.autocast / "
                              "DDP's register_comm_hook in it")
+    if rest.get("eval_every") and (info.kind is not RecipeKind.FIT or "eval_data" not in info.functions):
+        what = "has no eval_data(ctx)" if info.kind is RecipeKind.FIT else f"is a {info.kind.value}, which evaluates in its own loop"
+        raise UsageError(f"{recipe}: --eval-every evaluates a fit-style recipe's eval_data; this one {what}")
     if replicas is None and not name.distributed:
         replicas = 1
     tp, pp = rest.get("tp", 1), rest.get("pp", 1)
@@ -118,3 +123,16 @@ def replicas_of(slots: int, per_replica: int, source: Any) -> int:
         raise UsageError(f"--tp x --pp = {per_replica}: {source} has {slots} worker slot(s), which do not split into "
                          f"replicas of {per_replica} ranks; give the workers a multiple of {per_replica} slots")
     return slots // per_replica if per_replica > 1 else slots
+
+
+def diloco_alone(spec: JobSpec) -> tuple[JobSpec, str | None]:
+    """``--strategy diloco`` with one replica is one-device (its outer step would only rescale its
+    own steps): the spec it runs as, and the note that says so (None for any other job)."""
+    if spec.strategy is not StrategyName.DILOCO or spec.replicas != 1:
+        return spec, None
+    fresh = JobSpec(recipe=spec.recipe)
+    plain = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, sync_every=fresh.sync_every,
+                                outer_lr=fresh.outer_lr, outer_momentum=fresh.outer_momentum,
+                                sync_dtype=fresh.sync_dtype, fragments=fresh.fragments)
+    return plain, ("note: --strategy diloco with one replica is one-device training (no other replica to "
+                   "sync with): running --strategy one-device")

@@ -17,16 +17,20 @@ from rich.console import Console
 from rich.live import Live
 
 from distrun.cli._app import app, stderr
-from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, local_layout, replicas_of
+from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, diloco_alone, local_layout, replicas_of
 from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
 from distrun.client.warm import WarmStart, find_warm_start
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
     DEFAULT_POWERSGD_WARMUP,
+    DEFAULT_SYNC_EVERY,
     DEFAULT_KEEP_CHECKPOINTS,
     DEFAULT_PS_PARTITION_MB,
     ClusterSpec,
+    JobSpec,
     StrategyName,
     parse_elastic,
     check_trackers,
@@ -67,7 +71,7 @@ class JsonStream:
 def train(
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device). Default: one-device here, multi-worker with --cluster."),
+    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device) | diloco (replicas sync every --sync-every steps: for slow links). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
@@ -98,6 +102,12 @@ def train(
     pp_schedule: str = typer.Option("1f1b", "--pp-schedule", help="--pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (the interleaved ones: two stages a rank)."),
     microbatches: int | None = typer.Option(None, "--microbatches", metavar="M", help="--pp: split each replica's batch into M microbatches (default 2 x P); M must divide it."),
     activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
+    sync_every: int = typer.Option(DEFAULT_SYNC_EVERY, "--sync-every", metavar="H", help="diloco: inner steps each replica takes alone between syncs (--steps counts inner steps)."),
+    outer_lr: float = typer.Option(DEFAULT_OUTER_LR, "--outer-lr", help="diloco: the outer SGD's learning rate on the replicas' mean pseudo-gradient."),
+    outer_momentum: float = typer.Option(DEFAULT_OUTER_MOMENTUM, "--outer-momentum", help="diloco: the outer SGD's Nesterov momentum (0: plain SGD, Nesterov off)."),
+    sync_dtype: str = typer.Option("fp32", "--sync-dtype", help="diloco: fp32 | bf16 | int8: what pseudo-gradients cross the wire as (bf16 and int8 feed their rounding error into the next sync)."),
+    fragments: int = typer.Option(1, "--fragments", metavar="K", help="diloco: streaming DiLoCo: sync the model's units in K fragments, one at a time over the H steps, each exchange overlapping the next step (docs/strategies.md#diloco)."),
+    eval_every: int | None = typer.Option(None, "--eval-every", metavar="N", help="Fit recipes with eval_data: evaluate every N steps too (every run evaluates at its end, and at each epoch's)."),
     async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
     allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
@@ -140,7 +150,8 @@ def train(
             shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
             async_checkpoint=async_checkpoint, data_workers=data_workers, tp=tp, pp=pp, pp_schedule=pp_schedule,
             microbatches=microbatches or 0,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=activation_checkpointing, sync_every=sync_every, outer_lr=outer_lr,
+            outer_momentum=outer_momentum, sync_dtype=sync_dtype, fragments=fragments, eval_every=eval_every,
             **observe,
         )
         if hang_timeout_s is not None and hang_timeout_s <= 0:
@@ -152,7 +163,7 @@ def train(
                 raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
             if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
                 ps_tasks = 1
-            spec = build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags)
+            spec = alone(build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags))
             if elastic is not None:
                 low, high = parse_elastic(elastic, spec.replicas)
                 spec = dataclasses.replace(spec, elastic_min=low, elastic_max=high)
@@ -198,9 +209,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             raise UsageError(f"--tp {tp}: a tensor-parallel group stays inside one host, and {uneven[0]} has "
                              f"{next(p.slots for p in job.placements if p.host.label == uneven[0])} slot(s) in "
                              f"{cluster.source}; give each worker host a multiple of {tp} slots")
-        spec = build_spec(replicas=replicas_of(job.replicas, per_replica, cluster.source),
-                          ps_tasks=job.ps_tasks, device=device, gpus=job.replicas if job.gpus_everywhere else 0,
-                          **flags)
+        spec = alone(build_spec(replicas=replicas_of(job.replicas, per_replica, cluster.source),
+                                ps_tasks=job.ps_tasks, device=device, gpus=job.replicas if job.gpus_everywhere else 0,
+                                **flags))
         if spec.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
                              "all-reduce across two or more worker hosts")
@@ -276,6 +287,14 @@ def observe_flags(*, profile: str | None, trackers: list[str], tracker_uris: lis
         trackers=tuple(name for name in trackers if name != "tensorboard"), tracker_uris=uris,
         run_name=run_name, experiment=experiment, tracker_checkpoint=tracker_checkpoint,
     )
+
+
+def alone(spec: JobSpec) -> JobSpec:
+    """diloco with one replica runs as one-device, said in one line (cli/_spec.py's diloco_alone)."""
+    spec, note = diloco_alone(spec)
+    if note:
+        stderr.print(note, markup=False)
+    return spec
 
 
 def default_strategy(on_cluster: bool) -> str:

@@ -9,11 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from distrun.client._stragglers import SLOW_INTERVALS, StragglerWatch
+from distrun.client._syncs import SyncTally
 from distrun.config import JobSpec
 from distrun.protocol import (
     EVALUATOR_RANK,
     AllReduceChosen,
     MembershipChanged,
+    Synced,
     Checkpointed,
     Resumed,
     Workload,
@@ -85,6 +87,7 @@ class JobTracker:
         self._compile_mode = compile_mode
         self._compiled: Compiled | None = None  # the chief's newest compiler figures
         self._changes: list[MembershipChanged] = []  # --elastic: each new group
+        self._syncs = SyncTally()  # --strategy diloco
         self._steps_lost = 0
         self._stragglers = StragglerWatch()
         self._straggler_events: list[Straggler] = []  # made here, not yet handed out (take_made)
@@ -150,6 +153,8 @@ class JobTracker:
                 self._compiled = event
         elif isinstance(event, AllReduceChosen):
             self._allreduce, self._allreduce_reason = event.algorithm, event.reason
+        elif isinstance(event, Synced):
+            self._syncs.add(event)
         elif isinstance(event, MembershipChanged):
             self._steps_lost += event.steps_lost
             self._changes.append(event)
@@ -238,6 +243,7 @@ class JobTracker:
             membership_line=describe_membership(self._changes[-1], len(self._changes)) if self._changes else None,
             straggler_line=describe_stragglers(rows, self._stragglers.slow),
             mesh=self._mesh,
+            sync_line=self._syncs.line(),
             **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 
@@ -283,6 +289,7 @@ class JobTracker:
             recipe_kind=self._recipe_kind,
             resumed=({"path": self._resumed.path, "step": self._resumed.step, "past_end": self._resumed.past_end}
                      if self._resumed else None),
+            **self._syncs.summary(self._strategy.startswith("diloco")),
             **self._throughput(chief.samples_per_s if chief else workers_rate),
         )
 

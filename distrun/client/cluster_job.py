@@ -59,7 +59,7 @@ __all__ = ["ClusterJob", "Placement"]
 
 
 def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
-    """Hosts that run ranks: every worker for multi-worker and sharded; one host (rank 0's)
+    """Hosts that run ranks: every worker for multi-worker, sharded and diloco; one host (rank 0's)
     otherwise; for parameter-server every worker host, then every ps host (one ps task each)."""
     workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
     workers.sort(key=lambda host: not host.is_chief)  # the chief, when it trains, holds rank 0
@@ -67,7 +67,7 @@ def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSp
         cluster.require_strategy(strategy.value)
     if strategy is StrategyName.PARAMETER_SERVER:
         return tuple(workers) + ps_hosts(cluster)
-    every_worker = strategy in (StrategyName.MULTI_WORKER, StrategyName.SHARDED)
+    every_worker = strategy in (StrategyName.MULTI_WORKER, StrategyName.SHARDED, StrategyName.DILOCO)
     return tuple(workers) if every_worker else tuple(workers[:1])
 
 

@@ -13,6 +13,7 @@ from distrun.config.cluster import (
     parse_cluster,
 )
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
+from distrun.config._diloco import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_EVERY, SYNC_DTYPES
 from distrun.config.job import (
     DEFAULT_CPU_REPLICAS,
     DEFAULT_KEEP_CHECKPOINTS,
@@ -27,6 +28,10 @@ from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 __all__ = [
     "Compression",
     "DEFAULT_POWERSGD_WARMUP",
+    "DEFAULT_OUTER_LR",
+    "DEFAULT_OUTER_MOMENTUM",
+    "DEFAULT_SYNC_EVERY",
+    "SYNC_DTYPES",
     "Allocation",
     "ClusterSpec",
     "HostSpec",

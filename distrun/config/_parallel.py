@@ -52,6 +52,8 @@ _WHY_NOT = {
                        "no replica to split; use --strategy mirrored --tp N",
     "parameter-server": "each worker pulls whole parameters from the ps tasks and steps on its own, with no "
                         "group to split a layer over; use --strategy sharded --tp N",
+    "diloco": "each replica steps alone between syncs, a whole model on one rank; use --strategy multi-worker "
+              "--tp N (or --pp N between hosts)",
 }
 
 #: Flags of DDP's all-reduce: under --tp the data-parallel dimension is FSDP2's (replicated for

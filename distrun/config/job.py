@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
+from distrun.config._diloco import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_EVERY, validate_diloco
 from distrun.config._observe import check_profile, check_spec_trackers
 from distrun.config._parallel import validate_parallel
 from distrun.config._suggest import did_you_mean
@@ -49,6 +50,7 @@ class StrategyName(str, Enum):
     CENTRAL_STORAGE = "central-storage"
     PARAMETER_SERVER = "parameter-server"
     SHARDED = "sharded"
+    DILOCO = "diloco"
 
     @classmethod
     def parse(cls, value: str) -> StrategyName:
@@ -160,6 +162,16 @@ class JobSpec:
     microbatches: int = 0
     #: ``--activation-checkpointing``: none | full | selective, on each block (config/_parallel.py).
     activation_checkpointing: str = "none"
+    #: ``--strategy diloco`` (config/_diloco.py): inner steps between syncs, the outer optimizer
+    #: (SGD, Nesterov unless momentum is 0), what pseudo-gradients cross the wire as, and the
+    #: fragments streaming DiLoCo syncs one at a time.
+    sync_every: int = DEFAULT_SYNC_EVERY
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    sync_dtype: str = "fp32"
+    fragments: int = 1
+    #: ``--eval-every N``: fit recipes with ``eval_data`` evaluate every N steps (and always at the end).
+    eval_every: int | None = None
 
     @property
     def elastic(self) -> bool:
@@ -246,6 +258,7 @@ def _validate(spec: JobSpec) -> None:
     _positive("--global-batch-size", spec.global_batch_size)
     _positive("--checkpoint-every", spec.checkpoint_every)
     _positive("--keep-checkpoints", spec.keep_checkpoints)
+    _positive("--eval-every", spec.eval_every)
     if spec.data_workers < 0:
         raise ConfigError(f"--data-workers: expected 0 or more worker processes. Received: {spec.data_workers}")
     if spec.device not in ("cpu", "cuda"):
@@ -267,6 +280,7 @@ def _validate(spec: JobSpec) -> None:
         raise ConfigError(f"{flag} needs --checkpoint-dir")
     _validate_ps(spec)
     _validate_step(spec)
+    validate_diloco(spec)  # before the general checks: its refusals say what diloco does instead
     _validate_compression(spec)
     _validate_allreduce(spec)
     _validate_elastic(spec)

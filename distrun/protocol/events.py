@@ -40,6 +40,7 @@ __all__ = [
     "Compiled",
     "AllReduceChosen",
     "MembershipChanged",
+    "Synced",
     "Workload",
     "PEER_LOST",
     "SERVER_RANK",
@@ -265,6 +266,28 @@ class MembershipChanged(Event):
     steps_lost: int = 0  # committed steps the new group does not hold (0 by design)
 
 
+@dataclass(frozen=True)
+class Synced(Event):
+    """``--strategy diloco``: a sync's global weights landed (sent by the chief, once per fragment sync).
+
+    ``outer_step``: whole-model syncs so far (under ``--fragments``, syncs of the last fragment);
+    ``bytes_sent``: what the chief sent for it (a ring's count for the wire's dtype);
+    ``seconds``: from the exchange's start to its landing; ``blocked_s``: how much of that the
+    step waited (the rest overlapped compute).
+    """
+
+    type: ClassVar[str] = "sync"
+    step: int
+    outer_step: int
+    fragment: int
+    fragments: int
+    bytes_sent: int
+    elements: int
+    seconds: float
+    blocked_s: float
+    dtype: str
+
+
 #: How often each training process sends a Heartbeat (the client's hang detection reads it too).
 HEARTBEAT_INTERVAL_S = 2.0
 
@@ -371,7 +394,7 @@ class Diagnosed(Event):
 _TYPES: dict[str, type[Event]] = {
     cls.type: cls
     for cls in (Started, Step, Log, Eval, Checkpointed, Resumed, Output, Failed, Done, Exited, Heartbeat, Hung, Diagnosed, PsStats,
-                Compiled, AllReduceChosen, MembershipChanged, Workload, Profiled, Straggler)
+                Compiled, AllReduceChosen, MembershipChanged, Synced, Workload, Profiled, Straggler)
 }
 
 

@@ -73,6 +73,7 @@ class JobSnapshot:
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
     mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2}); None for one rank a replica
+    sync_line: str | None = None  # --strategy diloco: outer steps so far and the newest sync's bytes and seconds
 
     @property
     def samples_per_s(self) -> float:
@@ -157,6 +158,11 @@ class JobSummary:
     #: ``--tp``/``--pp``: the job's degrees, ``{"dp": R, "tp": T}`` and ``"pp": P`` when pipelined
     #: (``replicas`` is ``dp``, each of ``tp x pp`` ranks); None where a replica is one rank.
     mesh: dict[str, int] | None = None
+    #: ``--strategy diloco``: whole-model syncs (outer steps), and over every sync the MB the chief
+    #: sent and the seconds its steps waited for them; None under other strategies.
+    outer_steps: int | None = None
+    sync_mb: float | None = None
+    sync_blocked_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

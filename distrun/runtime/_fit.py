@@ -148,7 +148,12 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         # A step budget decides alone: an asynchronous worker's own epochs are not the job's.
         return total_steps is None and epochs is not None and train.position[0] >= epochs
 
+    evaluated_at: int | None = None  # the step of the newest evaluation
+    evaluating = eval_source is not None and strategy.evaluates
+    eval_mark = strategy.step // spec.eval_every if spec.eval_every else 0
+
     def run_eval(epoch: int) -> dict[str, float]:
+        nonlocal evaluated_at
         # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
         from distrun.runtime._metrics import evaluate
 
@@ -162,6 +167,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         )
         if strategy.is_chief:
             emit_eval(strategy.step, epoch, result)
+        evaluated_at = strategy.step
         return result
 
     eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
@@ -181,6 +187,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
                 if finished():
                     break
+                # --eval-every: due when the step crosses a multiple (asynchronous steps may skip one).
+                if evaluating and spec.eval_every and strategy.step // spec.eval_every > eval_mark:
+                    eval_mark, eval_due = strategy.step // spec.eval_every, train.position[0]
+                    last_eval, eval_due = run_eval(eval_due), None
                 if preempt.agreed(strategy):  # the job will end: checkpoint this step, stop to be requeued
                     if ckpt_dir and last_saved != strategy.step:
                         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
@@ -188,7 +198,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
             epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
-            if epoch_done and eval_source is not None and strategy.evaluates:
+            if finished():
+                strategy.settle()  # diloco: the replicas take the global weights for the last evaluation
+            if evaluating and (epoch_done or finished()) and evaluated_at != strategy.step:
+                # Every epoch's end, and the run's end wherever it falls (a --steps run mid-epoch too).
                 eval_due = epoch
                 last_eval, eval_due = run_eval(epoch), None
             if not epoch_done and total_steps is None:
@@ -200,6 +213,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         if failed_at is not None:  # outside the except: its traceback (and the DDP it holds) is gone
             strategy.recover(failed_at, switch=switch)
 
+    strategy.settle()  # the run ends on one set of weights (diloco: a sync, unless one just landed)
     if ckpt_dir and last_saved != strategy.step:
         strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
     strategy.wait_for_checkpoint()  # --async-checkpoint: the last one is written before the summary

@@ -309,6 +309,9 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
         if model_parallel:
             options |= {"tp": spec.tp, "pp": spec.pp, "pp_schedule": spec.pp_schedule,
                         "microbatches": spec.pipeline_microbatches}
+    if spec.strategy is StrategyName.DILOCO:
+        options |= {"sync_every": spec.sync_every, "outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum,
+                    "sync_dtype": spec.sync_dtype, "fragments": spec.fragments}
     if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
         world_size = spec.replicas
         from distrun.runtime._ps_task import ps_wire_dtype

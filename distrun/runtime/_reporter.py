@@ -26,6 +26,7 @@ from distrun.protocol import (
     Compiled,
     Log,
     MembershipChanged,
+    Synced,
     Resumed,
     Step,
     Workload,
@@ -149,6 +150,13 @@ class EventReporter:
                 rank=self._rank, time=time.time(), generation=change.generation, step=change.step,
                 world_size=change.world_size, left=list(change.left), joined=list(change.joined),
                 recovery_s=change.recovery_s, steps_lost=change.steps_lost))
+
+    def synced(self, *, step: int, outer_step: int, fragment: int, fragments: int, bytes_sent: int, elements: int,
+               seconds: float, blocked_s: float, dtype: str) -> None:
+        """``--strategy diloco``: a sync landed (the chief's)."""
+        self._writer.emit(Synced(rank=self._rank, time=time.time(), step=step, outer_step=outer_step,
+                                 fragment=fragment, fragments=fragments, bytes_sent=bytes_sent, elements=elements,
+                                 seconds=round(seconds, 6), blocked_s=round(blocked_s, 6), dtype=dtype))
 
     # figures ----------------------------------------------------------------
 

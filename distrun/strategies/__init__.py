@@ -14,6 +14,7 @@ from distrun.strategies.elastic.replica import MembershipSwitch
 from distrun.strategies.base import REDUCE_OPS, ReplicaInfo, Reporter, StepSettings, Strategy
 from distrun.strategies.central_storage import CentralStorageStrategy
 from distrun.strategies.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
+from distrun.strategies.diloco import DiLoCoStrategy
 from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from distrun.strategies.model_parallel import ModelParallelStrategy
 from distrun.strategies.one_device import OneDeviceStrategy
@@ -29,6 +30,7 @@ __all__ = [
     "ParameterServerStrategy",
     "ShardedStrategy",
     "ModelParallelStrategy",
+    "DiLoCoStrategy",
     "InputContext",
     "ReplicaInfo",
     "StepSettings",
@@ -47,7 +49,7 @@ __all__ = [
 _BY_NAME: dict[str, type[Strategy]] = {
     cls.name: cls
     for cls in (OneDeviceStrategy, MirroredStrategy, MultiWorkerMirroredStrategy, CentralStorageStrategy,
-                ParameterServerStrategy, ShardedStrategy)
+                ParameterServerStrategy, ShardedStrategy, DiLoCoStrategy)
 }
 
 

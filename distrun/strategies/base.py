@@ -63,6 +63,9 @@ class Reporter(Protocol):
 
     def membership(self, change: Any, *, report: bool) -> None: ...
 
+    def synced(self, *, step: int, outer_step: int, fragment: int, fragments: int, bytes_sent: int, elements: int,
+               seconds: float, blocked_s: float, dtype: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class ReplicaInfo:
@@ -308,8 +311,16 @@ class Strategy(ReplicaCollectives, ElasticReplica, ABC):
         self.step += 1
         if self._elastic is not None:
             self._committed()
+        self._after_step()
         self._report_step(result)
         return result
+
+    def _after_step(self) -> None:
+        """Hook: the step is counted and not yet reported (DiLoCo syncs here when one is due)."""
+
+    def settle(self) -> None:
+        """Bring the replicas to one set of weights before an evaluation, a checkpoint or the end of
+        the run. Synchronous strategies always are; DiLoCo syncs what has not just synced."""
 
     def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
                          loss_fn: Callable[[Any, Any], torch.Tensor],

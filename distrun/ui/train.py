@@ -42,6 +42,8 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
         parts.append(Text(snapshot.compile_line, style="yellow" if "0 graph break" not in snapshot.compile_line else ""))
     if snapshot.membership_line:
         parts.append(Text(snapshot.membership_line, style="yellow"))
+    if snapshot.sync_line:
+        parts.append(Text(snapshot.sync_line))
     if snapshot.straggler_line:
         parts.append(Text(snapshot.straggler_line, style="yellow"))
     if snapshot.hang:
@@ -144,6 +146,9 @@ def render_summary(summary: JobSummary) -> RenderableType:
     else:
         table.add_row("strategy", f"{summary.strategy} × {summary.replicas}")
     table.add_row("steps", str(summary.steps))
+    if summary.outer_steps is not None:  # diloco: --steps counts inner steps
+        table.add_row("outer steps", f"{summary.outer_steps} ({summary.sync_mb:.2f} MB sent by rank 0, "
+                                     f"{summary.sync_blocked_s:.2f} s waited)")
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s (mean)", fmt_rate(summary.samples_per_s) + " from the end of step 1 to the last")
     if summary.tokens_per_s is not None:

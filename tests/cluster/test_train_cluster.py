@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -273,3 +274,82 @@ def test_sharded_on_two_hosts_hsdp_and_flat_match_one_device(lab: Lab, tmp_path:
             assert all(torch.equal(fetched[key], tensor) for key, tensor in sharded["model"].items())
             for key, tensor in base["model"].items():
                 torch.testing.assert_close(sharded["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{within}: {key}")
+
+
+#: A million parameters and a small batch: a step's all-reduce (4 MB) dwarfs its compute, the events
+#: and the control plane's traffic, so what the hosts' interfaces count is the gradients' exchange.
+WIDE = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 8}
+
+
+def model():
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512),
+                         nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 8))
+
+
+def optimizer(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def loss(outputs, batch):
+    return nn.functional.cross_entropy(outputs, batch[1])
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 64, generator=gen)
+    return TensorDataset(x, x[:, :8].argmax(dim=1))
+
+
+def eval_data(ctx):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 64, generator=gen)
+    return TensorDataset(x, x[:, :8].argmax(dim=1))
+"""
+
+
+def _sent_bytes(lab: Lab) -> int:
+    """Bytes every host's interface has sent so far (the kernel's counters, in its namespace)."""
+    total = 0
+    for ns, _address in lab.hosts.values():
+        out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "eth0"], capture_output=True, text=True,
+                             check=True).stdout
+        total += int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+    return total
+
+
+def test_diloco_places_a_replica_per_slot_and_sends_a_fraction_of_the_bytes(lab: Lab, cluster: Path,
+                                                                             tmp_path: Path) -> None:
+    """diloco on two hosts of one slot each: a replica on each host, a sync every 8 steps, and the
+    hosts' interfaces send at least 4x fewer bytes over 16 steps than multi-worker's. Both runs
+    stop mid-epoch (16 of 64 batches) and evaluate at their end."""
+    recipe = tmp_path / "code" / "wide.py"
+    recipe.parent.mkdir()
+    recipe.write_text(WIDE)
+    sent = {}
+    results = {}
+    for name, flags in (("multi-worker", ()), ("diloco", ("--sync-every", "8"))):
+        before = _sent_bytes(lab)
+        results[name] = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--strategy", name, *flags,
+                                "--json", "--no-fetch", "--steps", "16", "--log-interval-s", "1")
+        sent[name] = _sent_bytes(lab) - before
+        assert results[name].returncode == 0, results[name].stdout[-3000:] + results[name].stderr[-3000:]
+    lines = json_lines(results["diloco"])
+    assert lines[0]["hosts"] == [lab.hosts["h1"][1], lab.hosts["h2"][1]] and lines[0]["world_size"] == 2
+    summary = lines[-1]
+    assert (summary["strategy"], summary["replicas"], summary["steps"], summary["outer_steps"]) == ("diloco", 2, 16, 2)
+    syncs = [line for line in lines if line.get("type") == "sync"]
+    assert [s["step"] for s in syncs] == [8, 16]
+    # What the sync events count is what the interfaces sent: each host its count per sync (a ring of
+    # two: the 3.3 MB payload once), plus rank 0's broadcast of the first weights.
+    payload = 4 * syncs[0]["elements"]
+    assert sent["diloco"] == pytest.approx(2 * sum(s["bytes_sent"] for s in syncs) + payload, rel=0.1), sent
+    print(f"bytes sent by the hosts over 16 steps: {sent}")
+    assert sent["multi-worker"] >= 4 * sent["diloco"], sent
+    for name, result in results.items():
+        evals = [line["step"] for line in json_lines(result) if line.get("type") == "eval"]
+        assert evals == [16] and json_lines(result)[-1]["eval_metrics"]["loss"] > 0, (name, evals)

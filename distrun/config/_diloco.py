@@ -1,0 +1,82 @@
+"""``--strategy diloco`` and its flags: the defaults, and what each refuses in one line.
+
+DiLoCo (Douillard et al., 2023) trades communication for a little optimisation quality: each
+replica takes ``--sync-every`` H inner steps alone with the recipe's optimizer, then the
+replicas average their pseudo-gradient (global weights minus their own) once, and an outer
+optimizer (SGD with Nesterov momentum) applies it to the global weights. ``--fragments K`` is
+streaming DiLoCo: the model's units sync a fragment at a time, staggered over the H steps, each
+fragment's exchange overlapping the steps after it. docs/strategies.md#diloco says when it pays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from distrun.config._suggest import did_you_mean
+from distrun.errors import ConfigError
+
+__all__ = ["DEFAULT_OUTER_LR", "DEFAULT_OUTER_MOMENTUM", "DEFAULT_SYNC_EVERY", "SYNC_DTYPES", "diloco_flags_used",
+           "validate_diloco"]
+
+#: The paper's settings: H=100 inner steps between syncs (500 in its largest runs), an outer
+#: SGD with lr 0.7 and Nesterov momentum 0.9.
+DEFAULT_SYNC_EVERY = 100
+DEFAULT_OUTER_LR = 0.7
+DEFAULT_OUTER_MOMENTUM = 0.9
+#: ``--sync-dtype``: what a pseudo-gradient crosses the wire as. int8 is scaled per tensor with
+#: one scale every replica agrees on, its rounding error fed into the next sync.
+SYNC_DTYPES = ("fp32", "bf16", "int8")
+
+
+def diloco_flags_used(spec: Any) -> list[str]:
+    """The diloco flags ``spec`` sets away from their defaults, by flag name."""
+    return [flag for flag, used in (("--sync-every", spec.sync_every != DEFAULT_SYNC_EVERY),
+                                    ("--outer-lr", spec.outer_lr != DEFAULT_OUTER_LR),
+                                    ("--outer-momentum", spec.outer_momentum != DEFAULT_OUTER_MOMENTUM),
+                                    ("--sync-dtype", spec.sync_dtype != "fp32"),
+                                    ("--fragments", spec.fragments != 1)) if used]
+
+
+def validate_diloco(spec: Any) -> None:
+    """Refuse, in one line naming the flag, what ``--strategy diloco``'s flags cannot do."""
+    name = spec.strategy.value
+    if name != "diloco":
+        used = diloco_flags_used(spec)
+        if used:
+            raise ConfigError(f"{used[0]} is for --strategy diloco. Received: --strategy {name}")
+        return
+    every = spec.sync_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"--sync-every: expected a positive number of inner steps between syncs. Received: {every!r}")
+    lr = spec.outer_lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise ConfigError(f"--outer-lr: expected a positive learning rate (the paper's is {DEFAULT_OUTER_LR}). "
+                          f"Received: {lr!r}")
+    momentum = spec.outer_momentum
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ConfigError(f"--outer-momentum: expected 0 (plain SGD, Nesterov off) up to but not 1. "
+                          f"Received: {momentum!r}")
+    if spec.sync_dtype not in SYNC_DTYPES:
+        raise ConfigError(f"--sync-dtype: expected {', '.join(SYNC_DTYPES)}. Received: {spec.sync_dtype!r}"
+                          f"{did_you_mean(str(spec.sync_dtype), SYNC_DTYPES)}")
+    fragments = spec.fragments
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ConfigError(f"--fragments: expected a positive number of fragments. Received: {fragments!r}")
+    if fragments > every:
+        raise ConfigError(f"--fragments {fragments}: each fragment syncs at its own step of the {every} between "
+                          f"syncs (--sync-every), so at most {every} fragments")
+    if spec.checkpoint_every and spec.checkpoint_every % every:
+        raise ConfigError(f"--checkpoint-every {spec.checkpoint_every} with --strategy diloco: checkpoints are written "
+                          f"at syncs (they hold the global weights); give a multiple of --sync-every {every}")
+    refused = [(flag, why) for flag, why, on in (
+        ("--compression", "diloco's replicas exchange no gradients; --sync-dtype bf16|int8 sets what its "
+                          "pseudo-gradients cross the wire as", spec.compression_spec.active),
+        ("--allreduce", "diloco's sync is one exchange of the model every --sync-every steps, not DDP's",
+         spec.allreduce != "flat"),
+        ("--sync-batch-norm", "a replica steps alone between syncs; BatchNorm statistics are averaged at each sync",
+         spec.sync_batch_norm),
+        ("--elastic", "not yet under diloco (issue 32: membership changes at syncs); run mirrored or "
+                      "multi-worker with --elastic", spec.elastic),
+    ) if on]
+    if refused:
+        raise ConfigError(f"{refused[0][0]} with --strategy diloco: {refused[0][1]}")
