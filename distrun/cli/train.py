@@ -123,7 +123,7 @@ def train(
     experiment: str | None = typer.Option(None, "--experiment", help="--tracker: MLflow's experiment, W&B's project."),
     tracker_checkpoint: bool = typer.Option(False, "--tracker-checkpoint", help="--tracker mlflow|wandb: log the newest checkpoint as an artifact at the end."),
     on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
-    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored (replicas) or multi-worker (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
+    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),

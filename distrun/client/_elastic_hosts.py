@@ -8,7 +8,9 @@ are the client's part of elastic training (docs/elastic.md); the ranks' part is
 
 - ``--elastic MIN[:MAX]`` counts worker hosts, as torchrun's ``--nnodes`` does.
 - A lost worker host (its server killed, the host down): the others go on; once its
-  server answers again (``distrun up``), its ranks are submitted as joiners.
+  server answers again (``distrun up``), its ranks are submitted as joiners. A host whose
+  link dropped and came back while its server still runs the job is followed again from
+  where its stream broke: its ranks, fenced out of the group meanwhile, rejoin on their own.
 - A worker host added to the cluster file and brought up while the job runs joins the
   same way, up to MAX. The file is read again every :data:`WATCH_S`.
 - A hung rank (``--hang-timeout-s``) is killed by its host's server as lost, and rejoins.
@@ -56,7 +58,9 @@ class ElasticJob(Protocol):
     def _ship(self, link: HostLink, bundle: Bundle) -> bool: ...
     def _submit_to(self, link: HostLink, placement: Placement, attempt_id: str, spec: JobSpec, *,
                    join: bool = False) -> None: ...
-    def _follow(self, link: HostLink, attempt_id: str) -> None: ...
+    _offsets: dict[str, int]
+
+    def _follow(self, link: HostLink, attempt_id: str, offset: int = 0) -> None: ...
 
 
 class ElasticHosts:
@@ -92,6 +96,11 @@ class ElasticHosts:
 
         if not link.wait_for_server(job_over):
             return
+        if self._still_running(link, attempt_id):  # its link dropped, not its ranks: they rejoin on their own
+            self._job._note(f"[distrun] {link.label} is back, its ranks still in the job: following them again")
+            del self._job._results[link.label]
+            self._job._follow(link, attempt_id, self._job._offsets.get(link.label, 0))
+            return
         placement = self._job.placements[self._job._links.index(link)]
         try:
             self._job._ship(link, self._job._bundle)
@@ -102,6 +111,15 @@ class ElasticHosts:
         self._job._note(f"[distrun] {link.label} is back: its ranks join the job")
         del self._job._results[link.label]
         self._job._follow(link, attempt_id)
+
+    def _still_running(self, link: HostLink, attempt_id: str) -> bool:
+        """Whether ``link``'s server still runs the attempt (a link that dropped for less than the
+        server's lease: its ranks are fenced out of the job's group and rejoin at its next round)."""
+        try:
+            rows = link.call("jobs").get("jobs", [])
+        except HostError:
+            return False
+        return any(row.get("job") == attempt_id and row.get("state") == "running" for row in rows)
 
     def lose_hung(self, hang: Hung) -> None:
         """``--elastic``: a stuck rank is treated as lost: its host's server kills it, it rejoins."""

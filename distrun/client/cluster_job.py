@@ -96,6 +96,7 @@ class ClusterJob:
         self.attached = attached  # following a job started earlier: Ctrl-C detaches, never cancels
         self._feed: EventFeed | None = None
         self._results: dict[str, dict[str, Any]] = {}
+        self._offsets: dict[str, int] = {}  # per host: how far its event stream was read (elastic re-follows)
         self._interrupted = False
         self._detaching = False
         self._cancelled = threading.Event()
@@ -349,14 +350,18 @@ class ClusterJob:
         link.remote.write_file(f"{link.state_dir}/bundles/{bundle.sha256}.tar.gz", bundle.data)
         return True
 
-    def _follow(self, link: HostLink, attempt_id: str) -> None:
+    def _follow(self, link: HostLink, attempt_id: str, offset: int = 0) -> None:
+        """Read ``link``'s events of the attempt from ``offset`` on (an elastic host back from a lost
+        link is followed again from where its stream broke)."""
         try:
             with link.client() as client:
                 with self._clients_lock:
                     self._clients.append(client)
                     if self._detaching:
                         return
-                for item in client.stream("follow", job=attempt_id, offset=0):
+                for item in client.stream("follow", job=attempt_id, offset=offset):
+                    if "offset" in item:
+                        self._offsets[link.label] = int(item["offset"])
                     for raw in item.get("events", ()):
                         if raw.get("type") == "checkpoint":
                             self._saw_checkpoint = True

@@ -75,8 +75,8 @@ def validate_diloco(spec: Any) -> None:
          spec.allreduce != "flat"),
         ("--sync-batch-norm", "a replica steps alone between syncs; BatchNorm statistics are averaged at each sync",
          spec.sync_batch_norm),
-        ("--elastic", "not yet under diloco (issue 32: membership changes at syncs); run mirrored or "
-                      "multi-worker with --elastic", spec.elastic),
+        ("--elastic", "with --fragments, a fragment's exchange would be in flight when the group changes; "
+                      "membership changes at whole-model syncs (--fragments 1)", spec.elastic and fragments > 1),
     ) if on]
     if refused:
         raise ConfigError(f"{refused[0][0]} with --strategy diloco: {refused[0][1]}")

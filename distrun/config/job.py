@@ -433,8 +433,8 @@ def _validate_elastic(spec: JobSpec) -> None:
         if spec.elastic_max:
             raise ConfigError(f"--elastic: MAX {spec.elastic_max} without MIN")
         return
-    if spec.strategy not in (StrategyName.MIRRORED, StrategyName.MULTI_WORKER):
-        raise ConfigError(f"--elastic: for --strategy mirrored or multi-worker (synchronous replicas that each hold "
+    if spec.strategy not in (StrategyName.MIRRORED, StrategyName.MULTI_WORKER, StrategyName.DILOCO):
+        raise ConfigError(f"--elastic: for --strategy mirrored, multi-worker or diloco (replicas that each hold "
                           f"the whole state). Received: --strategy {spec.strategy.value}")
     if not 1 <= spec.elastic_min <= spec.replicas <= spec.elastic_max:
         raise ConfigError(f"--elastic {spec.elastic_min}:{spec.elastic_max}: needs 1 <= MIN <= the {spec.replicas} "

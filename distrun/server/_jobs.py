@@ -136,6 +136,11 @@ class JobManager:
         job_id = _job_id(args)
         with self._lock:
             job = self._jobs.get(job_id)
+        if job is not None and args.get("join") and job.launcher is None and job.result is not None:
+            # --elastic: this host's ranks ended here while the client could not reach it (a link down
+            # past the lease); they join the running job again as new members, in a new record.
+            self._forget(job)
+            job = None
         if job is None:
             job = self._new_job(job_id)
         if job.launcher is not None or job.state != "pending":

@@ -298,7 +298,7 @@ class Strategy(ReplicaCollectives, ElasticReplica, ABC):
     # -- stepping and collectives ---------------------------------------------
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._elastic is not None and self._elastic.switch_due(self.step):
+        if self._elastic is not None and self._elastic.switch_due(self.step, self._switch_boundary()):
             raise MembershipSwitch(f"a member joins after step {self.step}")
         self._reporter.step_started(self.step + 1)
         self._clock.begin()
@@ -316,7 +316,12 @@ class Strategy(ReplicaCollectives, ElasticReplica, ABC):
         return result
 
     def _after_step(self) -> None:
-        """Hook: the step is counted and not yet reported (DiLoCo syncs here when one is due)."""
+        """Hook: the step is counted and committed, not yet reported (DiLoCo syncs here when one is due)."""
+
+    def _switch_boundary(self) -> int | None:
+        """``--elastic``: the step after which members switch to a joiner's round, if this one proposes it
+        (None: the next step, where every synchronous step meets every member)."""
+        return None
 
     def settle(self) -> None:
         """Bring the replicas to one set of weights before an evaluation, a checkpoint or the end of

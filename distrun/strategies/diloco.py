@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrun.strategies.base import Strategy
+from distrun.strategies.local_sgd.elastic import ElasticSyncs
 from distrun.strategies.local_sgd.fragments import Fragments, split_fragments
 from distrun.strategies.local_sgd.inner_state import gather_states
 from distrun.strategies.local_sgd.outer import GlobalWeights
@@ -60,7 +61,7 @@ class _InFlight:
     future: Future[tuple[list[torch.Tensor], SyncCost]]
 
 
-class DiLoCoStrategy(Strategy):
+class DiLoCoStrategy(ElasticSyncs, Strategy):
     name = "diloco"
 
     def __init__(self, *args: Any, sync_every: int = 100, outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -78,13 +79,15 @@ class DiLoCoStrategy(Strategy):
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight: _InFlight | None = None
         self._synced_at: dict[int, int] = {}  # fragment -> the step its global weights last landed
+        self.last_sync_step = 0  # the step of the newest whole-model sync (its last fragment's)
         self._blocked_s = 0.0  # this step's wait for syncs (its "wait for peers")
 
     # -- building -------------------------------------------------------------
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
-        self._broadcast_from_chief(model)  # the same start everywhere, whatever each rank's RNG did
+        if self._elastic is None:  # a joiner's weights come from the heal, in a round the members run too
+            self._broadcast_from_chief(model)  # the same start everywhere, whatever each rank's RNG did
         self._params = list(model.parameters())
         self._global = GlobalWeights(self._params, lr=self._outer_lr, momentum=self._outer_momentum)
         units = pick_units(model, self.units_from).modules if self._fragment_count > 1 else ()
@@ -115,6 +118,11 @@ class DiLoCoStrategy(Strategy):
     @property
     def outer_steps(self) -> int:
         return self._global.outer_steps if self._global is not None else 0
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._elastic is not None and self.owes_sync():  # a change of membership interrupted it
+            self._sync(0)
+        return super().run(fn, *args, **kwargs)
 
     def _after_step(self) -> None:
         self._blocked_s = 0.0
@@ -166,6 +174,7 @@ class DiLoCoStrategy(Strategy):
         self._synced_at[fragment] = self.step
         if fragment == len(self._fragments) - 1:
             self._global.outer_steps += 1
+            self.last_sync_step = self.step
             self._average_buffers()
 
     def _on_wire(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -248,6 +257,7 @@ class DiLoCoStrategy(Strategy):
     def _after_restore(self) -> None:
         self._global.load(self._params)
         self._synced_at = dict.fromkeys(range(len(self._fragments)), self.step)
+        self.last_sync_step = self.step
 
     def close(self) -> None:
         if self._in_flight is not None:

@@ -224,3 +224,41 @@ def test_a_worker_host_added_to_the_cluster_file_joins_up_to_max(elastic_lab) ->
     finally:
         lab_cli(lab, "down", str(grow))
     _no_training_processes(lab)
+
+
+def test_diloco_holds_while_a_hosts_link_is_down_for_15_s(elastic_lab) -> None:
+    """diloco --elastic 2:3 on three hosts; h3's link goes down for 15 s mid-run. The others find it
+    gone at a sync and go on; it is fenced out while cut off, and once its link is back (and TCP's
+    retransmission reaches the store) it rejoins at a sync, its server followed again from where
+    its stream broke. Every outer step is taken once and none is lost."""
+    lab, cluster = elastic_lab
+    recipe = _recipe(lab, "diloco-link")
+    steps, every = 500, 10
+    job = _Job(lab, str(recipe), "--cluster", str(cluster), "--strategy", "diloco", "--elastic", "2:3",
+               "--sync-every", str(every), "--steps", str(steps), "--json", "--no-fetch", "--log-interval-s", "0.5",
+               "--", "--sleep-s", "0.07")
+    h3_ns = lab.hosts["h3"][0]
+    try:
+        job.read_until(lambda line: line.get("type") == "sync" and line["step"] >= 30, 120, "the sync of step 30")
+        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "down"], check=True)
+        time.sleep(15)
+        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "up"], check=True)
+        job.read_until(lambda line: line.get("type") == "summary", 240, "the job's end")
+    finally:
+        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "up"], check=False)
+        if job.proc.poll() is None:
+            job.proc.kill()
+    summary = job.lines[-1]
+    assert summary["status"] == "succeeded", "".join(job.stderr)[-3000:]
+    changes = [line for line in job.lines if line["type"] == "membership"]
+    h3 = lab.hosts["h3"][1]
+    assert [c["world_size"] for c in changes] == [2, 3], changes
+    assert changes[0]["left"] == [f"rank 2 on {h3} (its beat stopped: its host or launcher is gone)"], changes
+    assert changes[1]["joined"] == [f"rank 2 on {h3}"] and changes[1]["step"] % every == 0, changes
+    notes = [line["line"] for line in job.lines if line["type"] == "output" and line["rank"] == -1]
+    assert any("is back, its ranks still in the job" in note for note in notes), notes
+    syncs = [line["step"] for line in job.lines if line["type"] == "sync"]
+    assert syncs == list(range(every, steps + every, every)), syncs
+    assert (summary["steps"], summary["outer_steps"], summary["steps_lost"]) == (steps, steps // every, 0)
+    print(f"membership: {[(c['world_size'], c['step'], c['left'], c['joined']) for c in changes]}")
+    _no_training_processes(lab)

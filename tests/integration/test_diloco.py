@@ -177,3 +177,29 @@ def test_more_fragments_than_units_and_one_replica(recipe, tmp_path):
     result = run_cli("train", str(recipe), "--json", "-s", "diloco", "--replicas", "1", "--steps", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "is one-device training" in result.stderr and result.summary["strategy"] == "one-device"
+
+
+def test_a_lost_replica_loses_only_its_inner_steps_and_rejoins_at_a_sync(tmp_path):
+    """--elastic 2:3, rank 2 SIGKILLed in step 12 of H=5: the survivors go on alone, find it gone at
+    the sync of step 15, redo that sync between them (no outer step lost), and the restarted rank
+    joins at a later sync from the global weights."""
+    from tests.integration._recipes import ELASTIC
+
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = run_cli("train", str(recipe), "--json", "-s", "diloco", "--replicas", "3", "--elastic", "2:3",
+                     "--sync-every", "5", "--steps", "40", "--checkpoint-dir", str(tmp_path / "ck"), "--",
+                     "--die-rank", "2", "--die-at", "12", "--once", str(tmp_path / "once"), "--sleep-s", "0.2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    changes = [line for line in lines if line["type"] == "membership"]
+    assert [c["world_size"] for c in changes] == [2, 3], changes
+    assert changes[0]["left"] == ["rank 2 on 127.0.0.1 (killed by SIGKILL)"] and changes[0]["step"] == 15  # the sync it redid
+    assert changes[1]["joined"] == ["rank 2 on 127.0.0.1"] and changes[1]["step"] % 5 == 0
+    syncs = [line["step"] for line in lines if line["type"] == "sync"]
+    assert syncs == list(range(5, 45, 5)), syncs  # every outer step once: step 15's redone by the survivors
+    summary = result.summary
+    assert (summary["steps"], summary["outer_steps"], summary["steps_lost"]) == (40, 8, 0)
+    assert summary["membership_changes"] == 2 and summary["world_size"] == 3
+    data = load_checkpoint(latest_checkpoint(tmp_path / "ck"))
+    assert data["step"] == 40 and len(data["comm"]["diloco"]["inner"]) == 3

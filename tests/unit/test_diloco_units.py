@@ -29,7 +29,7 @@ def _spec(**fields):
     ({"fragments": 5, "sync_every": 4}, "at most 4 fragments"),
     ({"checkpoint_every": 150, "checkpoint_dir": "/c"}, "give a multiple of --sync-every 100"),
     ({"compression": "bf16"}, "--compression with --strategy diloco: diloco's replicas exchange no gradients"),
-    ({"elastic_min": 1, "elastic_max": 2}, "--elastic with --strategy diloco"),
+    ({"elastic_min": 1, "elastic_max": 2, "fragments": 2}, "--elastic with --strategy diloco: with --fragments"),
     ({"tp": 2}, "--tp with --strategy diloco"),
 ])
 def test_diloco_flags_are_refused_in_one_line(fields, says):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["heal"]
+__all__ = ["broadcast_tensors", "heal"]
 
 
 def heal(store: Any, key: str, *, source: int, rank: int, model: nn.Module, optimizer_state: dict[str, Any],
@@ -51,7 +51,7 @@ def heal(store: Any, key: str, *, source: int, rank: int, model: nn.Module, opti
         optimizer_tensors = [torch.empty(shape, dtype=_dtype(dtype), device=device)
                              for _, _, shape, dtype in manifest["optimizer_tensors"]]
     model_tensors = [live[name] for name, _, _ in manifest["model"]]
-    _broadcast(model_tensors + optimizer_tensors, source, device)
+    broadcast_tensors(model_tensors + optimizer_tensors, source, device)
     if rank != source:
         load_optimizer_state(_optimizer_state(manifest, optimizer_tensors))
     return manifest["values"]
@@ -102,7 +102,7 @@ def _param_key(index: Any) -> Any:
     return int(index) if isinstance(index, str) and index.isdigit() else index
 
 
-def _broadcast(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
+def broadcast_tensors(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
     """One broadcast per dtype of the flattened tensors, then each tensor takes its part back."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:

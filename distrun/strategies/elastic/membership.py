@@ -359,16 +359,20 @@ class Membership:
         self._register()
         return int(self._store.compare_set("generation", str(newest), str(newest + 1)).decode())
 
-    def switch_due(self, committed_step: int) -> bool:
+    def switch_due(self, committed_step: int, boundary: int | None = None) -> bool:
         """At a step boundary: whether a round is waiting for us (a member joins) and it is time.
 
         One store read per step. The first member to see a newer round proposes the step
-        to switch after (its own next one); everyone switches at that same boundary.
+        to switch after: ``boundary``, by default its own next one (a synchronous step needs
+        every member, so none can be past it). A strategy whose members step apart between
+        collectives (diloco) proposes its next one instead. Everyone switches at that same
+        boundary.
         """
         newest = int(self._store.get("generation").decode())
         if newest <= self.generation:
             return False
-        agreed = int(self._store.compare_set(f"g{newest}/switch_after", "", str(committed_step + 1)).decode())
+        proposal = committed_step + 1 if boundary is None else boundary
+        agreed = int(self._store.compare_set(f"g{newest}/switch_after", "", str(proposal)).decode())
         return committed_step >= agreed
 
     def join_round(self, generation: int, committed_step: int, *, min_members: int = 1,

@@ -115,8 +115,8 @@ class Elastic:
                 raise JobFinished("the job finished while this member waited for a place")
             time.sleep(BEAT_S * 4)
 
-    def switch_due(self, committed_step: int) -> bool:
-        return self.membership.switch_due(committed_step)
+    def switch_due(self, committed_step: int, boundary: int | None = None) -> bool:
+        return self.membership.switch_due(committed_step, boundary)
 
     def next_round(self, committed_step: int, failed_at: float, *, failed: bool) -> Round:
         """Leave the group (the caller dropped its DDP first), join the next round, open its group.

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from distrun.strategies.elastic.heal import broadcast_tensors
+
 __all__ = ["GlobalWeights"]
 
 
@@ -54,6 +56,20 @@ class GlobalWeights:
         with torch.no_grad():
             for tensor, p in zip(self.tensors, params):
                 tensor.copy_(p.detach().to("cpu", torch.float32))
+
+    def broadcast(self, source: int, device: torch.device) -> None:
+        """Make the global weights and the outer momentum ``source``'s (over the current group):
+        a member healed after a change of membership. A member that has stepped no outer step
+        yet holds no momentum buffer; a zero one steps the same (SGD's first buffer is the
+        gradient, and 0 x momentum + gradient is that)."""
+        tensors = [t.detach() for t in self.tensors]
+        if self.optimizer.defaults["momentum"] > 0:
+            for tensor in self.tensors:
+                state = self.optimizer.state[tensor]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(tensor.detach())
+                tensors.append(state["momentum_buffer"])
+        broadcast_tensors(tensors, source, device)
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "outer_steps": self.outer_steps}

@@ -58,6 +58,11 @@ class PseudoGradientWire:
         self._group = group
         self._residual: dict[int, torch.Tensor] = {}
 
+    def regroup(self, *, members: int, rank: int) -> None:
+        """``--elastic``: the default group changed size; each fragment's rounding error stays (it is
+        this replica's own)."""
+        self.members, self._rank = members, rank
+
     def mean(self, key: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], SyncCost]:
         """The replicas' mean of each tensor (new tensors, fp32, on the tensors' device)."""
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
