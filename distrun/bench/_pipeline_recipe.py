@@ -1,10 +1,13 @@
-"""`distrun bench pipeline` and `bench layouts`: an MLP whose layers are a chain, as a fit recipe.
+"""`distrun bench pipeline`, `bench layouts` and `bench slowlinks`: an MLP whose layers are a chain, as a fit recipe.
 
 ``nn.Sequential(Linear(inputs, W), ReLU, [Block(W)] x layers, Linear(W, 10))``, each block an
 ``nn.Sequential(Linear(W, 4W), GELU, Linear(4W, W))``: a chain ``--pp`` cuts, MLP pairs
 ``--tp`` derives a plan for, repeated blocks for sharded's units and activation
 checkpointing, the same model under every layout. The task is a fixed random teacher's
 classes over seeded inputs, so every contender sees the same batches.
+
+``bench slowlinks`` trains it under diloco and multi-worker over slow links and reads the
+eval loss over time.
 
 ``bench pipeline`` makes the parameters large against a step's compute (a small batch):
 what crosses hosts each step decides the speed. ``bench layouts`` makes the activations
@@ -51,4 +54,12 @@ def train_data(ctx) -> TensorDataset:  # noqa: ANN001 - the recipe API
     gen = torch.Generator().manual_seed(1)
     teacher = torch.randn(ARGS.inputs, _CLASSES, generator=gen)
     x = torch.randn(ARGS.samples, ARGS.inputs, generator=gen)
+    return TensorDataset(x, (x @ teacher).argmax(dim=1))
+
+
+def eval_data(ctx) -> TensorDataset:  # noqa: ANN001 - the recipe API
+    """The same teacher's classes on held-out inputs (`bench slowlinks` reads the loss over time)."""
+    gen = torch.Generator().manual_seed(1)
+    teacher = torch.randn(ARGS.inputs, _CLASSES, generator=gen)
+    x = torch.randn(256, ARGS.inputs, generator=torch.Generator().manual_seed(2))
     return TensorDataset(x, (x @ teacher).argmax(dim=1))

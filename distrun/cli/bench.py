@@ -20,6 +20,7 @@ from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.compression import run_compression
 from distrun.bench.layouts import run_layouts
 from distrun.bench.pipeline import run_pipeline
+from distrun.bench.slowlinks import run_slowlinks
 from distrun.bench.elastic import run_elastic
 from distrun.bench.memory import run_memory
 from distrun.bench.overhead import run_overhead
@@ -33,19 +34,19 @@ from distrun.config import Role
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_layouts, render_memory, render_overhead, render_pipeline, render_scaling, render_straggler, render_ttfs
+from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_layouts, render_memory, render_overhead, render_pipeline, render_scaling, render_slowlinks, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | resnet50 | resnet18 | mlp"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline: the (running) cluster to measure (none: this machine)."),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | slowlinks | resnet50 | resnet18 | mlp"),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline, slowlinks: the (running) cluster to measure (none: this machine)."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2)."),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL)."),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda"),
-    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); scaling, compression: timed steps (20); pipeline: steps (10); elastic: steps (60, a rank lost halfway)."),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); scaling, compression: timed steps (20); pipeline: steps (10); slowlinks: steps (100); elastic: steps (60, a rank lost halfway)."),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first."),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width."),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step."),
@@ -119,6 +120,14 @@ def bench(
             _positive(steps=steps or 10)
             report = run_pipeline(cluster=cluster_file, steps=steps or 10, progress=say)
             _show(report, json_output, render_pipeline)
+        elif workload == "slowlinks":
+            if cluster_file is None:
+                raise UsageError("bench slowlinks: needs --cluster FILE (a running cluster of two or more worker hosts "
+                                 "joined by the links to measure)")
+            _positive(steps=steps or 100)
+            report = run_slowlinks(cluster=cluster_file, steps=steps or 100, eval_every=max(1, (steps or 100) // 10),
+                                   progress=say)
+            _show(report, json_output, render_slowlinks)
         elif workload == "layouts":
             _positive(steps=steps or 3)
             report = run_layouts(steps=steps or 3, progress=say)
@@ -130,7 +139,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, slowlinks, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None

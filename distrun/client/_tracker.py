@@ -289,9 +289,19 @@ class JobTracker:
             recipe_kind=self._recipe_kind,
             resumed=({"path": self._resumed.path, "step": self._resumed.step, "past_end": self._resumed.past_end}
                      if self._resumed else None),
+            net_mb_sent=self._net_mb_sent(),
             **self._syncs.summary(self._strategy.startswith("diloco")),
             **self._throughput(chief.samples_per_s if chief else workers_rate),
         )
+
+    def _net_mb_sent(self) -> float | None:
+        """Each host's largest count from its ranks' Done (they read one host's counters), summed."""
+        per_host: dict[str | None, int] = {}
+        for rank, done in self._done.items():
+            if done.net_bytes_sent is not None:
+                host = self._rows[rank].host if rank in self._rows else None
+                per_host[host] = max(per_host.get(host, 0), done.net_bytes_sent)
+        return round(sum(per_host.values()) / 1e6, 3) if per_host else None
 
     def _throughput(self, samples_per_s: float) -> dict[str, float | None]:
         """tokens/s and MFU from samples/s, where the recipe said what a sample is worth."""

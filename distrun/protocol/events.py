@@ -188,6 +188,9 @@ class Done(Event):
     samples_per_s: float
     first_step_time: float | None
     peak_mem_mb: float | None = None  # as Step's, at the end
+    #: What this rank's host sent on its network interfaces (loopback excluded) while the rank
+    #: ran: every process's traffic there, the job's and anything else's; None where unknown.
+    net_bytes_sent: int | None = None
 
 
 @dataclass(frozen=True)

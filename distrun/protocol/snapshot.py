@@ -160,6 +160,9 @@ class JobSummary:
     mesh: dict[str, int] | None = None
     #: ``--strategy diloco``: whole-model syncs (outer steps), and over every sync the MB the chief
     #: sent and the seconds its steps waited for them; None under other strategies.
+    #: MB the training hosts sent on their interfaces (loopback excluded) while the ranks ran, summed
+    #: over hosts (each host's ranks read the same counters: its largest counts once); None if unknown.
+    net_mb_sent: float | None = None
     outer_steps: int | None = None
     sync_mb: float | None = None
     sync_blocked_s: float | None = None

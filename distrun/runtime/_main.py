@@ -84,7 +84,8 @@ def main() -> None:
             reporter.flush()
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=reporter.current_step,
                              final_loss=to_float(reporter.last_loss), samples_per_s=reporter.samples_per_s,
-                             first_step_time=reporter.first_step_time, peak_mem_mb=reporter.peak_mem_mb()))
+                             first_step_time=reporter.first_step_time, peak_mem_mb=reporter.peak_mem_mb(),
+                             net_bytes_sent=reporter.net_bytes_sent()))
             _leave_together(launch, store)
             _exit(0)
         if ps_task:
@@ -133,7 +134,7 @@ def main() -> None:
         writer.emit(
             Done(rank=launch.rank, time=time.time(), steps=steps, final_loss=final_loss,
                  samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time,
-                 peak_mem_mb=reporter.peak_mem_mb())
+                 peak_mem_mb=reporter.peak_mem_mb(), net_bytes_sent=reporter.net_bytes_sent())
         )
         strategy.close()
         if spec.strategy.collective:

@@ -43,6 +43,7 @@ class EventReporter:
         self._gpu: Any = None  # a GpuProbe, opened at the first step event on a CUDA rank
         self._cuda = device_type == "cuda"
         self._proc = psutil.Process(os.getpid())
+        self._net_sent_at_start = host_bytes_sent()
         self.total_steps: int | None = None
         self.current_step = 0
         #: What the rank does outside a step, for a failure there ("building the model"); None in the loop.
@@ -202,6 +203,11 @@ class EventReporter:
             )
         )
 
+    def net_bytes_sent(self) -> int | None:
+        """Bytes this host sent on its network interfaces (not loopback) since this rank started."""
+        now = host_bytes_sent()
+        return now - self._net_sent_at_start if now is not None and self._net_sent_at_start is not None else None
+
     def peak_mem_mb(self) -> float | None:
         """This rank's peak memory: CUDA's max allocated on a GPU rank, else the process's peak
         resident set (VmHWM: for a rank forked warm, counted from its fork)."""
@@ -242,3 +248,12 @@ def to_float(value: Any) -> float | None:
         return float(value.item() if hasattr(value, "item") else value)
     except (TypeError, ValueError, RuntimeError):
         return None
+
+
+def host_bytes_sent() -> int | None:
+    """The kernel's count of bytes sent on every interface but loopback (None where unreadable)."""
+    try:
+        counters = psutil.net_io_counters(pernic=True)
+    except (OSError, RuntimeError):
+        return None
+    return sum(c.bytes_sent for name, c in counters.items() if name != "lo")

@@ -165,3 +165,21 @@ def render_layouts(report: Mapping[str, Any]) -> Table:
         table.add_row(row["layout"], f"{row['peak_mb']:.0f}", f"{row['rank0_peak_mb']:.0f}", others,
                       f"{row['vs_sharded']:.2f}x", f"{row['samples_per_s']:.1f}")
     return table
+
+
+def render_slowlinks(report: Mapping[str, Any]) -> Table:
+    title = (f"slow links: MLP of {report['parameters']:,} parameters, global batch {report['global_batch_size']}, "
+             f"{report['steps']} steps each, eval every {report['eval_every']}")
+    table = _contenders(title, f"bytes: what the training hosts' interfaces sent, per step; equal time: the eval loss "
+                        f"at {report['equal_time_s']:.1f} s (the fastest contender's whole run); to baseline: seconds "
+                        "to multi-worker's final eval loss",
+                        ("contender", "MB/step", "fewer bytes", "s/step", "eval loss", "at equal time", "to baseline"))
+
+    def num(value: Any, form: str, unit: str = "") -> str:
+        return "-" if value is None else f"{value:{form}}{unit}"
+
+    for row in report["rows"]:
+        table.add_row(row["contender"], num(None if row["bytes_per_step"] is None else row["bytes_per_step"] / 1e6, ".2f"),
+                      num(row["bytes_vs_baseline"], ".1f", "x"), num(row["step_s"], ".3f"), num(row["eval_loss"], ".4f"),
+                      num(row["eval_loss_at_equal_time"], ".4f"), num(row["time_to_baseline_loss_s"], ".1f", " s"))
+    return table

@@ -40,9 +40,9 @@ def _spec(**changes):
     return JobSpec(**{**base, **changes})
 
 
-def test_elastic_is_for_synchronous_replicas_that_hold_the_whole_state():
+def test_elastic_is_for_replicas_that_hold_the_whole_state():
     assert _spec().elastic and not _spec(elastic_min=0, elastic_max=0).elastic
-    with pytest.raises(ConfigError, match="--elastic: for --strategy mirrored or multi-worker"):
+    with pytest.raises(ConfigError, match="--elastic: for --strategy mirrored, multi-worker or diloco"):
         _spec(strategy=StrategyName.CENTRAL_STORAGE)
     with pytest.raises(ConfigError, match="--elastic with --compile: not supported yet"):
         _spec(compile=True)

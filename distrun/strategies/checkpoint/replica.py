@@ -1,0 +1,168 @@
+"""A replica's checkpoints: what ``save`` writes and ``restore`` reads, in the plain format or a
+strategy's own (a mixin of ``Strategy``, as ``ReplicaCollectives`` is: it uses the strategy's state).
+
+``save`` is called by every replica; the plain format's chief writes ``ckpt-<step>.pt`` and the
+others wait at a barrier until it is complete. ``restore`` reads the newest checkpoint of either
+format, at any world size, into the prepared model and optimizer, and puts back the step, the
+data position, the random state and the loss scale. Strategies change what is written through
+the hooks (``_checkpoint_state``, ``_comm_state``, ``_write_checkpoint``, ``_read_checkpoint``,
+``_load_checkpoint``, ``_after_restore``), never the two calls.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from distrun.errors import CheckpointError
+from distrun.strategies.checkpoint.catalog import latest_checkpoint, load_checkpoint, prune
+from distrun.strategies.checkpoint.files import save_checkpoint
+from distrun.strategies.checkpoint.mismatch import describe_mismatch
+from distrun.strategies.checkpoint.pending import PendingSave
+from distrun.strategies.checkpoint.rng import rng_state, set_rng_state
+
+__all__ = ["CheckpointReplica"]
+
+
+class CheckpointReplica:
+    """Mixed into Strategy, which supplies the model, optimizer, step, data position and reporter."""
+
+    _optimizer: Any
+    _replica: Any
+    _reporter: Any
+    _dataset: Any
+    _step: Any
+    _global_batch_size: int | None
+    step: int
+    epoch: int
+    name: str
+    restored_from: Path | None
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        return self._optimizer.state_dict() if self._optimizer is not None else {}
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(model state_dict on the CPU, optimizer state_dict): what the chief's plain checkpoint stores."""
+        model = self.unwrap()
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}, self._optimizer_state()
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        self.unwrap().load_state_dict(state)
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self._optimizer is not None and state:
+            self._optimizer.load_state_dict(state)
+
+    def _comm_state(self) -> dict[str, Any] | None:
+        """Gradient communication's state for a checkpoint (``comm``); every replica calls it
+        (it may gather), the chief's answer is written. None: nothing to keep."""
+        return None
+
+    def _load_comm_state(self, saved: dict[str, Any] | None) -> None:
+        """Take back ``_comm_state``'s checkpoint entry (None when the checkpoint has none)."""
+
+    def check_checkpoint_dir(self, directory: str | Path) -> None:
+        """Before training: fail now rather than at the first save if ``directory`` cannot hold
+        this strategy's checkpoints. Nothing to check for the chief's one file."""
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """Everything a checkpoint keeps besides the model and the optimizer."""
+        position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
+        meta = {"step": self.step, "epoch": position[0], "batch_in_epoch": position[1], "rng": rng_state(),
+                "strategy": self.name, "num_replicas": self.num_replicas,
+                "global_batch_size": self._global_batch_size, "seed": self._replica.seed}
+        scaler = self._step.scaler_state()
+        if scaler is not None:
+            meta["scaler"] = scaler
+        return meta
+
+    def save(self, directory: str | Path, *, keep: int = 3, wait: bool = False) -> Path | None:
+        """Write this step's checkpoint into ``directory`` and keep the newest ``keep``; every
+        replica calls it. Returns its path on the chief (None elsewhere, and under
+        ``--async-checkpoint`` while it is still being written, unless ``wait``)."""
+        started = time.perf_counter()
+        self._finish_checkpoint()
+        comm = self._comm_state()
+        meta = self._checkpoint_meta()
+        if comm is not None:
+            meta["comm"] = comm
+        return self._write_checkpoint(Path(directory), meta, keep=keep, started=started, wait=wait)
+
+    def _write_checkpoint(self, directory: Path, meta: dict[str, Any], *, keep: int, started: float,
+                          wait: bool) -> Path | None:
+        """The plain format: the chief writes ``ckpt-<step>.pt``; every replica waits until it is complete."""
+        path = None
+        if self.is_chief:
+            model_state, optimizer_state = self._checkpoint_state()
+            path = save_checkpoint(directory, self.step, {"model": model_state, "optimizer": optimizer_state,
+                                                               **meta})
+            prune(directory, keep)
+        self.barrier()
+        if path is not None:
+            self._reporter.checkpoint(self.step, str(path), (time.perf_counter() - started) * 1e3)
+        return path
+
+    #: A checkpoint still being written in the background (``--async-checkpoint``).
+    _pending_save: PendingSave | None = None
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written in the background is written and reported."""
+        self._finish_checkpoint()
+
+    def _finish_checkpoint(self, *, block: bool = True) -> Path | None:
+        """Report a background save once it is written (waiting for it when ``block``); its path
+        on the chief."""
+        pending = self._pending_save
+        if pending is None or (not block and not pending.done()):
+            return None
+        self._pending_save = None
+        path = pending.wait()
+        if path is not None:
+            self._reporter.checkpoint(pending.step, str(path), pending.blocked_ms)
+        return path
+
+    def restore(self, directory: str | Path) -> dict[str, Any]:
+        """Load the newest checkpoint in ``directory`` (either format, any world size) into the
+        prepared model and optimizer. Restores step, data position and RNG too; returns the
+        checkpoint's entries (a sharded one's without its tensors)."""
+        path = latest_checkpoint(directory)
+        if path is None:
+            raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt or ckpt-<step>/)")
+        data = self._read_checkpoint(path)
+        saved_gbs = data.get("global_batch_size")
+        if saved_gbs and self._global_batch_size and saved_gbs != self._global_batch_size:
+            raise CheckpointError(
+                f"{path}: written with global batch size {saved_gbs}, resumed with {self._global_batch_size}; "
+                "the data position only carries over with the same global batch size"
+            )
+        try:
+            self._load_checkpoint(path, data)
+        except RuntimeError as exc:  # another model's checkpoint: say which keys and shapes differ
+            mismatch = describe_mismatch(exc)
+            if mismatch is None:
+                raise
+            raise CheckpointError(f"{path}: not a checkpoint of this model: {mismatch}") from None
+        self.restored_from = path  # the live view and the summary say what was resumed
+        self.step = int(data["step"])
+        self.epoch = int(data.get("epoch", 0))
+        if self._dataset is not None:
+            self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
+        set_rng_state(data.get("rng") or {}, self.device)
+        self._step.load_scaler_state(data.get("scaler"))
+        self._load_comm_state(data.get("comm"))
+        self._after_restore()
+        return data
+
+    def _read_checkpoint(self, path: Path) -> dict[str, Any]:
+        """The checkpoint as the plain format's dict: whole tensors, whichever format it is in."""
+        return load_checkpoint(path)
+
+    def _load_checkpoint(self, path: Path, data: dict[str, Any]) -> None:
+        self._load_model_state(data["model"])
+        self._load_optimizer_state(data.get("optimizer") or {})
+
+    def _after_restore(self) -> None:
+        """Hook: re-synchronise replicas after loading state."""
