@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab
+from tests.cluster.conftest import Lab, brought_up, json_lines, shaped_lab
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import ELASTIC
 
