@@ -9,6 +9,7 @@ from typing import Any
 
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
+    DILOCO_DEFAULTS,
     JobSpec,
     RecipeKind,
     StrategyName,
@@ -128,11 +129,8 @@ def replicas_of(slots: int, per_replica: int, source: Any) -> int:
 def diloco_alone(spec: JobSpec) -> tuple[JobSpec, str | None]:
     """``--strategy diloco`` with one replica is one-device (its outer step would only rescale its
     own steps): the spec it runs as, and the note that says so (None for any other job)."""
-    if spec.strategy is not StrategyName.DILOCO or spec.replicas != 1:
-        return spec, None
-    fresh = JobSpec(recipe=spec.recipe)
-    plain = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, sync_every=fresh.sync_every,
-                                outer_lr=fresh.outer_lr, outer_momentum=fresh.outer_momentum,
-                                sync_dtype=fresh.sync_dtype, fragments=fresh.fragments)
+    if spec.strategy is not StrategyName.DILOCO or spec.replicas != 1 or spec.elastic:
+        return spec, None  # --elastic: the one replica may be joined by others; it stays diloco
+    plain = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, **DILOCO_DEFAULTS)
     return plain, ("note: --strategy diloco with one replica is one-device training (no other replica to "
                    "sync with): running --strategy one-device")

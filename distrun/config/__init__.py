@@ -13,7 +13,7 @@ from distrun.config.cluster import (
     parse_cluster,
 )
 from distrun.config._compression import DEFAULT_POWERSGD_WARMUP, Compression
-from distrun.config._diloco import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_EVERY, SYNC_DTYPES
+from distrun.config._diloco import DEFAULT_OUTER_LR, DEFAULT_OUTER_MOMENTUM, DEFAULT_SYNC_EVERY, DILOCO_DEFAULTS, SYNC_DTYPES
 from distrun.config.job import (
     DEFAULT_CPU_REPLICAS,
     DEFAULT_KEEP_CHECKPOINTS,
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_OUTER_LR",
     "DEFAULT_OUTER_MOMENTUM",
     "DEFAULT_SYNC_EVERY",
+    "DILOCO_DEFAULTS",
     "SYNC_DTYPES",
     "Allocation",
     "ClusterSpec",

@@ -15,8 +15,8 @@ from typing import Any
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
-__all__ = ["DEFAULT_OUTER_LR", "DEFAULT_OUTER_MOMENTUM", "DEFAULT_SYNC_EVERY", "SYNC_DTYPES", "diloco_flags_used",
-           "validate_diloco"]
+__all__ = ["DEFAULT_OUTER_LR", "DEFAULT_OUTER_MOMENTUM", "DEFAULT_SYNC_EVERY", "DILOCO_DEFAULTS", "SYNC_DTYPES",
+           "diloco_flags_used", "validate_diloco"]
 
 #: The paper's settings: H=100 inner steps between syncs (500 in its largest runs), an outer
 #: SGD with lr 0.7 and Nesterov momentum 0.9.
@@ -26,6 +26,10 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 #: ``--sync-dtype``: what a pseudo-gradient crosses the wire as. int8 is scaled per tensor with
 #: one scale every replica agrees on, its rounding error fed into the next sync.
 SYNC_DTYPES = ("fp32", "bf16", "int8")
+#: The diloco fields of a JobSpec at their defaults: what a spec that stops being diloco's takes
+#: (one replica runs as one-device; a cluster's evaluator host runs one process).
+DILOCO_DEFAULTS = {"sync_every": DEFAULT_SYNC_EVERY, "outer_lr": DEFAULT_OUTER_LR,
+                   "outer_momentum": DEFAULT_OUTER_MOMENTUM, "sync_dtype": "fp32", "fragments": 1}
 
 
 def diloco_flags_used(spec: Any) -> list[str]:

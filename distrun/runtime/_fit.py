@@ -170,13 +170,26 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         evaluated_at = strategy.step
         return result
 
+    def end_of_run(epoch: int) -> None:
+        """One set of weights (diloco: the last sync), then the run's evaluation unless this step had one."""
+        nonlocal last_eval, eval_due, ended
+        strategy.settle()
+        if evaluating and evaluated_at != strategy.step:
+            eval_due = epoch
+            last_eval, eval_due = run_eval(epoch), None
+        ended = True
+
     eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
+    ended = False  # the run's end was settled and evaluated
     reporter.during = None  # from here a failure is at a step
-    while not finished() or eval_due is not None:
+    while not ended:
         failed_at, switch = None, False
         try:
             if eval_due is not None:
                 last_eval, eval_due = run_eval(eval_due), None
+                continue
+            if finished():  # the last step is done; a change of membership interrupted its end
+                end_of_run(train.position[0])
                 continue
             epoch = train.position[0]
             model.train()
@@ -198,10 +211,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
             epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
-            if finished():
-                strategy.settle()  # diloco: the replicas take the global weights for the last evaluation
-            if evaluating and (epoch_done or finished()) and evaluated_at != strategy.step:
-                # Every epoch's end, and the run's end wherever it falls (a --steps run mid-epoch too).
+            if finished():  # the run's end wherever it falls (a --steps run mid-epoch too)
+                end_of_run(epoch)
+            elif epoch_done and evaluating and evaluated_at != strategy.step:  # every epoch's end
                 eval_due = epoch
                 last_eval, eval_due = run_eval(epoch), None
             if not epoch_done and total_steps is None:

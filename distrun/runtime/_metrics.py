@@ -37,10 +37,14 @@ def evaluate(
     named = {name: m.to(device) for name, m in metrics.items()}
     for m in named.values():
         m.reset()
+    extra = None
     if is_map_style(dataset):
         index, count = strategy.eval_shard
         indices = list(range(index, len(dataset), count))
         batches: Any = DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=per_replica_batch_size)
+        # Agreed before the first forward: where a forward is a collective (sharded), a replica
+        # still running its own batches would otherwise meet a peer that has moved on to agreeing.
+        extra = strategy.eval_forwards_to_match(len(batches))
     else:
         batches = dataset
     updating = strategy.updates_metrics
@@ -59,7 +63,8 @@ def evaluate(
             target = batch[1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else None
             for m in named.values():
                 m.update(outputs, target)
-        extra = strategy.eval_forwards_to_match(forwards)
+        if extra is None:  # an iterable: its length is known once it ran out
+            extra = strategy.eval_forwards_to_match(forwards)
         if extra and last is None:  # this replica's share was empty: any sample makes a forward
             last = to_device(next(iter(DataLoader(torch.utils.data.Subset(dataset, [0]), batch_size=1))), device)
         for _ in range(extra):  # counted nowhere: they only keep a collective forward in step

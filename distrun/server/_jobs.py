@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from distrun.config import JobSpec, StrategyName
+from distrun.config import DILOCO_DEFAULTS, JobSpec, StrategyName
 from distrun.errors import ConfigError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import event_to_dict
@@ -548,7 +548,7 @@ def _traces_in(folder: Path) -> list[str]:
 
 def evaluator_spec(spec: JobSpec) -> JobSpec:
     """The training job's spec for its evaluator host: one process, one device, no process group,
-    whatever the job's layout (--tp/--pp and the parameter-server's settings go)."""
+    whatever the job's layout (--tp/--pp, diloco's and the parameter-server's settings go)."""
     return dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
                                checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
-                               pp_schedule="1f1b", microbatches=0)
+                               pp_schedule="1f1b", microbatches=0, elastic_min=0, elastic_max=0, **DILOCO_DEFAULTS)

@@ -80,6 +80,7 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         self._in_flight: _InFlight | None = None
         self._synced_at: dict[int, int] = {}  # fragment -> the step its global weights last landed
         self.last_sync_step = 0  # the step of the newest whole-model sync (its last fragment's)
+        self.healed_into_owed_sync = False  # --elastic: healed from a peer that owes a sync (its own weights are global)
         self._blocked_s = 0.0  # this step's wait for syncs (its "wait for peers")
 
     # -- building -------------------------------------------------------------
@@ -120,12 +121,13 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         return self._global.outer_steps if self._global is not None else 0
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        if self._elastic is not None and self.owes_sync():  # a change of membership interrupted it
-            self._sync(0)
+        """A step, after the sync a change of membership interrupted (``--elastic``), if one is owed."""
+        self._blocked_s = 0.0
+        if self._elastic is not None and self.owes_sync():
+            self._sync(0, owed=True)
         return super().run(fn, *args, **kwargs)
 
     def _after_step(self) -> None:
-        self._blocked_s = 0.0
         if self._fragments is None:
             return
         if self._in_flight is not None and self.step > self._in_flight.launched_step:
@@ -140,11 +142,18 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         """A replica waits for its peers only at a sync: what this step spent there."""
         return (timed_s or 0.0) + self._blocked_s
 
-    def _sync(self, fragment: int, *, keep_local: float = 0.0) -> None:
-        """Exchange ``fragment``'s pseudo-gradient now, step its global weights, take them."""
+    def _sync(self, fragment: int, *, keep_local: float = 0.0, owed: bool = False) -> None:
+        """Exchange ``fragment``'s pseudo-gradient now, step its global weights, take them.
+
+        ``owed``: the sync a change of membership interrupted, redone by the new group; a member
+        healed into it (its weights the global ones) counts for nothing in the mean.
+        """
         started = time.perf_counter()
         indices = self._fragments.indices[fragment]
-        mean, cost = self._wire.mean(fragment, self._on_wire(self._global.pseudo_gradient(indices, self._params)))
+        weight = (0.0 if self.healed_into_owed_sync else 1.0) if owed else None
+        mean, cost = self._wire.mean(fragment, self._on_wire(self._global.pseudo_gradient(indices, self._params)),
+                                     weight=weight)
+        self.healed_into_owed_sync = False
         self._apply(fragment, mean, keep_local=keep_local)
         seconds = time.perf_counter() - started
         self._blocked_s += seconds
@@ -204,15 +213,18 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
                                   dtype=self._sync_dtype)
 
     def settle(self) -> None:
-        """Sync every fragment whose global weights did not land at this step: before the last
-        evaluation, a checkpoint, and the end of the run, the replicas hold the global weights."""
+        """The run's end: land the exchange in flight, sync every fragment that did not sync at this
+        step, and put the global weights in every replica (a streamed fragment lands mixed with the
+        replica's own), so the last evaluation, checkpoint and weights are global ones."""
         if self._fragments is None:
             return
         if self._in_flight is not None:
             self._land()
         for fragment in range(len(self._fragments)):
-            if self._synced_at.get(fragment) != self.step:
-                self._sync(fragment)
+            if self._synced_at.get(fragment) != self.step:  # --elastic: a healed member counts for nothing
+                self._sync(fragment, owed=self._elastic is not None)
+        if len(self._fragments) > 1:
+            self._global.copy_into(list(range(len(self._params))), self._params)
 
     # -- evaluation and checkpoints: the global weights -----------------------
 
@@ -234,8 +246,31 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
                     p.copy_(value)
 
     def save(self, directory: Any, *, keep: int = 3, wait: bool = False) -> Any:
-        self.settle()  # a checkpoint holds global weights, and the replicas' state at that sync
+        """A checkpoint of the global weights. One fragment: written at a sync (the last one syncs
+        first), so every replica's weights are the global ones and a resume is exact. Streamed
+        fragments sync at different steps, so a checkpoint between the run's syncs does not force
+        any (that would change the training): it lands the exchange in flight and writes the
+        global weights; a resume starts every replica from them."""
+        if len(self._fragments) == 1 or self.step >= (self._step_budget or self.step + 1):
+            self.settle()
+        elif self._in_flight is not None:
+            self._land()
         return super().save(directory, keep=keep, wait=wait)
+
+    def set_step_budget(self, total_steps: int | None) -> None:
+        self._step_budget = total_steps
+
+    _step_budget: int | None = None
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The global weights under the model's parameter names (buffers: this replica's, averaged
+        at the last sync), and replica 0's inner optimizer state."""
+        model = self.unwrap()
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        for (name, param), tensor in zip(model.named_parameters(), self._global.tensors):
+            if name in state:
+                state[name] = tensor.detach().to(param.dtype).clone()
+        return state, self._optimizer_state()
 
     def _comm_state(self) -> dict[str, Any] | None:
         """The outer optimizer and every replica's inner optimizer state (gathered on the chief)."""
@@ -249,7 +284,7 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         state = (saved or {}).get("diloco")
         if state is None:
             return
-        self._global.load_state_dict(state["outer"])
+        self._global.load_state_dict(state["outer"], lr=self._outer_lr, momentum=self._outer_momentum)
         inner = state.get("inner") or []
         if inner:  # a job resumed on more replicas than wrote it: they share the states round-robin
             self._load_optimizer_state(inner[self.replica_id % len(inner)])
@@ -260,8 +295,7 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         self.last_sync_step = self.step
 
     def close(self) -> None:
-        if self._in_flight is not None:
-            self._land()
+        self.settle()  # a custom loop's replicas end on the global weights too (fit's settled already)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         super().close()

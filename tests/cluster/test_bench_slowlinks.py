@@ -41,5 +41,5 @@ def test_bench_slowlinks_compares_diloco_with_multi_worker(tmp_path: Path) -> No
         assert row["steps"] == int(steps) and row["bytes_per_step"] > 0, (name, row)
         assert math.isfinite(row["eval_loss"]) and row["curve"][-1][2] == int(steps), (name, row)
     assert rows["diloco H=10"]["outer_steps"] == int(steps) // 10
-    # A sync every 10 steps instead of an all-reduce every step: several times fewer bytes.
-    assert rows["diloco H=10"]["bytes_vs_baseline"] > 3, rows["diloco H=10"]
+    # A sync every 10 steps instead of an all-reduce every step: the goal is 5x fewer bytes.
+    assert rows["diloco H=10"]["bytes_vs_baseline"] >= report["goals"]["bytes_vs_baseline_at_h10"], rows["diloco H=10"]

@@ -119,6 +119,12 @@ def test_int8_streaming_syncs_train_and_every_n_steps_evaluate(recipe, tmp_path)
     assert [e["step"] for e in _events(result, "eval")] == [4, 6, 8, 12, 16, 18]
     assert losses[-1] < losses[0], losses
     assert data["strategy"] == "diloco" and len(data["comm"]["diloco"]["inner"]) == 2
+    # The run's last evaluation ran the weights its checkpoint holds (the global ones): one device
+    # resuming it past its end evaluates them again, to the same loss.
+    again = run_cli("train", str(recipe), "--json", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                    "--steps", "18", "-b", "32")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.summary["eval_metrics"]["loss"] == pytest.approx(losses[-1], abs=1e-6)
 
 
 def test_a_diloco_checkpoint_resumes_exactly_and_under_other_strategies(recipe, tmp_path):
@@ -133,6 +139,9 @@ def test_a_diloco_checkpoint_resumes_exactly_and_under_other_strategies(recipe, 
     assert result.summary["outer_steps"] == 4 and result.summary["resumed"]["step"] == 4
     result, mirrored = _train(recipe, tmp_path / "split", "-s", "mirrored", "--steps", "10", "--resume")
     assert mirrored["strategy"] == "mirrored" and mirrored["step"] == 10
+    # ... and back: a mirrored checkpoint resumes under diloco (bf16 on the wire).
+    result, back = _train(recipe, tmp_path / "split", *flags, "--steps", "12", "--resume", "--sync-dtype", "bf16")
+    assert back["strategy"] == "diloco" and back["step"] == 12 and result.summary["outer_steps"] == 1
     exported = tmp_path / "export.pt"
     result = run_cli("checkpoint", "export", str(tmp_path / "whole"), "-o", str(exported))
     assert result.returncode == 0, result.stderr

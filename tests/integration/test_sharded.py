@@ -75,7 +75,7 @@ def test_the_recipe_names_its_units_and_bf16_trains(write_recipe, tmp_path):
 
 @pytest.mark.parametrize("flags, says", [
     (["--compression", "bf16"], "--compression bf16 with --strategy sharded"),
-    (["--elastic", "1:2"], "--elastic: for --strategy mirrored or multi-worker"),
+    (["--elastic", "1:2"], "--elastic: for --strategy mirrored, multi-worker or diloco"),
     (["--async-checkpoint"], "--async-checkpoint needs --checkpoint-dir"),
     (["--offload", "cpu", "--device", "cpu"], "--offload cpu with --strategy sharded"),
 ])

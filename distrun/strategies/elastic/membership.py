@@ -376,17 +376,20 @@ class Membership:
         return committed_step >= agreed
 
     def join_round(self, generation: int, committed_step: int, *, min_members: int = 1,
-                   expect: int = 0) -> Round:
+                   expect: int = 0, patient: bool = False) -> Round:
         """Arrive in round ``generation``, wait until it closes, and open its group (the default group).
 
         ``expect``: the round does not close before this many have arrived (the first
         round, while members are still starting); its live members still close it later.
+        ``patient``: a joiner's round, which the members reach at their next switch boundary
+        (under diloco, their next sync, possibly many minutes away): it waits past the
+        timeout for as long as the members it waits for still beat.
         """
         key = f"g{generation}/"
         index = int(self._store.add(key + "arrived", 1)) - 1
         self._store.set(f"{key}member/{index}", f"{self.member_id} {committed_step}")
         deadline = time.monotonic() + self._timeout.total_seconds()
-        count = self._wait_closed(key, deadline, expect)
+        count = self._wait_closed(key, deadline, expect, patient=patient)
         if index >= count:
             raise LateForRound(f"member {self.member_id} arrived after round {generation} closed")
         rows = [self._store.get(f"{key}member/{i}").decode().split() for i in range(count)]
@@ -407,7 +410,7 @@ class Membership:
             self._round_over.clear()
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
-    def _wait_closed(self, key: str, deadline: float, expect: int) -> int:
+    def _wait_closed(self, key: str, deadline: float, expect: int, *, patient: bool = False) -> int:
         """The round's frozen member count, freezing it ourselves once every live member arrived."""
         while True:
             frozen = self._read_int(self._store, key + "closed", default=-1)
@@ -423,8 +426,11 @@ class Membership:
                 continue
 
             if time.monotonic() > deadline:
-                raise TimeoutError(f"round {key[:-1]}: live members did not arrive: "
-                                   f"{sorted(self._live_members() - here)}")
+                missing = self._live_members() - here
+                if patient and missing:  # still training towards their boundary: wait on
+                    deadline = time.monotonic() + self._timeout.total_seconds()
+                    continue
+                raise TimeoutError(f"round {key[:-1]}: live members did not arrive: {sorted(missing)}")
             time.sleep(BEAT_S / 2)
 
     def _live_members(self) -> set[int]:

@@ -102,7 +102,7 @@ class Elastic:
         while True:
             self._wait_for_a_place()
             try:
-                self.round = self.membership.join_round(self.membership.open_joiners_round(), -1)
+                self.round = self.membership.join_round(self.membership.open_joiners_round(), -1, patient=True)
             except LateForRound:  # the round closed as we arrived: open the next
                 continue
             self._pending = (time.monotonic(), self.round, (), 0)
@@ -127,15 +127,17 @@ class Elastic:
         before = self.round.members if self.round is not None else ()
         self.membership.drop_group()
         opened = self.membership.open_round(failed=failed)
+        late = False
         while True:
             try:
-                new = self.membership.join_round(opened, committed_step, min_members=self.min_members)
+                new = self.membership.join_round(opened, committed_step, min_members=self.min_members,
+                                                 patient=late)
                 break
             except LateForRound:
-                # The round closed without us: our beat looked lost (a starved host), or a
-                # joiner's round closed as we arrived. Join the next one, as a joiner does;
-                # the others switch to it at a step boundary and heal whoever is behind.
-                opened = self.membership.open_joiners_round()
+                # The round closed without us: our beat looked lost (a starved host, a dropped
+                # link), or a joiner's round closed as we arrived. Join the next one, as a joiner
+                # does; the others switch to it at a boundary and heal whoever is behind.
+                opened, late = self.membership.open_joiners_round(), True
         self.round = new
         # Every member's beat carries its newest committed step, a lost member's too: the
         # steps the new group lost are those beyond the step it heals to (0 by design).

@@ -47,6 +47,7 @@ class ElasticSyncs:
     _wire: Any
     _params: list[torch.nn.Parameter]
     _collective_device: torch.device
+    healed_into_owed_sync: bool
     _committed_position: tuple[int, int]
     _synced_at: dict[int, int]
     last_sync_step: int
@@ -71,6 +72,8 @@ class ElasticSyncs:
 
     def recover(self, failed_at: float, *, switch: bool = False) -> None:
         """Join the next round with this member's last sync, take the new group's size, heal who is behind."""
+        if self._elastic is None:
+            raise RuntimeError("recover() is for --elastic jobs")
         round_ = self._elastic.next_round(self.last_sync_step, failed_at, failed=not switch)
         self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
         self._wire.regroup(members=round_.world_size, rank=round_.rank)
@@ -97,6 +100,7 @@ class ElasticSyncs:
         every = list(range(len(self._params)))
         if behind:  # a joiner (or a member fenced out and back) starts from the global weights
             self._global.copy_into(every, self._params)
+            self.healed_into_owed_sync = True  # its pseudo-gradient is zero: an owed sync must not count it
             self.step = int(values["step"])
             self._step.load_scaler_state(values["scaler"])
             self.last_sync_step = int(values["last_sync_step"])

@@ -2,9 +2,9 @@
 
 Under DiLoCo each replica keeps its own optimizer state across syncs (its Adam moments saw
 only its data), so a checkpoint holds one per replica. The states have the same structure on
-every replica (one model, one optimizer class, stepped the same number of times), so the chief
-gathers them tensor by tensor with ``dist.gather`` into copies of its own: no pickle crosses
-the wire, only the tensors.
+every replica (one model, one optimizer class, stepped the same number of times; checked first),
+so the chief gathers them with ``dist.gather``, a flat buffer per dtype, into copies of its own
+structure: no pickle crosses the wire, only the tensors.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distrun.errors import CheckpointError
 
 __all__ = ["gather_states"]
 
@@ -42,17 +44,38 @@ def _replace(state: Any, values: list[torch.Tensor]) -> Any:
 
 def gather_states(state: dict[str, Any], *, rank: int, members: int, device: torch.device) -> list[dict[str, Any]]:
     """On rank 0: every replica's ``state`` (its own first), on the host; elsewhere an empty list.
-    Every replica calls it. ``device``: where the backend's collectives run."""
+    Every replica calls it. ``device``: where the backend's collectives run.
+
+    First every replica's shape of the state (how many tensors, how many elements) is gathered:
+    states that differ (an optimizer that made no state for a parameter no batch of this
+    replica reached) would otherwise make the replicas gather different tensors and hang.
+    Then one gather per dtype, of that dtype's tensors flattened.
+    """
     mine: list[torch.Tensor] = []
     _tensors(state, mine)
-    gathered: list[list[torch.Tensor]] = [[] for _ in range(members)]
-    for tensor in mine:
-        on_wire = tensor.detach().to(device)
-        parts = [torch.empty_like(on_wire) for _ in range(members)] if rank == 0 else None
-        dist.gather(on_wire, parts, dst=0)
-        if parts is not None:
-            for r, part in enumerate(parts):
-                gathered[r].append(part.cpu())
+    shape = torch.tensor([len(mine), sum(t.numel() for t in mine)], dtype=torch.int64, device=device)
+    shapes = [torch.empty_like(shape) for _ in range(members)]
+    dist.all_gather(shapes, shape)
+    if any(not torch.equal(other, shapes[0]) for other in shapes):
+        described = ", ".join(f"replica {r}: {int(s[0])} tensors of {int(s[1])} elements" for r, s in enumerate(shapes))
+        raise CheckpointError(f"diloco checkpoint: the replicas' inner optimizer states differ in shape ({described}); "
+                              "an optimizer made state for parameters that only some replicas' batches reach")
+    gathered: list[list[torch.Tensor | None]] = [[None] * len(mine) for _ in range(members)]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(mine):
+        by_dtype.setdefault(tensor.dtype, []).append(index)
+    for dtype, indices in by_dtype.items():
+        flat = torch.cat([mine[i].detach().reshape(-1) for i in indices]).to(device)
+        parts = [torch.empty_like(flat) for _ in range(members)] if rank == 0 else None
+        dist.gather(flat, parts, dst=0)
+        if parts is None:
+            continue
+        for r, part in enumerate(parts):
+            offset = 0
+            for i in indices:
+                count = mine[i].numel()
+                gathered[r][i] = part[offset:offset + count].view(mine[i].shape).cpu().clone()
+                offset += count
     if rank != 0:
         return []
     return [_replace(state, list(values)) for values in gathered]

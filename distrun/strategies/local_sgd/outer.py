@@ -74,6 +74,10 @@ class GlobalWeights:
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "outer_steps": self.outer_steps}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, lr: float, momentum: float) -> None:
+        """The saved momentum and count; the learning rate and momentum are this job's flags
+        (torch's load would bring back the saved run's)."""
         self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:
+            group.update(lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.outer_steps = int(state.get("outer_steps", 0))

@@ -4,8 +4,9 @@ Every replica holds one pseudo-gradient per tensor (global weights minus its own
 every replica holding their mean. Three encodings:
 
 - ``fp32``: one all-reduce of the tensors flattened into one buffer.
-- ``bf16``: the same in bfloat16 (half the bytes); what rounding drops is kept and added to the
-  next sync's values (error feedback), so nothing is lost over a run, only delayed.
+- ``bf16``: the same in bfloat16 (half the bytes); what rounding this replica's values drops is
+  kept and added to its next sync's values (error feedback). The rounding inside the bf16 sum
+  itself is not fed back.
 - ``int8``: a quarter of fp32's bytes. Int8 values with different scales cannot be summed, and
   gloo has no int16 to sum them in, so the mean is built as a reduce-scatter then an all-gather:
   1. every replica agrees on one scale per tensor (an all-reduce MAX of each tensor's largest
@@ -63,25 +64,40 @@ class PseudoGradientWire:
         this replica's own)."""
         self.members, self._rank = members, rank
 
-    def mean(self, key: int, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], SyncCost]:
-        """The replicas' mean of each tensor (new tensors, fp32, on the tensors' device)."""
+    def mean(self, key: int, tensors: list[torch.Tensor], *,
+             weight: float | None = None) -> tuple[list[torch.Tensor], SyncCost]:
+        """The replicas' mean of each tensor (new tensors, fp32, on the tensors' device).
+
+        ``weight`` (every replica passes one, or none does): 1 to count this replica, 0 to leave
+        it out; the mean is over the weights' sum (``--elastic``: a member healed into a sync
+        others owe has no pseudo-gradient of its own).
+        """
         flat = torch.cat([t.reshape(-1).float() for t in tensors])
         n = flat.numel()
         if self.members == 1:
             return [t.clone().float() for t in tensors], SyncCost(0, n)
+        if weight is not None:
+            flat = flat * weight
         if self.dtype != "fp32":
             residual = self._residual.get(key)
-            if residual is not None:
+            if residual is not None and weight != 0:
                 flat = flat + residual
         if self.dtype == "int8":
             result, sent = self._int8_mean(key, flat, [t.numel() for t in tensors])
+            if weight is not None:  # the int8 path sums levels, not weights: count the members apart
+                counted = torch.tensor([weight], device=flat.device)
+                dist.all_reduce(counted, group=self._group)
+                result = result * self.members / counted.clamp(min=1)
         else:
+            if weight is not None:  # the count rides along as one more element of the sum
+                flat = torch.cat([flat, flat.new_tensor([weight])])
             wire = flat.to(WIRE_DTYPES[self.dtype])
             if self.dtype != "fp32":
-                self._residual[key] = flat - wire.float()
+                self._residual[key] = (flat - wire.float())[:n]
             dist.all_reduce(wire, group=self._group)
-            result = wire.float() / self.members
-            sent = _ring_all_reduce_bytes(n * wire.element_size(), self.members)
+            summed = wire.float()
+            result = summed[:n] / (summed[n].clamp(min=1) if weight is not None else self.members)
+            sent = _ring_all_reduce_bytes(wire.numel() * wire.element_size(), self.members)
         return _split_like(result, tensors), SyncCost(sent, n)
 
     def _int8_mean(self, key: int, flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, int]:
