@@ -197,3 +197,21 @@ def cluster(lab: Lab) -> Iterator[Path]:
     """The lab's two hosts as a cluster file (h1 chief+worker, h2 worker), brought up and, after, down."""
     with brought_up(lab, {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}, "lab") as path:
         yield path
+
+
+def bench_on_two_hosts(tmp_path: Path, workload: str, default_steps: str,
+                       timeout: float = 1500) -> tuple[dict, str]:
+    """``distrun bench WORKLOAD --cluster`` on two namespace hosts of one slot each, their links shaped
+    to ``DISTRUN_BENCH_RATE_MBIT`` (unshaped without it), ``DISTRUN_BENCH_STEPS`` steps (else
+    ``default_steps``): the report (printed, as the documented figures come from it) and the steps."""
+    rate = os.environ.get("DISTRUN_BENCH_RATE_MBIT")
+    steps = os.environ.get("DISTRUN_BENCH_STEPS", default_steps)
+    with shaped_lab(tmp_path, ("h1", "h2"), rate_mbit=float(rate) if rate else None) as lab:
+        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
+        with brought_up(lab, roles, workload) as cluster:
+            result = lab_cli(lab, "bench", workload, "--cluster", str(cluster), "--steps", steps, "--json",
+                             timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    print(json.dumps(report, indent=1))
+    return report, steps

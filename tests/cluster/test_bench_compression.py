@@ -9,29 +9,18 @@ documented figure (P5 in docs/performance.md) is the same test on 50 Mbit/s link
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+from tests.cluster.conftest import bench_on_two_hosts
 
 pytestmark = pytest.mark.bench
 
 
 def test_bench_compression_trains_the_workload_and_digits_under_each_compression(tmp_path: Path) -> None:
-    rate = os.environ.get("DISTRUN_BENCH_RATE_MBIT")
-    steps = os.environ.get("DISTRUN_BENCH_STEPS", "5")
-    with shaped_lab(tmp_path, ("h1", "h2"), rate_mbit=float(rate) if rate else None) as lab:
-        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
-        with brought_up(lab, roles, "compression") as cluster:
-            result = lab_cli(lab, "bench", "compression", "--cluster", str(cluster), "--steps", steps, "--json",
-                             timeout=1500)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    print(json.dumps(report, indent=1))
+    report, steps = bench_on_two_hosts(tmp_path, "compression", "5")
     assert report["world_size"] == 2 and report["timed_steps"] == int(steps)
     assert report["parameters"] == 256 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10
     rows = {row["compression"]: row for row in report["rows"]}

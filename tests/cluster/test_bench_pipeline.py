@@ -9,29 +9,18 @@ shape and that every contender trains. Speed is not asserted. The documented fig
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+from tests.cluster.conftest import bench_on_two_hosts
 
 pytestmark = pytest.mark.bench
 
 
 def test_bench_pipeline_runs_each_contender_on_the_same_batches(tmp_path: Path) -> None:
-    rate = os.environ.get("DISTRUN_BENCH_RATE_MBIT")
-    steps = os.environ.get("DISTRUN_BENCH_STEPS", "4")
-    with shaped_lab(tmp_path, ("h1", "h2"), rate_mbit=float(rate) if rate else None) as lab:
-        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
-        with brought_up(lab, roles, "pipeline") as cluster:
-            result = lab_cli(lab, "bench", "pipeline", "--cluster", str(cluster), "--steps", steps, "--json",
-                             timeout=1500)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    print(json.dumps(report, indent=1))
+    report, steps = bench_on_two_hosts(tmp_path, "pipeline", "4")
     rows = {row["contender"]: row for row in report["rows"]}
     assert list(rows) == ["multi-worker", "sharded", "multi-worker --pp 2"]
     assert rows["sharded"]["vs_sharded"] == 1.0

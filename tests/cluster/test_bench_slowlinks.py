@@ -11,30 +11,18 @@ on shaped links:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import brought_up, lab_cli, shaped_lab
+from tests.cluster.conftest import bench_on_two_hosts
 
 pytestmark = pytest.mark.bench
 
 
 def test_bench_slowlinks_compares_diloco_with_multi_worker(tmp_path: Path) -> None:
-    rate = os.environ.get("DISTRUN_BENCH_RATE_MBIT")
-    steps = os.environ.get("DISTRUN_BENCH_STEPS", "20")
-    with shaped_lab(tmp_path, ("h1", "h2"), rate_mbit=float(rate) if rate else None) as lab:
-        roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
-        with brought_up(lab, roles, "slowlinks") as cluster:
-            result = lab_cli(lab, "bench", "slowlinks", "--cluster", str(cluster), "--steps", steps, "--json",
-                             timeout=3000)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    print(json.dumps({**report, "rows": [{k: v for k, v in row.items() if k != "curve"} for row in report["rows"]]},
-                     indent=1))
+    report, steps = bench_on_two_hosts(tmp_path, "slowlinks", "20", timeout=3000)
     rows = {row["contender"]: row for row in report["rows"]}
     assert list(rows)[0] == "multi-worker" and len(rows) == 5
     for name, row in rows.items():
