@@ -384,7 +384,7 @@ class ClusterJob:
                            "and rank 0, so an elastic job cannot go on without it; --max-restarts restarts every "
                            "rank from the newest checkpoint")
             self._results[link.label] = {"state": "failed", "failure": None, "error": exc.reason}
-            self._cancel_attempt(f"lost {link.label}")
+            self._cancel_attempt(f"lost {link.label}", unreachable=link)
 
     def _note(self, line: str) -> None:
         self._events.put(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=line))
@@ -427,12 +427,13 @@ class ClusterJob:
         self._user_cancelled = True
         self._cancel_attempt(by_whom("interrupted") if interrupted else reason)
 
-    def _cancel_attempt(self, reason: str) -> None:
-        """Stop the attempt on every host as one decision; a host already gone is its follower's to report."""
+    def _cancel_attempt(self, reason: str, *, unreachable: HostLink | None = None) -> None:
+        """Stop the attempt on every host as one decision; a host already gone is its follower's to report.
+        ``unreachable``: the host whose loss is the reason, not asked (it would use up each phase's wait)."""
         if self._cancelled.is_set():
             return
         self._cancelled.set()
-        stop_everywhere(self._links, self.attempt_id, reason)
+        stop_everywhere([link for link in self._links if link is not unreachable], self.attempt_id, reason)
 
     def outcome(self) -> JobOutcome:
         if self._supervisor is not None:
@@ -457,8 +458,8 @@ class ClusterJob:
             errors = "; ".join(f"{label}: {r.get('error') or r.get('state')}" for label, r in self._results.items())
             raise TrainingError(f"job {self.job_id} failed: {errors or 'no host reported a result'}")
         label, failure = root
-        if failure is None:
-            raise TrainingError(f"{label}: {self._results[label].get('error')}")
+        if failure is None:  # the host itself was lost (its server, or the link to it): a host error
+            raise HostError(label, str(self._results[label].get("error")))
         message = f"{label}: {failure_message(failure)}"
         error_class = ERROR_BY_KIND.get(failure.kind)
         if error_class is not None:

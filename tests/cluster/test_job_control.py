@@ -248,10 +248,30 @@ def test_a_killed_worker_server_is_noticed(lab: Lab, cluster: Path, slow_recipe:
     os.kill(h2_server, signal.SIGKILL)
     _out, err = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 15
-    assert proc.returncode == 4, err[-2000:]
+    assert proc.returncode == 6, err[-2000:]  # a host error: the host, not a rank, was lost
     assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
     _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
     assert not psutil.pid_exists(h2_server) or psutil.Process(h2_server).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_dropped_link_is_a_host_error_named_within_15_s(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
+    """h2's link goes down mid-run (no RST, no FIN: its packets just stop): the job ends with exit 6
+    naming h2 within 15 s, rather than waiting out the stop's calls to the host it cannot reach."""
+    proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
+    h2_ns, h2 = lab.hosts["h2"]
+    try:
+        _wait_for_steps(proc)
+        t0 = time.monotonic()
+        subprocess.run(["ip", "-n", h2_ns, "link", "set", "eth0", "down"], check=True)
+        _out, err = proc.communicate(timeout=90)
+        took_s = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "-n", h2_ns, "link", "set", "eth0", "up"], check=False)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 6, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: {h2}: the worker server went silent"), err[-2000:]
+    assert took_s < 15, f"{took_s:.1f} s"
 
 
 def test_identical_lines_collapse_per_occurrence() -> None:
