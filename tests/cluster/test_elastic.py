@@ -260,5 +260,4 @@ def test_diloco_holds_while_a_hosts_link_is_down_for_15_s(elastic_lab) -> None:
     syncs = [line["step"] for line in job.lines if line["type"] == "sync"]
     assert syncs == list(range(every, steps + every, every)), syncs
     assert (summary["steps"], summary["outer_steps"], summary["steps_lost"]) == (steps, steps // every, 0)
-    print(f"membership: {[(c['world_size'], c['step'], c['left'], c['joined']) for c in changes]}")
     _no_training_processes(lab)
