@@ -290,7 +290,7 @@ class JobTracker:
             resumed=({"path": self._resumed.path, "step": self._resumed.step, "past_end": self._resumed.past_end}
                      if self._resumed else None),
             net_mb_sent=self._net_mb_sent(),
-            **self._syncs.summary(self._strategy.startswith("diloco")),
+            **self._syncs.summary(self._strategy == "diloco"),
             **self._throughput(chief.samples_per_s if chief else workers_rate),
         )
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distrun.strategies.base import Strategy
+from distrun.strategies.elastic.heal import broadcast_tensors
 from distrun.strategies.local_sgd.elastic import ElasticSyncs
 from distrun.strategies.local_sgd.fragments import Fragments, split_fragments
 from distrun.strategies.local_sgd.inner_state import gather_states
@@ -88,7 +89,8 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
         if self._elastic is None:  # a joiner's weights come from the heal, in a round the members run too
-            self._broadcast_from_chief(model)  # the same start everywhere, whatever each rank's RNG did
+            # The same start everywhere, whatever each rank's RNG did: one broadcast per dtype.
+            broadcast_tensors([*model.parameters(), *model.buffers()], 0, self._collective_device)
         self._params = list(model.parameters())
         self._global = GlobalWeights(self._params, lr=self._outer_lr, momentum=self._outer_momentum)
         units = pick_units(model, self.units_from).modules if self._fragment_count > 1 else ()
@@ -105,14 +107,6 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
                   f"{self._sync_dtype} pseudo-gradients, outer SGD lr {self._outer_lr:g} "
                   f"momentum {self._outer_momentum:g}{' (Nesterov)' if self._outer_momentum > 0 else ''}", flush=True)
         return model, optimizer
-
-    def _broadcast_from_chief(self, model: nn.Module) -> None:
-        for tensor in [*model.parameters(), *model.buffers()]:
-            on_wire = tensor.detach().to(self._collective_device)
-            dist.broadcast(on_wire, src=0)
-            if on_wire.data_ptr() != tensor.data_ptr():
-                with torch.no_grad():
-                    tensor.copy_(on_wire)
 
     # -- the step: sync when due ----------------------------------------------
 
@@ -251,16 +245,11 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         fragments sync at different steps, so a checkpoint between the run's syncs does not force
         any (that would change the training): it lands the exchange in flight and writes the
         global weights; a resume starts every replica from them."""
-        if len(self._fragments) == 1 or self.step >= (self._step_budget or self.step + 1):
+        if len(self._fragments) == 1:
             self.settle()
-        elif self._in_flight is not None:
+        elif self._in_flight is not None:  # the run's last save comes after fit's settle()
             self._land()
         return super().save(directory, keep=keep, wait=wait)
-
-    def set_step_budget(self, total_steps: int | None) -> None:
-        self._step_budget = total_steps
-
-    _step_budget: int | None = None
 
     def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The global weights under the model's parameter names (buffers: this replica's, averaged
