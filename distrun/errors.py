@@ -9,7 +9,7 @@ place and docs/cli.md can list it::
     ├── RecipeError              3  the recipe cannot be loaded or breaks the contract
     ├── TrainingError            4  a replica raised or died during training
     │   └── NonFiniteLoss        4  a NaN or Inf loss under --on-nonfinite stop (names the step and rank)
-    ├── CheckpointError          5  no checkpoint to resume from, or an unreadable one
+    ├── CheckpointError          5  no checkpoint to resume from, an unreadable one, one not written (a full disk)
     ├── HostError                6  a host cannot be reached, logged into or used
     │   ├── HostUnreachable      6  no connection or no login (the host's row says "down")
     │   └── HostKeyError         7  a host's SSH key is unknown or changed (refused)

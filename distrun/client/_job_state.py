@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from distrun.protocol import PEER_LOST, EventDecodeError, Failed, decode_event
+from distrun.protocol import OOM_KILLED, PEER_LOST, EventDecodeError, Failed, decode_event
 
 __all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message"]
 
@@ -52,6 +52,8 @@ def failure_message(failure: Failed | None) -> str:
         return "training failed"
     where = f"{failure.file}:{failure.line}: " if failure.file else ""
     at_step = f" while {failure.during}" if failure.during else f" at step {failure.step}" if failure.step else ""
+    if failure.kind == OOM_KILLED:  # "exit -9", answered: "rank 1 was killed by the kernel's out-of-memory killer"
+        return f"{where}rank {failure.rank} was {failure.message}"
     return f"{where}rank {failure.rank} failed{at_step}: {failure.message}"
 
 

@@ -145,6 +145,7 @@ class JobTracker:
             return
         elif isinstance(event, Resumed):
             self._resumed = event
+            self._checkpoint = self._checkpoint or event.path  # the newest complete one until a save
         elif isinstance(event, Checkpointed):
             self._checkpoint = event.path
             self._checkpoint_blocked_ms = max(self._checkpoint_blocked_ms or 0.0, event.blocked_ms)

@@ -47,12 +47,23 @@ from dataclasses import dataclass, field
 from distrun.launch._agent import ElasticAgent
 from distrun.launch._env import rank_env
 from distrun.launch._lines import LineBuffer
+from distrun.launch._oom import OomWatch
 from distrun.launch._pyspy import StackUnavailable, read_stack
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
 from distrun.launch._store_relay import StoreFront, StoreRelay
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
-from distrun.protocol import SERVER_RANK, Event, EventDecodeError, Exited, Failed, Output, decode_event
+from distrun.protocol import (
+    OOM_KILLED,
+    SERVER_RANK,
+    Event,
+    EventDecodeError,
+    Exited,
+    Failed,
+    Output,
+    Step,
+    decode_event,
+)
 from distrun.protocol.diagnosis import RankStack, flight_recorder_file
 from distrun.protocol.environment import (
     DEBUG_DIR_VAR,
@@ -141,6 +152,7 @@ class LocalLauncher:
         self._preempt_sent = False
         self._preempted: set[int] = set()  # ranks that checkpointed and stopped to be requeued
         self._diagnose_lock = threading.Lock()  # a diagnose pipe is written from any thread, closed by ours
+        self._oom = OomWatch()  # names the kernel's OOM killer when a rank dies of a SIGKILL not ours
 
     # -- public ---------------------------------------------------------------
 
@@ -357,6 +369,7 @@ class LocalLauncher:
                 os.close(fd)
         proc = _Proc(local_rank=local_rank, rank=rank, popen=handle, incarnation=self._respawned.get(rank, 0),
                      diagnose_w=diagnose_w)
+        self._oom.started(rank, handle.pid)
         for fd, stream in ((out_r, "stdout"), (err_r, "stderr"), (event_r, "events")):
             os.set_blocking(fd, False)
             proc.fds[fd] = (stream, LineBuffer())
@@ -415,6 +428,8 @@ class LocalLauncher:
                 event = Output(rank=proc.rank, time=time.time(), stream="stderr", line=f"[distrun] bad event: {exc}")
             if isinstance(event, Failed) and proc.rank not in self._spec.independent_ranks:
                 self._failures.append(event)
+            elif isinstance(event, Step):
+                self._oom.peak(proc.rank, event.peak_mem_mb)
         else:
             event = Output(rank=proc.rank, time=time.time(), stream=stream, line=line.decode("utf-8", "replace"))
         self._sink(event)
@@ -440,20 +455,28 @@ class LocalLauncher:
                 # The job is stopping (a peer on another host was killed first): part of the stop,
                 # never respawned; its entry (stamped now, after the decision) ends the run at once.
                 if not any(f.rank == proc.rank for f in self._failures):
-                    self._failures.append(Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc)))
+                    self._failures.append(self._exit_failure(proc, rc, now))
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
-                self._respawn(proc)
+                failure = self._exit_failure(proc, rc, now)  # the OOM killer is worth saying; an exit code is not
+                self._respawn(proc, why=failure.message if failure.kind == OOM_KILLED else "")
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
-                why = proc.lost_reason or _describe_exit(rc)
+                why = proc.lost_reason or self._exit_failure(proc, rc, now).message
                 if self._agent is not None:  # the survivors need not wait for its beat to go stale
                     self._agent.lost(proc.rank, proc.incarnation, why)
                 self._respawn(proc, why=why)
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
-                self._failures.append(
-                    Failed(rank=proc.rank, time=now, kind="exited",
-                           message=getattr(proc.popen, "lost_reason", None) or _describe_exit(rc))
-                )
+                lost = getattr(proc.popen, "lost_reason", None)
+                self._failures.append(Failed(rank=proc.rank, time=now, kind="exited", message=lost) if lost
+                                      else self._exit_failure(proc, rc, now))
+
+    def _exit_failure(self, proc: _Proc, rc: int, now: float) -> Failed:
+        """A rank that ended on its own without saying why: its exit code or signal, and the
+        kernel's OOM killer named when it was that (``launch/_oom``)."""
+        oom = self._oom.explain(proc.rank) if rc == -signal.SIGKILL else None
+        if oom is not None:
+            return Failed(rank=proc.rank, time=now, kind=OOM_KILLED, message=oom)
+        return Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
 
     def _pass_on_preempt(self) -> None:
         if self._preempt_sent or not self._preempt_requested.is_set():

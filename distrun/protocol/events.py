@@ -43,6 +43,7 @@ __all__ = [
     "Synced",
     "Workload",
     "PEER_LOST",
+    "OOM_KILLED",
     "SERVER_RANK",
     "EVALUATOR_RANK",
     "EventDecodeError",
@@ -54,6 +55,10 @@ __all__ = [
 #: failures are consequences: the launcher never reports one as the root cause while
 #: a primary failure exists.
 PEER_LOST = "peer-lost"
+
+#: Failed.kind of a rank the kernel's out-of-memory killer killed (the launcher tells it from
+#: other SIGKILLs by its cgroup's count: launch/_oom.py).
+OOM_KILLED = "oom-killed"
 
 #: ``rank`` of events that come from no training rank: a worker server's own notes, and
 #: the evaluator task (which evaluates checkpoints beside the training, TensorFlow's role).

@@ -43,6 +43,9 @@ __all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
 class Reporter(Protocol):
     """Where a strategy sends progress; the runtime implements it with events."""
 
+    #: What the replica does outside a step ("saving a checkpoint"): a failure then is named by it.
+    during: str | None
+
     def step_started(self, step: int) -> None: ...
 
     def step(self, step: int, epoch: int, loss: Any, samples: int, sync_wait_s: float | None = None) -> None: ...

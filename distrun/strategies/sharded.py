@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from distrun.config.job import SHARD_WITHIN
@@ -51,6 +52,7 @@ from distrun.strategies.base import Strategy
 from distrun.strategies.checkpoint import shards
 from distrun.strategies.checkpoint.pending import PendingSave
 from distrun.strategies.checkpoint.rng import rng_to_json
+from distrun.strategies.checkpoint.write_failure import write_failed
 from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
@@ -226,11 +228,21 @@ class ShardedStrategy(Strategy):
             ckpt.prune(directory, keep)
             return path
 
+        def discard(exc: BaseException) -> None:
+            """Every rank sees a failed write (DCP gathers them); rank 0 removes what was written."""
+            if self.is_chief:
+                shards.discard(directory, step, exc)
+
         if self._checkpoint_group is not None:  # --async-checkpoint: copy the shards, write them behind
             written = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group)
-            self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3)
+            self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3,
+                                             discard=discard, directory=directory)
             return self._finish_checkpoint() if wait else None
-        dcp.save(tensors, storage_writer=writer)
+        try:
+            dcp.save(tensors, storage_writer=writer)
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
+            discard(exc)
+            raise write_failed(directory, step, exc) from None
         path = publish()
         self.barrier()
         if path is not None:

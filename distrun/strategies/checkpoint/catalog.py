@@ -18,7 +18,7 @@ from distrun.errors import CheckpointError
 from distrun.strategies.checkpoint import files, layout, shards
 from distrun.strategies.checkpoint.rng import rng_from_json
 
-__all__ = ["list_checkpoints", "latest_checkpoint", "load_checkpoint", "read_entries", "prune"]
+__all__ = ["list_checkpoints", "latest_checkpoint", "newest_complete", "load_checkpoint", "read_entries", "prune"]
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -35,6 +35,18 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     found = list_checkpoints(directory)
     return found[-1][1] if found else None
+
+
+def newest_complete(directory: str | os.PathLike[str]) -> str:
+    """What a failed save leaves a resume: "the newest complete checkpoint is <path> (step N)"."""
+    try:
+        found = list_checkpoints(directory)
+    except OSError as exc:
+        return f"{directory} cannot be listed ({exc.strerror})"
+    if not found:
+        return f"no complete checkpoint is in {directory}"
+    step, path = found[-1]
+    return f"the newest complete checkpoint is {path} (step {step})"
 
 
 def load_checkpoint(path: str | os.PathLike[str], *, model_only: bool = False) -> dict[str, Any]:

@@ -15,7 +15,8 @@ Nothing in it needs pickle's arbitrary-object loading, so ``weights_only=True``
 loads it. Writes go to a temporary file in the same folder, are fsynced, renamed
 over the final name and the folder is fsynced: a process killed mid-save leaves
 the previous checkpoints intact and at most a stray temporary file, which
-listing ignores and the next save removes.
+listing ignores and the next save removes. A save that fails (a full disk)
+removes its own temporary file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from distrun.errors import CheckpointError
+from distrun.strategies.checkpoint.write_failure import RecordingFile, write_failed
 
 __all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file", "fsync_dir"]
 
@@ -55,22 +57,29 @@ def list_files(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[str, Any]) -> Path:
-    """Write ``state`` as the checkpoint of ``step`` atomically."""
+    """Write ``state`` as the checkpoint of ``step`` atomically; a write that fails (a full
+    disk) leaves nothing of it behind and says why in one line."""
     folder = Path(directory)
+    tmp = folder / f"{_TMP_PREFIX}{step:09d}-{os.getpid()}"
+    recorder = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _remove_stale_temporaries(folder)
         final = checkpoint_path(folder, step)
-        tmp = folder / f"{_TMP_PREFIX}{step:09d}-{os.getpid()}"
         with open(tmp, "wb") as fh:
-            torch.save({"format": FORMAT, **state}, fh)
+            recorder = RecordingFile(fh)
+            torch.save({"format": FORMAT, **state}, recorder)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         fsync_dir(folder)
         return final
-    except OSError as exc:
-        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+    except Exception as exc:  # noqa: BLE001 - torch.save turns the OSError into a RuntimeError
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise write_failed(folder, step, exc, recorder.error if recorder else None) from None
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:

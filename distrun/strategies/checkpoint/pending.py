@@ -18,19 +18,24 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-from distrun.errors import CheckpointError, DistrunError
+from distrun.errors import DistrunError
+from distrun.strategies.checkpoint.write_failure import write_failed
 
 __all__ = ["PendingSave"]
 
 
 class PendingSave:
-    def __init__(self, step: int, written: Future, publish: Callable[[], Path | None], blocked_ms: float) -> None:
+    def __init__(self, step: int, written: Future, publish: Callable[[], Path | None], blocked_ms: float, *,
+                 discard: Callable[[BaseException], None], directory: Path) -> None:
         """``written``: DCP's future; ``publish``: what runs once it resolves (rank 0's commit,
-        nothing elsewhere); ``blocked_ms``: how long the step that started it waited."""
+        nothing elsewhere); ``discard``: what runs if the write failed (rank 0 removes what was
+        written); ``blocked_ms``: how long the step that started it waited."""
         self.step = step
         self.blocked_ms = blocked_ms
+        self.directory = directory
         self._written = written
         self._publish = publish
+        self._discard = discard
         self._path: Path | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"distrun-checkpoint-{step}", daemon=True)
@@ -39,6 +44,11 @@ class PendingSave:
     def _run(self) -> None:
         try:
             self._written.result()
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            self._error = exc
+            self._discard(exc)
+            return
+        try:
             self._path = self._publish()
         except BaseException as exc:  # noqa: BLE001 - raised again on the training thread by wait()
             self._error = exc
@@ -52,7 +62,5 @@ class PendingSave:
         if isinstance(self._error, DistrunError):
             raise self._error
         if self._error is not None:
-            first = str(self._error).splitlines()[0][:300] if str(self._error) else ""
-            raise CheckpointError(f"the checkpoint of step {self.step} failed in the background: "
-                                  f"{type(self._error).__name__}: {first}")
+            raise write_failed(self.directory, self.step, self._error)
         return self._path

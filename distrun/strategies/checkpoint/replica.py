@@ -11,14 +11,16 @@ the hooks (``_checkpoint_state``, ``_comm_state``, ``_write_checkpoint``, ``_rea
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from distrun.errors import CheckpointError
-from distrun.strategies.checkpoint.catalog import latest_checkpoint, load_checkpoint, prune
+from distrun.strategies.checkpoint.catalog import latest_checkpoint, load_checkpoint, newest_complete, prune
 from distrun.strategies.checkpoint.files import save_checkpoint
 from distrun.strategies.checkpoint.mismatch import describe_mismatch
 from distrun.strategies.checkpoint.pending import PendingSave
@@ -85,11 +87,27 @@ class CheckpointReplica:
         ``--async-checkpoint`` while it is still being written, unless ``wait``)."""
         started = time.perf_counter()
         self._finish_checkpoint()
-        comm = self._comm_state()
-        meta = self._checkpoint_meta()
-        if comm is not None:
-            meta["comm"] = comm
-        return self._write_checkpoint(Path(directory), meta, keep=keep, started=started, wait=wait)
+        with self._saving(directory, "saving a checkpoint"):
+            comm = self._comm_state()
+            meta = self._checkpoint_meta()
+            if comm is not None:
+                meta["comm"] = comm
+            return self._write_checkpoint(Path(directory), meta, keep=keep, started=started, wait=wait)
+
+    @contextlib.contextmanager
+    def _saving(self, directory: str | Path, doing: str) -> Iterator[None]:
+        """A save that fails says so (a failure here is not "at step N+1": ``during`` stays set
+        on the way out) and names the newest checkpoint still complete, which ``--resume`` takes."""
+        before, self._reporter.during = self._reporter.during, doing
+        try:
+            yield
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc.message}; {newest_complete(directory)}", detail=exc.detail) from None
+        except Exception as exc:
+            if self.is_membership_change(exc):  # --elastic goes on: the next failure is at a step again
+                self._reporter.during = before
+            raise
+        self._reporter.during = before
 
     def _write_checkpoint(self, directory: Path, meta: dict[str, Any], *, keep: int, started: float,
                           wait: bool) -> Path | None:
@@ -119,7 +137,8 @@ class CheckpointReplica:
         if pending is None or (not block and not pending.done()):
             return None
         self._pending_save = None
-        path = pending.wait()
+        with self._saving(pending.directory, "writing a checkpoint in the background"):
+            path = pending.wait()
         if path is not None:
             self._reporter.checkpoint(pending.step, str(path), pending.blocked_ms)
         return path

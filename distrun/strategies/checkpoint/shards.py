@@ -12,7 +12,8 @@
 every file the index names is there, writes ``distrun.json`` (fsynced) and renames the folder
 to ``ckpt-<step>/``, then fsyncs the parent. So a ``ckpt-<step>`` folder is complete by
 construction: a job killed mid-save leaves the previous checkpoints the newest and a
-``.tmp-ckpt-*`` folder, which listing ignores and the next save removes.
+``.tmp-ckpt-*`` folder, which listing ignores and the next save removes; a save that fails
+on any rank (a full disk) is removed at once by rank 0 (``discard``).
 
 **Resharding.** DCP's index records each tensor's global shape and every shard's offsets,
 so a checkpoint loads onto any number of ranks: a sharded model takes only its own pieces
@@ -38,12 +39,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from distrun.errors import CheckpointError
 from distrun.strategies.checkpoint.files import fsync_dir
+from distrun.strategies.checkpoint.write_failure import write_failed
 
-__all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "prepare", "commit",
+__all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "prepare", "commit", "discard",
            "read_sidecar", "read_index", "read_tensors", "load_into", "size_bytes", "remove", "remove_stale",
            "SafeReader"]
 
@@ -88,7 +91,14 @@ def prepare(directory: str | os.PathLike[str], step: int) -> Path:
         tmp.mkdir()
         return tmp
     except OSError as exc:
-        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+        raise write_failed(folder, step, exc) from None
+
+
+def discard(directory: str | os.PathLike[str], step: int, exc: BaseException) -> CheckpointError:
+    """Rank 0, after a save of ``step`` failed on any rank (DCP raises on every rank once all
+    have written or failed): remove what was written, and say why in one line."""
+    shutil.rmtree(temporary_path(directory, step), ignore_errors=True)
+    return exc if isinstance(exc, CheckpointError) else write_failed(Path(directory), step, exc)
 
 
 def commit(directory: str | os.PathLike[str], step: int, sidecar: dict[str, Any]) -> Path:
@@ -111,7 +121,7 @@ def commit(directory: str | os.PathLike[str], step: int, sidecar: dict[str, Any]
         os.replace(tmp, final)
         fsync_dir(folder)
     except OSError as exc:
-        raise CheckpointError(f"{folder}: cannot write checkpoint of step {step}: {exc.strerror}") from None
+        raise discard(folder, step, exc) from None
     return final
 
 
@@ -206,7 +216,7 @@ def load_into(path: str | os.PathLike[str], targets: dict[str, Any]) -> set[str]
         dcp.load(wanted, storage_reader=SafeReader(path))
     except CheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - DCP wraps each rank's failure in its own types
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
         raise CheckpointError(f"{path}: cannot load: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
     return set(wanted)
 

@@ -1,0 +1,74 @@
+"""Why a checkpoint could not be written, in one line: a full disk is named as one.
+
+Neither writer says so by itself. ``torch.save`` into a file whose write raises ``ENOSPC``
+drops the OSError and fails with "[enforce fail at inline_container.cc:672] unexpected pos
+5184 vs 5078"; ``RecordingFile`` keeps the OSError so it can be named. DCP gathers every
+rank's exception into a ``CheckpointException`` (a BaseException, not an Exception) whose
+text is a traceback per rank; ``os_error_in`` finds the OSError inside.
+
+Who cleans up stays with the writers (``files``: the temporary file; ``shards``: the
+temporary folder); what the newest complete checkpoint is, ``catalog.newest_complete``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Any
+
+from distrun.errors import CheckpointError
+
+__all__ = ["RecordingFile", "os_error_in", "write_failed"]
+
+#: The errors that mean "no room", in the words a user searches for.
+_NO_ROOM = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+
+
+class RecordingFile:
+    """A file object for ``torch.save`` that remembers the OSError a write raised."""
+
+    def __init__(self, fh: Any) -> None:
+        self._fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The OSError behind ``exc``: itself, its cause or context, or any rank's inside DCP's
+    ``CheckpointException`` (``failures``: rank -> (exception, stack))."""
+    pending, seen = [exc], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair)
+        pending.extend((current.__cause__, current.__context__))
+    return None
+
+
+def write_failed(folder: str | os.PathLike[str], step: int, exc: BaseException,
+                 recorded: OSError | None = None) -> CheckpointError:
+    """One line for a checkpoint write that raised ``exc`` (``recorded``: what a RecordingFile kept)."""
+    cause = recorded or os_error_in(exc)
+    if cause is not None and cause.errno in _NO_ROOM:
+        why = f"{_NO_ROOM[cause.errno]} ({cause.strerror or os.strerror(cause.errno)})"
+    elif cause is not None:
+        why = cause.strerror or str(cause)
+    else:
+        text = str(exc).strip().splitlines()
+        why = f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
+    return CheckpointError(f"{folder}: cannot write the checkpoint of step {step}: {why}")
