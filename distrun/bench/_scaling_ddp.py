@@ -6,7 +6,6 @@ way the PyTorch DDP tutorial drives it.
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,15 +33,10 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
+    step_s = workload.time_steps(step, args.steps, cuda)  # timed as distrun's run is
     dist.barrier()
-    elapsed = time.perf_counter() - start
     if rank == 0:
-        print(json.dumps({"bench": "scaling", "images_per_s": args.steps * args.batch * world / elapsed}), flush=True)
+        print(json.dumps({"bench": "scaling", **workload.rate(step_s, args.batch * world)}), flush=True)
     del step, model  # drop DDP before the group: see distrun/runtime/_teardown.py
     dist.destroy_process_group()
 

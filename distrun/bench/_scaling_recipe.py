@@ -1,13 +1,13 @@
 """The scaling workload as a distrun custom loop (``_scaling_workload.py`` holds the work).
 
 Run by `distrun bench resnet50` through `distrun train`, so it measures distrun
-itself: the warm-up steps run, then ``--steps`` steps are timed between two
-barriers, and rank 0 prints one JSON line.
+itself: the warm-up steps run, then each of ``--steps`` steps is timed, and rank 0
+prints one JSON line: images/s from the median step, and whether the window was too
+short to measure (``_scaling_workload.rate``).
 """
 
 import json
 import sys
-import time
 
 import torch
 
@@ -31,14 +31,9 @@ def main(strategy):
     if cuda:
         torch.cuda.synchronize()
     strategy.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        strategy.run(step)
-    if cuda:
-        torch.cuda.synchronize()
+    step_s = workload.time_steps(lambda: strategy.run(step), args.steps, cuda)
     strategy.barrier()
-    elapsed = time.perf_counter() - start
     if strategy.is_chief:
-        images_per_s = args.steps * args.batch * strategy.num_replicas / elapsed
-        print(json.dumps({"bench": "scaling", "images_per_s": images_per_s, "replicas": strategy.num_replicas,
+        found = workload.rate(step_s, args.batch * strategy.num_replicas)
+        print(json.dumps({"bench": "scaling", **found, "replicas": strategy.num_replicas,
                           "parameters": parameter_count(strategy.unwrap())}), flush=True)

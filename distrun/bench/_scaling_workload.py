@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -69,3 +71,47 @@ def make_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.
         optimizer.step()
 
     return step
+
+
+#: A timed window shorter than this, or whose first half ran this much slower than its second
+#: (the run was still warming up), is too short to measure: said so, not shown as a figure.
+MIN_TIMED_S = 1.0
+MAX_DRIFT = 0.15
+
+
+def time_steps(step: Callable[[], None], steps: int, cuda: bool) -> list[float]:
+    """Each step's seconds from the end of the one before. On a GPU, from CUDA events recorded
+    after each step (no synchronisation inside the window, so the CPU may run ahead as it does
+    in training); on the CPU, the wall clock."""
+    if cuda:
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+        for index in range(steps):
+            step()
+            marks[index + 1].record()
+        torch.cuda.synchronize()
+        return [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(steps)]
+    times, last = [], time.perf_counter()
+    for _ in range(steps):
+        step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+def rate(step_s: Sequence[float], images_per_step: int) -> dict[str, object]:
+    """Images/s from the median step (a straggling step early in the window, warm-up the
+    ``--warmup`` steps did not cover, does not count), and why the figure cannot be trusted if
+    it cannot: too few seconds timed, or the window's first half slower than its second."""
+    median = statistics.median(step_s)
+    half = len(step_s) // 2
+    drift = statistics.median(step_s[:half]) / statistics.median(step_s[half:]) - 1 if half else 0.0
+    timed_s = sum(step_s)
+    short = None
+    if timed_s < MIN_TIMED_S:
+        short = f"{len(step_s)} timed steps took {timed_s:.2f} s (under {MIN_TIMED_S:g} s)"
+    elif drift > MAX_DRIFT:
+        short = f"its first {half} timed steps ran {drift:.0%} slower than the rest (still warming up)"
+    return {"images_per_s": images_per_step / median if median > 0 else 0.0, "timed_s": timed_s,
+            "drift": drift, "too_short": short}

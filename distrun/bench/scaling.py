@@ -3,7 +3,8 @@
 For each replica count (1, 2, 4, ... up to N, and N itself) a fresh
 ``distrun train`` of the scaling workload (``_scaling_recipe.py``: synthetic
 ImageNet-shaped data made on the device, warm-up steps excluded) reports
-images/s; efficiency is images/s at n over n times images/s at 1. With
+images/s from its median step, or that its window was too short to measure
+(under a second, or still warming up: its first half slower); efficiency is images/s at n over n times images/s at 1. With
 ``compare_ddp`` a hand-written torchrun + DDP script of the same workload runs
 at N replicas in the same run, and the ratio is reported. On a cluster the rows
 are 1 replica (one-device on the first worker host) and the cluster's world size
@@ -36,6 +37,8 @@ class ScalingRow:
     replicas: int
     images_per_s: float
     scaling_efficiency: float
+    #: Why this run's figure cannot be trusted (too few seconds timed, still warming up); None: it can.
+    too_short: str | None = None
 
     @property
     def images_per_s_per_replica(self) -> float:
@@ -44,7 +47,7 @@ class ScalingRow:
     def to_dict(self) -> dict[str, float | int]:
         return {"replicas": self.replicas, "images_per_s": self.images_per_s,
                 "images_per_s_per_replica": self.images_per_s_per_replica,
-                "scaling_efficiency": self.scaling_efficiency}
+                "scaling_efficiency": self.scaling_efficiency, "too_short": self.too_short}
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,16 @@ class ScalingReport:
     compiled: bool = False
 
     @property
+    def note(self) -> str | None:
+        """One line when a run was too short to measure (its efficiency means nothing then)."""
+        short = [row for row in self.rows if row.too_short]
+        if not short:
+            return None
+        first = short[0]
+        return (f"too short to measure: at {first.replicas} replica(s) {first.too_short}; "
+                f"time more steps (--steps {max(2 * self.steps, 20)}) or a bigger --batch")
+
+    @property
     def vs_ddp(self) -> float | None:
         if self.ddp_images_per_s is None or not self.rows:
             return None
@@ -73,6 +86,8 @@ class ScalingReport:
             "precision": self.precision, "compile": self.compiled,
             "rows": [row.to_dict() for row in self.rows], "reference_efficiency": list(SEEDS_EFFICIENCY),
         }
+        if self.note is not None:
+            data["note"] = self.note
         if self.ddp_images_per_s is not None:
             data["ddp_images_per_s"] = self.ddp_images_per_s
             data["vs_ddp"] = self.vs_ddp
@@ -101,8 +116,8 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
                 "--steps", str(steps), "--warmup", str(warmup)]
     parameters = PARAMETERS.get(model, 0)
 
-    def distrun(replicas: int | None, strategy_name: str) -> tuple[int, float]:
-        """One `distrun train` of the workload: (replicas it ran, images/s)."""
+    def distrun(replicas: int | None, strategy_name: str) -> tuple[int, float, str | None]:
+        """One `distrun train` of the workload: (replicas it ran, images/s, why too short or None)."""
         argv = [py, "-m", "distrun", "train", str(_RECIPE), "--json", "--strategy", strategy_name,
                 "--device", device, *step_flags]
         if cluster is not None:
@@ -113,7 +128,8 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
         found = measurement(out, "scaling")
         nonlocal parameters
         parameters = int(found.get("parameters", parameters))  # type: ignore[arg-type]
-        return int(found["replicas"]), float(found["images_per_s"])  # type: ignore[arg-type]
+        return (int(found["replicas"]), float(found["images_per_s"]),  # type: ignore[arg-type]
+                found.get("too_short"))  # type: ignore[return-value]
 
     if cluster is not None:
         progress("1 replica (one-device on the cluster's first worker)")
@@ -126,7 +142,7 @@ def run_scaling(*, model: str, device: str, max_replicas: int, image_size: int, 
             progress(f"{n} replica(s)")
             measured.append(distrun(n, "one-device" if n == 1 else strategy))
     base = measured[0][1]
-    rows = tuple(ScalingRow(n, rate, rate / (n * base) if base else 0.0) for n, rate in measured)
+    rows = tuple(ScalingRow(n, rate, rate / (n * base) if base else 0.0, short) for n, rate, short in measured)
     ddp = None
     if compare_ddp:
         progress(f"torchrun + DDP at {max_replicas} replica(s)")

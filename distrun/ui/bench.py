@@ -39,15 +39,20 @@ def render_scaling(report: Mapping[str, Any]) -> Table:
     title = (f"{report['model']} ({report['parameters']:,} parameters) on {report['device']}: image "
              f"{report['image_size']}, batch {report['batch_per_replica']} per replica, {report['steps']} timed steps, "
              f"{report.get('precision', 'fp32')}{', compiled' if report.get('compile') else ''}")
-    table = Table(title=title, title_justify="left", caption=f"reference: the seeds' ResNet-50 on 1-8 V100s scaled at "
-                  f"{low:.0%}-{high:.0%} efficiency", caption_justify="left")
+    caption = f"reference: the seeds' ResNet-50 on 1-8 V100s scaled at {low:.0%}-{high:.0%} efficiency"
+    if report.get("note"):
+        caption = f"[yellow]{report['note']}[/yellow]\n{caption}"
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
     for column in ("replicas", "images/s", "images/s per replica", "scaling efficiency"):
         table.add_column(column, justify="right")
+    base_short = bool(report["rows"] and report["rows"][0].get("too_short"))
     for row in report["rows"]:
         efficiency = row["scaling_efficiency"]
         style = "green" if efficiency >= low else "yellow"
+        shown = ("[yellow]too short to measure[/yellow]" if row.get("too_short") or base_short
+                 else f"[{style}]{efficiency:.1%}[/{style}]")
         table.add_row(str(row["replicas"]), f"{row['images_per_s']:.1f}", f"{row['images_per_s_per_replica']:.1f}",
-                      f"[{style}]{efficiency:.1%}[/{style}]")
+                      shown)
     if report.get("vs_ddp") is not None:
         table.add_row("torchrun+DDP", f"{report['ddp_images_per_s']:.1f}", "", f"distrun {report['vs_ddp']:.3f}x")
     return table

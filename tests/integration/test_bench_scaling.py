@@ -27,6 +27,9 @@ def test_a_tiny_resnet50_run_reports_rows_and_the_ddp_ratio(tmp_path):
     assert report["ddp_images_per_s"] > 0
     assert report["vs_ddp"] == pytest.approx(report["rows"][1]["images_per_s"] / report["ddp_images_per_s"])
     assert report["reference_efficiency"] == [0.9, 0.95]
+    # 2 timed steps of a 32-pixel batch of 2 last far under a second: said, in one line
+    assert report["note"].startswith("too short to measure: at 1 replica(s) 2 timed steps took"), report["note"]
+    assert report["rows"][0]["too_short"]
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
@@ -50,3 +53,14 @@ def test_more_gpus_than_the_machine_has_is_a_clear_error():
 def test_bad_scaling_flags_are_named(args, message):
     result = run_cli("bench", "resnet18", *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_the_rate_comes_from_the_median_step_and_a_short_or_warming_window_is_said():
+    from distrun.bench._scaling_workload import rate
+
+    settled = rate([0.2] * 9 + [0.9], images_per_step=8)  # one slow step (a stray warm-up) does not count
+    assert settled["images_per_s"] == pytest.approx(40.0) and settled["too_short"] is None
+    warming = rate([0.4, 0.35, 0.3, 0.2, 0.2, 0.2], images_per_step=8)  # its first half slower: still warming
+    assert "ran 75% slower than the rest (still warming up)" in warming["too_short"]
+    short = rate([0.05] * 6, images_per_step=8)
+    assert short["too_short"] == "6 timed steps took 0.30 s (under 1 s)"
