@@ -1,3 +1,3 @@
-from distrun.cli import main
+from distrun.cli import run
 
-main()
+run()

@@ -63,7 +63,7 @@ def main() -> None:
                 break
         epoch += 1
     if rank == 0:
-        rate = samples * world / (last_end - first_end)
+        rate = samples * world / (last_end - first_end) if last_end > first_end else 0.0  # one step: no rate
         print(json.dumps({"bench": "ddp", "samples_per_s": rate, "first_step_time": first_wall, "steps": step}), flush=True)
     dist.destroy_process_group()
 

@@ -11,9 +11,11 @@ one run (interleaved, median of ``repeats``):
   from each server's warm interpreter;
 * ``distrun fit (warm cluster)``: the fit-style recipe of the same model.
 
-Time to first step: from just before the command starts to the end of rank 0's
-first step, both read from the wall clock (the hosts' clocks are assumed to
-agree, as they do for namespaces of one machine; on real hosts, use NTP).
+Each runs one step. Time to first step: from just before the command starts to
+the end of rank 0's first step, both read from the wall clock (the hosts' clocks
+are assumed to agree, as they do for namespaces of one machine; on real hosts,
+use NTP). Wall: from just before the command starts to its exit, all of a
+1-step job as a user waits for it (on a cluster: its results home, the summary).
 N is the cluster's world size, so both sides start the same number of ranks.
 
 Without ``--cluster`` (``run_local_ttfs``) everything runs on this machine, on
@@ -27,6 +29,7 @@ user keeps is neither used nor disturbed.
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,7 +44,7 @@ from distrun.errors import DistrunError
 
 __all__ = ["TtfsReport", "run_ttfs", "run_local_ttfs"]
 
-_STEPS = 5
+_STEPS = 1
 _GLOBAL_BATCH = 64
 _WARM_WAIT_S = 60.0
 
@@ -50,19 +53,22 @@ _WARM_WAIT_S = 60.0
 class TtfsReport:
     world_size: int
     repeats: int
-    rows: tuple[tuple[str, float], ...]  # (contender, median seconds to first step)
+    rows: tuple[tuple[str, float, float], ...]  # (contender, median seconds to first step, median wall seconds)
     where: str = "cluster"  # "cluster", or "local <device>"
 
-    def speedup(self, name: str) -> float:
-        """How many times faster than the cold torchrun ``name`` reaches its first step."""
-        base = self.rows[0][1]
-        value = next(seconds for contender, seconds in self.rows if contender == name)
+    def speedup(self, name: str, *, wall: bool = False) -> float:
+        """How many times sooner than the cold torchrun ``name`` reaches its first step (``wall``: ends)."""
+        column = 2 if wall else 1
+        base = self.rows[0][column]
+        value = next(row[column] for row in self.rows if row[0] == name)
         return base / value if value else 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {"benchmark": "ttfs", "where": self.where, "world_size": self.world_size, "repeats": self.repeats,
-                "rows": [{"name": name, "time_to_first_step_s": seconds, "speedup_vs_torchrun": self.speedup(name)}
-                         for name, seconds in self.rows]}
+                "steps": _STEPS,
+                "rows": [{"name": name, "time_to_first_step_s": seconds, "speedup_vs_torchrun": self.speedup(name),
+                          "wall_s": wall, "wall_speedup_vs_torchrun": self.speedup(name, wall=True)}
+                         for name, seconds, wall in self.rows]}
 
 
 def _first_step_time(objects: list[dict[str, object]]) -> float:
@@ -91,31 +97,38 @@ def run_ttfs(*, cluster: Path, repeats: int, progress: Callable[[str], None] = l
     py = sys.executable
     env = dict(os.environ)
     script_args = ["--steps", str(_STEPS), "--global-batch-size", str(_GLOBAL_BATCH)]
-    on_cluster = [py, "-m", "distrun", "train", "--json", "--no-fetch", "--cluster", str(cluster),
+    # Results come home as a user's job's do (the summary; no checkpoint here), into a folder of the benchmark's.
+    results = tempfile.mkdtemp(prefix="distrun-ttfs-results-")
+    on_cluster = [py, "-m", "distrun", "train", "--json", "--results-dir", results, "--cluster", str(cluster),
                   "--strategy", "multi-worker"]
     world: dict[str, int] = {}
 
-    def script() -> float:
+    def script() -> tuple[float, float]:
         t0, out = run_command([*on_cluster, str(DDP_SCRIPT), "--", *script_args], env)
+        wall = time.time() - t0
         world["size"] = int(next(o for o in out if o.get("type") == "job")["world_size"])  # type: ignore[arg-type]
-        return float(measurement(out, "ddp")["first_step_time"]) - t0  # type: ignore[arg-type]
+        return float(measurement(out, "ddp")["first_step_time"]) - t0, wall  # type: ignore[arg-type]
 
-    def fit() -> float:
+    def fit() -> tuple[float, float]:
         t0, out = run_command([*on_cluster, "--steps", str(_STEPS), "--global-batch-size", str(_GLOBAL_BATCH), str(FIT_RECIPE)],
                        env)
-        return _first_step_time(out) - t0
+        return _first_step_time(out) - t0, time.time() - t0
 
-    def torchrun() -> float:
+    def torchrun() -> tuple[float, float]:
         t0, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world['size']}",
                         str(DDP_SCRIPT), *script_args], env)
-        return float(measurement(out, "ddp")["first_step_time"]) - t0  # type: ignore[arg-type]
+        wall = time.time() - t0
+        return float(measurement(out, "ddp")["first_step_time"]) - t0, wall  # type: ignore[arg-type]
 
-    progress("warm-up: shipping the code, waiting for the warm interpreters")
-    script()
-    _wait_until_warm(cluster, env)
-    contenders: dict[str, Callable[[], float]] = {
-        "torchrun (cold)": torchrun, "distrun script (warm cluster)": script, "distrun fit (warm cluster)": fit}
-    return TtfsReport(world["size"], repeats, _medians(contenders, repeats, progress))
+    try:
+        progress("warm-up: shipping the code, waiting for the warm interpreters")
+        script()
+        _wait_until_warm(cluster, env)
+        contenders: dict[str, Callable[[], tuple[float, float]]] = {
+            "torchrun (cold)": torchrun, "distrun script (warm cluster)": script, "distrun fit (warm cluster)": fit}
+        return TtfsReport(world["size"], repeats, _medians(contenders, repeats, progress))
+    finally:
+        shutil.rmtree(results, ignore_errors=True)
 
 
 def run_local_ttfs(*, replicas: int, device: str, repeats: int,
@@ -128,29 +141,31 @@ def run_local_ttfs(*, replicas: int, device: str, repeats: int,
         train = [py, "-m", "distrun", "train", "--json", "--strategy", "mirrored", "--replicas", str(replicas),
                  "--device", device]
 
-        def distrun(recipe: Path, *, warm: bool) -> Callable[[], float]:
+        def distrun(recipe: Path, *, warm: bool) -> Callable[[], tuple[float, float]]:
             fit = recipe == FIT_RECIPE
             argv = [*train, *([] if warm else ["--cold"]),
                     *([*steps, str(recipe)] if fit else [str(recipe), "--", *steps, "--device", device])]
 
-            def measure() -> float:
+            def measure() -> tuple[float, float]:
                 t0, out = run_command(argv, env)
+                wall = time.time() - t0
                 if out[-1].get("warm") is not warm:
                     raise DistrunError(f"a {'warm' if warm else 'cold'} run started {'cold' if warm else 'warm'}")
                 first = _first_step_time(out) if fit else float(measurement(out, "ddp")["first_step_time"])  # type: ignore[arg-type]
-                return first - t0
+                return first - t0, wall
             return measure
 
-        def torchrun() -> float:
+        def torchrun() -> tuple[float, float]:
             t0, out = run_command([py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={replicas}",
                                    str(DDP_SCRIPT), *steps, "--device", device], env)
-            return float(measurement(out, "ddp")["first_step_time"]) - t0  # type: ignore[arg-type]
+            wall = time.time() - t0
+            return float(measurement(out, "ddp")["first_step_time"]) - t0, wall  # type: ignore[arg-type]
 
         progress("starting a local server in a temporary DISTRUN_HOME")
         run_command([py, "-m", "distrun", "up", "--json"], env)
         try:
             _wait_until_warm(None, env)
-            contenders: dict[str, Callable[[], float]] = {
+            contenders: dict[str, Callable[[], tuple[float, float]]] = {
                 "torchrun (cold)": torchrun,
                 "distrun fit (cold)": distrun(FIT_RECIPE, warm=False),
                 "distrun fit (warm)": distrun(FIT_RECIPE, warm=True),
@@ -162,11 +177,13 @@ def run_local_ttfs(*, replicas: int, device: str, repeats: int,
     return TtfsReport(replicas, repeats, rows, where=f"local {device}")
 
 
-def _medians(contenders: dict[str, Callable[[], float]], repeats: int,
-             progress: Callable[[str], None]) -> tuple[tuple[str, float], ...]:
-    runs: dict[str, list[float]] = {name: [] for name in contenders}
+def _medians(contenders: dict[str, Callable[[], tuple[float, float]]], repeats: int,
+             progress: Callable[[str], None]) -> tuple[tuple[str, float, float], ...]:
+    """Each contender's median time to first step and median wall, over ``repeats`` interleaved rounds."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for i in range(repeats):
         for name, measure in contenders.items():  # interleaved, so drift hits all alike
             progress(f"round {i + 1}/{repeats}: {name}")
             runs[name].append(measure())
-    return tuple((name, statistics.median(values)) for name, values in runs.items())
+    return tuple((name, statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+                 for name, values in runs.items())

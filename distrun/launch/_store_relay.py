@@ -175,6 +175,10 @@ class _Acceptor:
 
     def close(self) -> None:
         self._stopped.set()
+        try:  # wakes the blocked accept() at once; closing alone leaves it to its poll timeout
+            self.listener.shutdown(socket.SHUT_RDWR)  # (0.4 s on every job's end, issue 33)
+        except OSError:
+            pass
         self.listener.close()
         self._thread.join(timeout=2 * _ACCEPT_POLL_S)
         self.splices.close()

@@ -27,10 +27,11 @@ def render_ttfs(report: Mapping[str, Any]) -> Table:
     where = report.get("where", "cluster")
     table = Table(title=(f"time to first step ({where}): {report['world_size']} ranks, median of {report['repeats']}"),
                   title_justify="left")
-    for column in ("contender", "time to first step", "speed-up vs cold torchrun"):
+    for column in ("contender", "time to first step", "vs cold torchrun", "wall (1-step job)", "vs cold torchrun "):
         table.add_column(column, justify="left" if column == "contender" else "right")
     for row in report["rows"]:
-        table.add_row(row["name"], f"{row['time_to_first_step_s']:.2f}s", f"{row['speedup_vs_torchrun']:.2f}x")
+        table.add_row(row["name"], f"{row['time_to_first_step_s']:.2f}s", f"{row['speedup_vs_torchrun']:.2f}x",
+                      f"{row['wall_s']:.2f}s", f"{row['wall_speedup_vs_torchrun']:.2f}x")
     return table
 
 
