@@ -51,7 +51,9 @@ from distrun.strategies import checkpoint as ckpt
 from distrun.strategies.base import Strategy
 from distrun.strategies.checkpoint import shards
 from distrun.strategies.checkpoint.pending import PendingSave
+from distrun.strategies.checkpoint.layout import MODEL as MODEL_PREFIX
 from distrun.strategies.checkpoint.rng import rng_to_json
+from distrun.strategies.checkpoint.staging import BackgroundStaging
 from distrun.strategies.checkpoint.write_failure import write_failed
 from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
@@ -92,6 +94,8 @@ class ShardedStrategy(Strategy):
         self.mesh: DeviceMesh | None = None
         # DCP's background collectives must not interleave with training's on the same group.
         self._checkpoint_group = dist.new_group(backend="gloo") if async_checkpoint else None
+        # ... and the shards are copied out of the model behind the next forward and backward.
+        self._staging = BackgroundStaging(cuda=self.device.type == "cuda") if async_checkpoint else None
         if self.device.type == "cpu":  # gathered buffers come and go each step: keep them off the heap
             fix_mmap_threshold()
 
@@ -120,7 +124,25 @@ class ShardedStrategy(Strategy):
         broadcast_from_rank0(model, initial, self._collective_device)
         del initial
         same_rng_as_rank0(self._collective_device)
-        return model, rebuild_optimizer(optimizer, model, names) if optimizer is not None else None
+        if optimizer is None:
+            return model, None
+        optimizer = rebuild_optimizer(optimizer, model, names)
+        if self._staging is not None:  # the shards a checkpoint is still copying must not move yet
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+        return model, optimizer
+
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """``--async-checkpoint``: the step that would change the shards waits until the save in
+        flight has copied them; that wait counts in the save's ``blocked_ms``."""
+        assert self._staging is not None
+        waited_ms = self._staging.wait_before_step()
+        if self._pending_save is not None:
+            self._pending_save.blocked_ms += waited_ms
+
+    def close(self) -> None:
+        super().close()
+        if self._staging is not None:
+            self._staging.close()
 
     def _choose_layout(self, parameters: int) -> Layout:
         """``--shard-within``, ``auto`` decided from the least memory any rank has (all-reduced MIN)."""
@@ -229,12 +251,15 @@ class ShardedStrategy(Strategy):
             return path
 
         def discard(exc: BaseException) -> None:
-            """Every rank sees a failed write (DCP gathers them); rank 0 removes what was written."""
-            if self.is_chief:
-                shards.discard(directory, step, exc)
+            """Every rank sees a failed write (DCP gathers them, once every rank's write has ended)
+            and removes what was written: the first rank to report the failure ends the job, and
+            its folder must be gone by then (the others may be stopped before they get to it)."""
+            shards.discard(directory, step, exc)
 
-        if self._checkpoint_group is not None:  # --async-checkpoint: copy the shards, write them behind
-            written = dcp.async_save(tensors, storage_writer=writer, process_group=self._checkpoint_group)
+        if self._staging is not None:  # --async-checkpoint: copy the shards and write them behind training
+            buffers = {MODEL_PREFIX + name for name, _ in self.unwrap().named_buffers()}
+            written = self._staging.save(tensors, buffers, storage_writer=writer,
+                                         process_group=self._checkpoint_group)
             self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3,
                                              discard=discard, directory=directory)
             return self._finish_checkpoint() if wait else None

@@ -137,8 +137,11 @@ class CheckpointReplica:
         if pending is None or (not block and not pending.done()):
             return None
         self._pending_save = None
+        started = time.perf_counter()
         with self._saving(pending.directory, "writing a checkpoint in the background"):
             path = pending.wait()
+        # Training waited for the write (the next save, the run's end): the save's cost too.
+        pending.blocked_ms += (time.perf_counter() - started) * 1e3 if block else 0.0
         if path is not None:
             self._reporter.checkpoint(pending.step, str(path), pending.blocked_ms)
         return path

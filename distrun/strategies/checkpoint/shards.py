@@ -13,7 +13,7 @@ every file the index names is there, writes ``distrun.json`` (fsynced) and renam
 to ``ckpt-<step>/``, then fsyncs the parent. So a ``ckpt-<step>`` folder is complete by
 construction: a job killed mid-save leaves the previous checkpoints the newest and a
 ``.tmp-ckpt-*`` folder, which listing ignores and the next save removes; a save that fails
-on any rank (a full disk) is removed at once by rank 0 (``discard``).
+on any rank (a full disk) is removed at once by every rank (``discard``).
 
 **Resharding.** DCP's index records each tensor's global shape and every shard's offsets,
 so a checkpoint loads onto any number of ranks: a sharded model takes only its own pieces
@@ -95,7 +95,7 @@ def prepare(directory: str | os.PathLike[str], step: int) -> Path:
 
 
 def discard(directory: str | os.PathLike[str], step: int, exc: BaseException) -> CheckpointError:
-    """Rank 0, after a save of ``step`` failed on any rank (DCP raises on every rank once all
+    """Any rank, after a save of ``step`` failed on any rank (DCP raises on every rank once all
     have written or failed): remove what was written, and say why in one line."""
     shutil.rmtree(temporary_path(directory, step), ignore_errors=True)
     return exc if isinstance(exc, CheckpointError) else write_failed(Path(directory), step, exc)
