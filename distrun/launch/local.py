@@ -29,7 +29,9 @@ Guarantees (each held by a test):
 * ``--elastic``: an agent process beside the ranks hosts the rendezvous store, which
   outlives every rank (``launch/_agent``). A rank that dies without saying why (a
   signal) stops no one: the agent marks it lost, the others form a new group, and it is
-  started again as a joiner while ``respawns`` last.
+  started again as a joiner while ``respawns`` last; so is a rank stopped by a signal
+  (SIGSTOP) for ``STOPPED_LOST_S`` (``launch/_stopped``), which would never come back on its own;
+* a rank the kernel's OOM killer ends is named as such (``launch/_oom``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from distrun.launch._oom import OomWatch
 from distrun.launch._pyspy import StackUnavailable, read_stack
 from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
+from distrun.launch._stopped import StoppedWatch
 from distrun.launch._store_relay import StoreFront, StoreRelay
 from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
 from distrun.protocol import (
@@ -153,6 +156,7 @@ class LocalLauncher:
         self._preempted: set[int] = set()  # ranks that checkpointed and stopped to be requeued
         self._diagnose_lock = threading.Lock()  # a diagnose pipe is written from any thread, closed by ours
         self._oom = OomWatch()  # names the kernel's OOM killer when a rank dies of a SIGKILL not ours
+        self._stopped = StoppedWatch()  # --elastic: a rank stopped by a signal is lost (launch/_stopped)
 
     # -- public ---------------------------------------------------------------
 
@@ -383,6 +387,8 @@ class LocalLauncher:
         state: ProcessState | None = None
         while True:
             self._pump(_TICK_S)
+            if self._spec.elastic:
+                self._lose += self._stopped.check({p.rank: p.popen.pid for p in self._running()}, time.monotonic())
             self._kill_lost()
             self._pass_on_preempt()
             self._poll_exits()

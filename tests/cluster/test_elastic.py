@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -100,25 +101,40 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
 
 
 class _Job:
-    """A `distrun train --json` in the lab's client namespace, read as it runs."""
+    """A `distrun train --json` in the lab's client namespace, read as it runs (a thread reads its
+    output, so a job that goes quiet fails ``read_until`` at its deadline rather than blocking it)."""
 
     def __init__(self, lab: Lab, *args: str) -> None:
         self.proc = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train",
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
         self.lines: list[dict] = []
         self.stderr: list[str] = []
+        self._fresh: queue.Queue[dict | None] = queue.Queue()
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()  # type: ignore[arg-type]
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def read_until(self, predicate, within_s: float, what: str) -> None:
-        deadline = time.monotonic() + within_s
+    def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             if raw.startswith("{"):
-                self.lines.append(json.loads(raw))
-                if predicate(self.lines[-1]):
-                    return
-            assert time.monotonic() < deadline, f"{what} did not happen within {within_s} s"
-        raise AssertionError(f"the job ended before {what}: {''.join(self.stderr)[-3000:]}")
+                self._fresh.put(json.loads(raw))
+        self._fresh.put(None)
+
+    def read_until(self, predicate, within_s: float, what: str) -> None:
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                line = self._fresh.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                said = [x for x in self.lines if x["type"] == "membership"
+                        or (x["type"] == "output" and x["line"].startswith("[distrun]"))]
+                raise AssertionError(f"{what} did not happen within {within_s} s; the job said: {said[-10:]} "
+                                     f"{''.join(self.stderr)[-2000:]}") from None
+            if line is None:
+                raise AssertionError(f"the job ended before {what}: {''.join(self.stderr)[-3000:]}")
+            self.lines.append(line)
+            if predicate(line):
+                return
 
 
 def test_a_lost_server_host_rejoins_after_up(elastic_lab) -> None:
@@ -261,3 +277,126 @@ def test_diloco_holds_while_a_hosts_link_is_down_for_15_s(elastic_lab) -> None:
     assert syncs == list(range(every, steps + every, every)), syncs
     assert (summary["steps"], summary["outer_steps"], summary["steps_lost"]) == (steps, steps // every, 0)
     _no_training_processes(lab)
+
+
+# -- chaos: a seeded schedule of faults on the non-chief hosts, one at a time, each tied to a step
+
+CHAOS_KINDS = ("kill", "link", "stop")
+
+
+def chaos_schedule(seed: int, faults: int, kinds: tuple[str, ...] = CHAOS_KINDS) -> list[tuple[str, str]]:
+    """(kind, host) for each fault, from ``seed``: every kind in each round, on h2 or h3; at most
+    3 kills and stops a host (its server starts a lost rank again 3 times)."""
+    import random
+
+    rng = random.Random(seed)
+    plan: list[tuple[str, str]] = []
+    restarts = {"h2": 0, "h3": 0}
+    while len(plan) < faults:
+        for kind in rng.sample(kinds, len(kinds)):
+            hosts = [h for h in ("h2", "h3") if kind == "link" or restarts[h] < 3]
+            host = rng.choice(hosts)
+            restarts[host] += kind != "link"
+            plan.append((kind, host))
+    return plan[:faults]
+
+
+def run_chaos(lab: Lab, cluster: Path, one_device_at, *, seed: int, faults: int, steps: int,
+              link_down_s: float = 8.0, plan: list[tuple[str, str]] | None = None,
+              kinds: tuple[str, ...] = CHAOS_KINDS) -> str:
+    """One ``--elastic 2:3`` multi-worker job while ``chaos_schedule(seed, faults)`` is injected: a
+    fault once the job passes its step, the next once the group is whole again. The job must end
+    with one-device's parameters and lose no step. Returns the line for the docs."""
+    recipe = _recipe(lab, f"chaos-{seed}-{faults}")
+    pids = recipe.parent / "pids"
+    pids.mkdir()
+    plan = plan or chaos_schedule(seed, faults, kinds)
+    job = _Job(lab, str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--hang-timeout-s", "3",
+               "--steps", str(steps), "--json", "--log-interval-s", "0.2", "--checkpoint-dir", str(recipe.parent / "ck"), "--",
+               "--sleep-s", "0.03", "--pid-dir", str(pids))
+    started = time.monotonic()
+    injected: list[tuple[str, str, int]] = []
+    try:
+        for index, (kind, host) in enumerate(plan):
+            at = 30 + 60 * index
+            job.read_until(lambda line: line["type"] == "step" and line["step"] >= at, 120, f"step {at}")
+            rank = list(lab.hosts).index(host)  # one slot a host: h2 runs rank 1, h3 rank 2
+            step = job.lines[-1]["step"]
+            groups = sum(line["type"] == "membership" for line in job.lines)
+            ns = lab.hosts[host][0]
+            if kind == "kill":
+                os.kill(int((pids / str(rank)).read_text()), signal.SIGKILL)
+            elif kind == "stop":  # past --hang-timeout-s: its server kills it as hung
+                os.kill(int((pids / str(rank)).read_text()), signal.SIGSTOP)
+            else:
+                subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+                time.sleep(link_down_s)
+                subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=True)
+            injected.append((kind, host, step))
+            job.read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3
+                           and sum(x["type"] == "membership" for x in job.lines) > groups + 1,
+                           120, f"the group whole again after {kind} on {host} at step {step}")
+        job.read_until(lambda line: line["type"] == "summary", 300, "the job's end")
+        job.proc.wait(timeout=30)
+    finally:
+        for _, (ns, _) in lab.hosts.items():
+            subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=False)
+        if job.proc.poll() is None:
+            job.proc.kill()
+    summary = job.lines[-1]
+    assert summary["status"] == "succeeded", "".join(job.stderr)[-3000:]
+    assert summary["steps"] == steps and summary["steps_lost"] == 0 and summary["restarts"] == 0, summary
+    results = next(line for line in job.lines if line["type"] == "results")
+    model = torch.load(results["checkpoint"], weights_only=True)["model"]
+    for key, tensor in one_device_at(steps).items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    survived = sum(1 for _ in injected)  # each one ended in a whole group again, and the job in one-device's
+    line = (f"chaos (seed {seed}): {len(injected)} faults injected ({', '.join(f'{k} {h} @{s}' for k, h, s in injected)}), "
+            f"{survived} survived, {summary['steps_lost']} steps lost, {summary['membership_changes']} membership "
+            f"changes, {steps} steps in {time.monotonic() - started:.0f} s, one-device's parameters")
+    print(line)
+    _no_training_processes(lab)
+    return line
+
+
+@pytest.fixture(scope="module")
+def one_device_at(tmp_path_factory: pytest.TempPathFactory):
+    """The ELASTIC recipe's parameters after N one-device steps (each N run once)."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+
+    def parameters(steps: int) -> dict[str, torch.Tensor]:
+        if steps not in found:
+            folder = tmp_path_factory.mktemp(f"one-device-{steps}")
+            recipe = folder / "elastic.py"
+            recipe.write_text(ELASTIC)
+            result = subprocess.run([sys.executable, "-m", "distrun", "train", str(recipe), "--strategy", "one-device",
+                                     "--device", "cpu", "--steps", str(steps), "--checkpoint-dir", str(folder / "ck"),
+                                     "--json"], capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-2000:]
+            found[steps] = torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
+        return found[steps]
+
+    return parameters
+
+
+def test_chaos_killed_and_stopped_ranks_end_in_one_devices_parameters(elastic_lab, one_device_at):
+    """Four faults, seed 33: SIGKILLs and SIGSTOPs on h2 and h3, one at a time. A stopped rank is
+    killed as lost by its launcher after 5 s (launch/_stopped) and rejoins. Dropped links are the
+    next test's; interleaved with these they are not yet survived (issue 33, left open)."""
+    lab, cluster = elastic_lab
+    run_chaos(lab, cluster, one_device_at, seed=33, faults=4, steps=330, kinds=("kill", "stop"))
+
+
+def test_multi_worker_heals_to_one_devices_parameters_after_a_link_is_down_for_8_s(elastic_lab, one_device_at):
+    lab, cluster = elastic_lab
+    run_chaos(lab, cluster, one_device_at, seed=1, faults=1, steps=300, link_down_s=8, plan=[("link", "h2")])
+
+
+@pytest.mark.bench
+def test_chaos_long(elastic_lab, one_device_at):
+    """The documented figure: DISTRUN_CHAOS_FAULTS faults (default 9) of every kind, seed
+    DISTRUN_CHAOS_SEED (33)."""
+    lab, cluster = elastic_lab
+    faults = int(os.environ.get("DISTRUN_CHAOS_FAULTS", "9"))
+    run_chaos(lab, cluster, one_device_at, seed=int(os.environ.get("DISTRUN_CHAOS_SEED", "33")), faults=faults,
+              steps=30 + 60 * faults + 200, link_down_s=12)

@@ -103,6 +103,9 @@ def _arg(name, default):
 DIE_RANK, HANG_RANK, DIE_AT, ONCE = _arg("--die-rank", -1), _arg("--hang-rank", -1), _arg("--die-at", 0), _arg("--once", "")
 SLEEP_S, SLOW_RANK = _arg("--sleep-s", 0.0), _arg("--slow-rank", -1)
 RANK = int(os.environ.get("RANK", "0"))
+if _arg("--pid-dir", ""):  # where a test finds each rank's process (a rank forked warm shows its server's cmdline)
+    with open(os.path.join(_arg("--pid-dir", ""), str(RANK)), "w") as _fh:
+        _fh.write(str(os.getpid()))
 calls = 0
 
 
