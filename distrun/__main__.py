@@ -1,3 +1,3 @@
-from distrun.cli import run
+from distrun._entry import main
 
-run()
+main()

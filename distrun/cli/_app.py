@@ -137,13 +137,21 @@ def run() -> NoReturn:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    # What Py_Finalize does first: join non-daemon threads (and wake idle executor workers,
+    # threading's own exit hooks), then the atexit handlers.
+    shutdown = getattr(threading, "_shutdown", None)
+    if shutdown is not None:
+        shutdown()
+    else:  # pragma: no cover - every CPython has it; joined by hand otherwise
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()  # noqa: SLF001 - what Py_Finalize runs; os._exit would skip it
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe (distrun ... | head): nothing left to say
+        except BrokenPipeError:  # distrun ... | head: the reader left, nothing left to say
             pass
+        except (OSError, ValueError):  # output lost (a full disk): fail as CPython's own exit does
+            code = code or 120
     os._exit(code)

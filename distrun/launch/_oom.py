@@ -10,7 +10,7 @@ OOM killer, with the cgroup's limit and peak, and the rank's own last reported p
 
 The cgroup's count is the sure sign (a kill in the rank's own cgroup). The machine's count
 alone means a process somewhere on the host was killed while the rank ran: said as
-"most likely". Neither readable (no /proc, a cgroup folder this user cannot read): the
+"possibly". Neither readable (no /proc, a cgroup folder this user cannot read): the
 SIGKILL is described as it is.
 """
 
@@ -141,7 +141,7 @@ class OomWatch:
                     f"{bound}{used}{own}")
         machine = machine_oom_kills()
         if machine is not None and watched.machine_kills is not None and machine > watched.machine_kills:
-            return ("killed by SIGKILL, most likely by the kernel's out-of-memory killer (it killed a process on "
+            return ("killed by SIGKILL, possibly by the kernel's out-of-memory killer (it killed a process on "
                     f"this machine while the rank ran){own}")
         return None
 

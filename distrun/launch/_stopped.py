@@ -45,7 +45,11 @@ class StoppedWatch:
         """(rank, why) of the ranks in ``pids`` (rank -> pid, the running ones) stopped long enough."""
         if now < self._next_check:
             return []
+        if now - self._next_check > 10 * _CHECK_EVERY_S:  # we were stopped too (the whole job suspended):
+            self._since.clear()  # a rank's stop began no earlier than our own resumption
         self._next_check = now + _CHECK_EVERY_S
+        for pid in set(self._since) - set(pids.values()):  # gone, or started again under another pid
+            del self._since[pid]
         lost = []
         for rank, pid in pids.items():
             if not is_stopped(pid):

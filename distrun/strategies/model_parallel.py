@@ -50,6 +50,7 @@ from distrun.strategies.parallel.plan import TensorPlan, resolve_plan
 from distrun.strategies.parallel.schedule import Pipeline
 from distrun.strategies.parallel.tensor import apply_tensor_parallel
 from distrun.strategies.sharded import ShardedStrategy
+from distrun.strategies.checkpoint.layout import MODEL as MODEL_PREFIX
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
 from distrun.strategies.sharding.compile import compile_units
@@ -143,6 +144,8 @@ class ModelParallelStrategy(ShardedStrategy):
         same_rng_as_rank0(self._collective_device)
         if not self.pipelined:
             rebuilt = rebuild_optimizer(optimizer, self._parts[0], names) if optimizer is not None else None
+            if rebuilt is not None:
+                self._wait_for_copies(rebuilt)
             return self._parts[0], rebuilt
         self.pipeline = Pipeline(parts, stages=self.shape.pp * stages_per_rank(self._schedule_name), device=self.device,
                                  group=self.parallel.pipeline_group, schedule=self._schedule_name,
@@ -151,6 +154,8 @@ class ModelParallelStrategy(ShardedStrategy):
         if optimizer is None:
             return container, None
         optimizers = [rebuild_optimizer(optimizer, part, names, part=True) for part in self._parts]
+        for stage_optimizer in optimizers:
+            self._wait_for_copies(stage_optimizer)
         return container, PipelineOptimizer(optimizers, clip=self._step.settings.clip_grad_norm,
                                              group=self.parallel.pipeline_group)
 
@@ -260,6 +265,10 @@ class ModelParallelStrategy(ShardedStrategy):
         if isinstance(optimizer, PipelineOptimizer):
             return optimizer.optimizers
         return [optimizer] * len(self._parts)
+
+    def _buffer_keys(self) -> set[str]:
+        """Each stage's buffers, under the keys its part's state gives them."""
+        return {MODEL_PREFIX + name for part in self._parts for name, _ in part.named_buffers()}
 
     def _sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         if not self.pipelined:

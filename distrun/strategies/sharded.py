@@ -127,9 +127,19 @@ class ShardedStrategy(Strategy):
         if optimizer is None:
             return model, None
         optimizer = rebuild_optimizer(optimizer, model, names)
-        if self._staging is not None:  # the shards a checkpoint is still copying must not move yet
-            optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self._wait_for_copies(optimizer)
         return model, optimizer
+
+    def _wait_for_copies(self, optimizer: torch.optim.Optimizer) -> None:
+        """``--async-checkpoint``: ``optimizer``'s steps wait for a save's copy still under way (the
+        shards it copies must not move yet). Parameters changed outside an optimizer step (an EMA
+        a custom loop keeps) are not covered: such a loop saves with ``wait=True``."""
+        if self._staging is not None:
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    def _buffer_keys(self) -> set[str]:
+        """The model's buffers under their checkpoint keys: a forward may change them, so a save clones them at once."""
+        return {MODEL_PREFIX + name for name, _ in self.unwrap().named_buffers()}
 
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """``--async-checkpoint``: the step that would change the shards waits until the save in
@@ -257,8 +267,7 @@ class ShardedStrategy(Strategy):
             shards.discard(directory, step, exc)
 
         if self._staging is not None:  # --async-checkpoint: copy the shards and write them behind training
-            buffers = {MODEL_PREFIX + name for name, _ in self.unwrap().named_buffers()}
-            written = self._staging.save(tensors, buffers, storage_writer=writer,
+            written = self._staging.save(tensors, self._buffer_keys(), storage_writer=writer,
                                          process_group=self._checkpoint_group)
             self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3,
                                              discard=discard, directory=directory)

@@ -144,7 +144,9 @@ def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab
     lines = json_lines(result)
     named = [line for line in lines if line.get("type") == "straggler"]
     assert [(line["rank"], line["host"]) for line in named] == [(1, lab.hosts["h2"][1])]
-    assert named[0]["ratio"] > 2.0
+    # 120 against 30 ms of sleep plus the same compute: 4x at best, under 2x on a loaded host (seen
+    # 1.99); the straggler rule names a rank from 1.25x, so 1.5x still says it is the sleeper.
+    assert named[0]["ratio"] > 1.5
     home = lab.root / "distrun-results" / lines[0]["job"] / "profile"
     results = next(line for line in lines if line.get("type") == "results")
     assert results["profile"] == str(home)

@@ -85,8 +85,8 @@ class CheckpointReplica:
         """Write this step's checkpoint into ``directory`` and keep the newest ``keep``; every
         replica calls it. Returns its path on the chief (None elsewhere, and under
         ``--async-checkpoint`` while it is still being written, unless ``wait``)."""
+        self._finish_checkpoint()  # a wait here is the previous save's cost, counted there
         started = time.perf_counter()
-        self._finish_checkpoint()
         with self._saving(directory, "saving a checkpoint"):
             comm = self._comm_state()
             meta = self._checkpoint_meta()
@@ -98,11 +98,15 @@ class CheckpointReplica:
     def _saving(self, directory: str | Path, doing: str) -> Iterator[None]:
         """A save that fails says so (a failure here is not "at step N+1": ``during`` stays set
         on the way out) and names the newest checkpoint still complete, which ``--resume`` takes."""
-        before, self._reporter.during = self._reporter.during, doing
+        before, self._reporter.during = getattr(self._reporter, "during", None), doing
         try:
             yield
         except CheckpointError as exc:
-            raise CheckpointError(f"{exc.message}; {newest_complete(directory)}", detail=exc.detail) from None
+            if getattr(exc, "newest_named", False):  # a save with wait=True: its write's own failure, named
+                raise
+            named = CheckpointError(f"{exc.message}; {newest_complete(directory)}", detail=exc.detail)
+            named.newest_named = True  # type: ignore[attr-defined]
+            raise named from None
         except Exception as exc:
             if self.is_membership_change(exc):  # --elastic goes on: the next failure is at a step again
                 self._reporter.during = before

@@ -9,7 +9,9 @@ the next forward and backward. So:
   once, and the RNG and the data position are already in the sidecar;
 - everything else is copied on DCP's stager's own thread (``DefaultStager`` with async
   staging), into host buffers it keeps from one save to the next (pinned on a GPU, so the
-  device-to-host copy runs on a side stream without blocking the compute stream);
+  device-to-host copy runs on a side stream; the compute stream's queued kernels, the step
+  that produced these values, are finished first, as that stream does not wait for ours.
+  Not yet run on a GPU);
 - ``wait_before_step`` blocks the next ``optimizer.step()`` until the copy is done (a
   pre-hook on the optimizer, so any loop, fit or custom, gets it), and says how long it waited;
 - the write runs on DCP's upload thread once the copy is done, as before.
@@ -25,6 +27,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 __all__ = ["BackgroundStaging"]
@@ -41,6 +44,7 @@ class BackgroundStaging:
 
     def __init__(self, *, cuda: bool) -> None:
         self.background = DefaultStager is not None
+        self._cuda = cuda
         self._stager = None
         if self.background:
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
@@ -51,6 +55,8 @@ class BackgroundStaging:
         """Start DCP's ``async_save`` of ``tensors`` (the keys in ``buffers`` cloned now); its
         upload's future. The copy of the rest may still be running when this returns."""
         tensors = {key: value.detach().clone() if key in buffers else value for key, value in tensors.items()}
+        if self._cuda:  # the stager's stream does not wait for ours: the step's last kernels finish first
+            torch.cuda.current_stream().synchronize()
         if self._stager is None:
             return dcp.async_save(tensors, **save_args)
         response = dcp.async_save(tensors, async_stager=self._stager, **save_args)
