@@ -40,15 +40,23 @@ def elastic_lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab,
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    folder = tmp_path_factory.mktemp("elastic-one-device")
-    recipe = folder / "elastic.py"
-    recipe.write_text(ELASTIC)
-    result = subprocess.run([sys.executable, "-m", "distrun", "train", str(recipe), "--strategy", "one-device",
-                             "--device", "cpu", "--steps", str(STEPS), "--checkpoint-dir", str(folder / "ck"),
-                             "--json"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
+def one_device_at(tmp_path_factory: pytest.TempPathFactory):
+    """The ELASTIC recipe's parameters after N one-device steps (each N run once)."""
+    found: dict[int, dict[str, torch.Tensor]] = {}
+
+    def parameters(steps: int) -> dict[str, torch.Tensor]:
+        if steps not in found:
+            folder = tmp_path_factory.mktemp(f"one-device-{steps}")
+            recipe = folder / "elastic.py"
+            recipe.write_text(ELASTIC)
+            result = subprocess.run([sys.executable, "-m", "distrun", "train", str(recipe), "--strategy", "one-device",
+                                     "--device", "cpu", "--steps", str(steps), "--checkpoint-dir", str(folder / "ck"),
+                                     "--json"], capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-2000:]
+            found[steps] = torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
+        return found[steps]
+
+    return parameters
 
 
 def _recipe(lab: Lab, name: str) -> Path:
@@ -65,7 +73,7 @@ def _no_training_processes(lab: Lab) -> None:
         time.sleep(0.1)
 
 
-def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> None:
+def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device_at) -> None:
     lab, cluster = elastic_lab
     recipe = _recipe(lab, "killed-rank")
     result = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--elastic", "2:3", "--json",
@@ -85,7 +93,7 @@ def test_a_killed_rank_costs_no_step_and_rejoins(elastic_lab, one_device) -> Non
     # The chief's checkpoint came home with the results: one-device's parameters.
     results = next(line for line in lines if line["type"] == "results")
     model = torch.load(results["checkpoint"], weights_only=True)["model"]
-    for key, tensor in one_device.items():
+    for key, tensor in one_device_at(STEPS).items():
         torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
     # --tensorboard on a cluster: written on the chief's host, home with the results.
     assert results["tensorboard"] == str(lab.root / "killed-rank-tb")
@@ -358,26 +366,6 @@ def run_chaos(lab: Lab, cluster: Path, one_device_at, *, seed: int, faults: int,
     print(line)
     _no_training_processes(lab)
     return line
-
-
-@pytest.fixture(scope="module")
-def one_device_at(tmp_path_factory: pytest.TempPathFactory):
-    """The ELASTIC recipe's parameters after N one-device steps (each N run once)."""
-    found: dict[int, dict[str, torch.Tensor]] = {}
-
-    def parameters(steps: int) -> dict[str, torch.Tensor]:
-        if steps not in found:
-            folder = tmp_path_factory.mktemp(f"one-device-{steps}")
-            recipe = folder / "elastic.py"
-            recipe.write_text(ELASTIC)
-            result = subprocess.run([sys.executable, "-m", "distrun", "train", str(recipe), "--strategy", "one-device",
-                                     "--device", "cpu", "--steps", str(steps), "--checkpoint-dir", str(folder / "ck"),
-                                     "--json"], capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr[-2000:]
-            found[steps] = torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
-        return found[steps]
-
-    return parameters
 
 
 def test_chaos_killed_and_stopped_ranks_end_in_one_devices_parameters(elastic_lab, one_device_at):
