@@ -28,8 +28,8 @@ class PendingSave:
     def __init__(self, step: int, written: Future, publish: Callable[[], Path | None], blocked_ms: float, *,
                  discard: Callable[[BaseException], None], directory: Path) -> None:
         """``written``: DCP's future; ``publish``: what runs once it resolves (rank 0's commit,
-        nothing elsewhere); ``discard``: what runs if the write failed (rank 0 removes what was
-        written); ``blocked_ms``: how long the step that started it waited."""
+        nothing elsewhere); ``discard``: what runs if the write failed (every rank removes what
+        was written); ``blocked_ms``: how long the step that started it waited."""
         self.step = step
         self.blocked_ms = blocked_ms
         self.directory = directory
