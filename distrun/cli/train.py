@@ -170,11 +170,19 @@ def train(
             if spec.allreduce == "hierarchical":
                 raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
                                  "--cluster with two or more worker hosts (this machine is one)")
-            start = WarmStart(None, "--cold") if cold else find_warm_start(resolve_cluster(None))
+            here = resolve_cluster(None)
+            start = WarmStart(None, "--cold") if cold else find_warm_start(here)
             if start.noteworthy:
                 stderr.print(f"note: starting cold: {start.reason}", markup=False)
-            run_job(LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter), json_output=json_output,
-                    stream=stream)
+            local_job = LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter, list_on=here)
+            if local_job.listing is not None:  # `distrun up` runs here: the job is one of its jobs
+                if json_output:
+                    _print_json({"type": "job", "job": local_job.job_id, "world_size": spec.world_size,
+                                 "hosts": [local_job.listing.host], "bundle_sent_to": []})
+                else:
+                    stderr.print(f"job {local_job.job_id}: listed on the local server (`distrun jobs`, `logs`, "
+                                 "`stacks`, `cancel` reach it)", markup=False)
+            run_job(local_job, json_output=json_output, stream=stream)
             return
         if cold:
             raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")

@@ -55,6 +55,7 @@ class HostLink:
     def __init__(self, cluster: ClusterSpec, host: HostSpec) -> None:
         self.host = host
         self.label = host.label
+        self.local = cluster.local
         self.state_dir = cluster.host_state_dir(host)
         self.remote = open_remote(cluster, host)
         self.state: ServerState | None = None
@@ -64,6 +65,9 @@ class HostLink:
 
     def open(self) -> None:
         self.state = read_server_state(self.remote, self.state_dir)
+        if self.state is None and self.local:  # `distrun jobs`, `logs`, `stacks`, `cancel` of local jobs
+            raise HostError(self.label, "no local server: local jobs are listed, followed, stacked and cancelled "
+                                        "while `distrun up` (no file) runs here; start it, then the job")
         if self.state is None:
             raise HostError(self.label, "no worker server; run `distrun up` first")
         self._control = self.client()

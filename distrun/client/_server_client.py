@@ -43,6 +43,13 @@ class ServerClient:
         result = reply.get("result")
         return result if isinstance(result, dict) else {}
 
+    def hand_over(self, op: str, **args: Any) -> Stream:
+        """Ask ``op`` of a request that takes the connection over (``local_job``); once the server
+        agrees, the stream is the caller's, for frames both ways, and this client is spent."""
+        self.call(op, **args)
+        self._stream.settimeout(None)
+        return self._stream
+
     def stream(self, op: str, *, silence_s: float = 5.0, **args: Any) -> Iterator[dict[str, Any]]:
         """Items of a streaming request (``follow``) until the server ends it.
 

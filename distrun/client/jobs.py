@@ -90,7 +90,7 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
                            bool(meta.get("detached")),
                            int(meta["world_now"][0]) if meta.get("world_now") else None,
                            reason=reason if state in ("stopped", "running", "pending") else None,
-                           failure=blame(zip(hosts, parts)) if state == "failed" else None))
+                           failure=blame(zip(hosts, parts)) if state in ("failed", "lost") else None))
     return sorted(rows, key=lambda row: row.started_at, reverse=True)
 
 

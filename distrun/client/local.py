@@ -19,10 +19,12 @@ from pathlib import Path
 
 from distrun.client._feed import EventFeed
 from distrun.client._job_state import failure_message
+from distrun.client._listing import Listing, list_on_local_server
 from distrun.client._results import CHECKPOINT_NAME
+from distrun.client._stop import by_whom
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.diagnose import diagnose_launcher
-from distrun.config import JobSpec, StrategyName
+from distrun.config import ClusterSpec, JobSpec, StrategyName
 from distrun.errors import (
     CheckpointError,
     ConfigError,
@@ -33,7 +35,7 @@ from distrun.errors import (
     TrainingError,
 )
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary
+from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary, event_to_dict
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
@@ -65,9 +67,12 @@ class LocalJob:
     """One local training job. Use as a context manager; iterate ``events()``."""
 
     def __init__(self, spec: JobSpec, *, python: str | None = None, stop_grace_s: float = 5.0,
-                 hang_timeout_s: float | None = None, starter: Starter | None = None) -> None:
+                 hang_timeout_s: float | None = None, starter: Starter | None = None,
+                 list_on: ClusterSpec | None = None) -> None:
         """``starter``: how ranks start; None: fresh interpreters (cold). A warm local start
-        passes the embedded server's zygote (``client.warm``); nothing else differs."""
+        passes the embedded server's zygote (``client.warm``); nothing else differs.
+        ``list_on``: the embedded local cluster, whose server (if `distrun up` runs here) lists
+        the job for `distrun jobs`, `logs`, `stacks` and `cancel` (``client/_listing``)."""
         if spec.resume and spec.checkpoint_dir:
             require_checkpoint(spec.checkpoint_dir)  # before any rank starts, not as "rank 1 failed at step 1"
         self.spec = spec
@@ -89,11 +94,23 @@ class LocalJob:
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
-        self._launcher = LocalLauncher(worker, self._feed.put, starter=starter)
+        self.job_id = run_id
+        self.listing: Listing | None = None
+        if list_on is not None:
+            self.listing = list_on_local_server(list_on, run_id, {
+                "recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": spec.world_size,
+                "ps_tasks": spec.ps_tasks, "warm": starter is not None})
+        self._launcher = LocalLauncher(worker, self._feed.put if self.listing is None else self._tee, starter=starter)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
         self._interrupted = False
+        self._stop_reason: str | None = None  # stopped from elsewhere (`distrun cancel`): by whom
+
+    def _tee(self, event: Event) -> None:
+        self._feed.put(event)
+        assert self.listing is not None
+        self.listing.put(event)
 
     def _on_hang(self, hang: Hung) -> None:
         """Every rank's stack and Flight Recorder, then (``--elastic``) the stuck rank is
@@ -107,8 +124,24 @@ class LocalJob:
         return diagnose_launcher(self._launcher, reason, native=native)
 
     def __enter__(self) -> LocalJob:
+        if self.listing is not None:
+            self.listing.start(stop=self._stopped_from_elsewhere, diagnose=self._diagnose_for_server)
         self._thread.start()
         return self
+
+    def _stopped_from_elsewhere(self, reason: str) -> None:
+        """`distrun cancel` from another terminal: stop as Ctrl-C does, and say who did."""
+        self._stop_reason = self._stop_reason or reason
+        self._launcher.stop(reason)
+
+    def _diagnose_for_server(self, native: bool, flight_recorder: bool) -> dict[str, object]:
+        """`distrun stacks` from another terminal, answered as a host's ``diagnose``: this
+        process runs py-spy on its ranks (the tracer they allow)."""
+        dumps = self._launcher.dump_flight_recorder() if flight_recorder else {}
+        host = self.listing.host if self.listing is not None else "localhost"
+        stacks = self._launcher.stacks(native=native, host=host)
+        return {"stacks": [dataclasses.asdict(stack) for stack in stacks],
+                "dumps": {str(rank): path for rank, path in dumps.items()}}
 
     def __exit__(self, *exc: object) -> None:
         self.cancel("client exiting")
@@ -120,7 +153,20 @@ class LocalJob:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             self._error = exc
         finally:
+            if self.listing is not None:
+                self.listing.end(self._listed_result())
             self._feed.end()
+
+    def _listed_result(self) -> dict[str, object]:
+        """The end as the local server records it (a cluster host's shape)."""
+        result = self._result
+        if result is None:
+            return {"state": "failed", "failure": None, "error": f"the launcher failed: {self._error}"}
+        stopped = result.state is ProcessState.STOPPED or self._interrupted
+        return {"state": result.state.value, "failure": event_to_dict(result.failure) if result.failure else None,
+                "returncodes": {str(rank): code for rank, code in result.returncodes.items()},
+                "warm": self._launcher.warm,
+                "reason": (self._stop_reason or by_whom("interrupted")) if stopped else None}
 
     def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
         """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""
@@ -130,7 +176,8 @@ class LocalJob:
         return self._feed.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return dataclasses.replace(self._feed.summary(status, error), warm=self._launcher.warm)
+        return dataclasses.replace(self._feed.summary(status, error), warm=self._launcher.warm,
+                                   reason=self._stop_reason if status == "interrupted" else None)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         self._interrupted = self._interrupted or interrupted
@@ -151,7 +198,8 @@ class LocalJob:
         if result.state is ProcessState.STOPPED or self._interrupted:
             what = (f"{self.spec.trainer_ranks} rank(s)" if self.spec.ranks_per_replica > 1
                     else f"{self.spec.replicas} replica(s)")
-            raise Interrupted(f"interrupted: stopped {what}")
+            why = f" ({self._stop_reason})" if self._stop_reason else ""
+            raise Interrupted(f"interrupted: stopped {what}{why}")
         failure = result.failure
         message = failure_message(failure)
         detail = failure.traceback if failure else None

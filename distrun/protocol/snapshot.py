@@ -158,11 +158,11 @@ class JobSummary:
     #: ``--tp``/``--pp``: the job's degrees, ``{"dp": R, "tp": T}`` and ``"pp": P`` when pipelined
     #: (``replicas`` is ``dp``, each of ``tp x pp`` ranks); None where a replica is one rank.
     mesh: dict[str, int] | None = None
-    #: ``--strategy diloco``: whole-model syncs (outer steps), and over every sync the MB the chief
-    #: sent and the seconds its steps waited for them; None under other strategies.
     #: MB the training hosts sent on their interfaces (loopback excluded) while the ranks ran, summed
     #: over hosts (each host's ranks read the same counters: its largest counts once); None if unknown.
     net_mb_sent: float | None = None
+    #: ``--strategy diloco``: whole-model syncs (outer steps), and over every sync the MB the chief
+    #: sent and the seconds its steps waited for them; None under other strategies.
     outer_steps: int | None = None
     sync_mb: float | None = None
     sync_blocked_s: float | None = None

@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 import struct
 from typing import Any, Protocol
 
@@ -43,6 +44,7 @@ __all__ = [
     "AuthError",
     "send_frame",
     "recv_frame",
+    "close",
     "server_handshake",
     "client_handshake",
     "mac",
@@ -72,7 +74,9 @@ class AuthError(WireError):
 
 
 def send_frame(stream: Stream, message: dict[str, Any]) -> None:
-    payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    # NaN and Inf pass as values (a ``--on-nonfinite warn`` step's loss), as in events.ndjson: both
+    # ends are distrun's, and Python's json reads them back; a refused frame would end a `follow`.
+    payload = json.dumps(message, separators=(",", ":"), allow_nan=True).encode()
     if len(payload) > MAX_FRAME_BYTES:
         raise WireError(f"message of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
     stream.sendall(_HEADER.pack(len(payload)) + payload)
@@ -93,6 +97,21 @@ def recv_frame(stream: Stream, max_bytes: int = MAX_FRAME_BYTES) -> dict[str, An
     if not isinstance(message, dict):
         raise WireError("frame is not a JSON object")
     return message
+
+
+def close(stream: Stream) -> None:
+    """Close ``stream`` so that a thread blocked reading it wakes (a socket's ``close`` alone does
+    not wake a ``recv`` in another thread; ``shutdown`` does)."""
+    shutdown = getattr(stream, "shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # not connected (any more)
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 def _recv_exact(stream: Stream, size: int) -> bytes:

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from distrun.launch import LocalLauncher
 from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
+from distrun.server._local_job import LocalJobChannel
 
 __all__ = ["JobRecord"]
 
@@ -30,7 +31,8 @@ class JobRecord:
     changed: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     state: str = "pending"
     result: dict[str, Any] | None = None
-    launcher: LocalLauncher | None = None
+    #: Runs the job's ranks here; for a local `distrun train`'s job, its connection stands in.
+    launcher: LocalLauncher | LocalJobChannel | None = None
     listener: socket.socket | None = None
     started_at: float = dataclasses.field(default_factory=time.time)
     detached: bool = False
@@ -42,6 +44,7 @@ class JobRecord:
     finished_at: float | None = None  # time.monotonic() at finish: forgotten KEEP_FINISHED_S later
     rendezvous_lease: threading.Timer | None = None  # closes the rendezvous if no submit comes
     reason: str | None = None  # why it was stopped ("cancelled by alice from laptop"), once decided
+    local: bool = False  # a local `distrun train`'s job, listed here: its connection is its lease
 
     def record(self, event: Event) -> None:
         with self.changed:

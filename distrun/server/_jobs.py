@@ -43,7 +43,9 @@ from distrun.protocol import event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._job_record import JobRecord
+from distrun.server._local_job import LocalJobChannel
 from distrun.protocol.secret import parse_job_secret
+from distrun.protocol.wire import Stream, send_frame
 from distrun.server._net import address_to_bind, interface_towards
 
 log = logging.getLogger("distrun.server.jobs")
@@ -224,6 +226,31 @@ class JobManager:
         self._watch_lease(job)
         return {"job": job_id, "interface": interface, "warm": starter is not None}
 
+    def local_job(self, conn: Stream, request: dict[str, Any]) -> None:
+        """A local `distrun train` lists its job here (``server/_local_job``); this connection is
+        the job's until its result, which ends the record as a cluster job's result does."""
+        args = request.get("args") if isinstance(request.get("args"), dict) else {}
+        try:
+            job = self._new_job(_job_id(args))
+        except JobError as exc:
+            send_frame(conn, {"id": request.get("id"), "ok": False, "error": {"type": "JobError", "message": str(exc)}})
+            return
+        channel = LocalJobChannel(conn, job.record, warm=bool(args.get("warm")))
+        world_size = int(args.get("world_size") or 0)
+        job.meta = {"recipe": str(args.get("recipe", "?"))[:200], "strategy": str(args.get("strategy", "?"))[:64],
+                    "world_size": world_size, "ps_tasks": int(args.get("ps_tasks") or 0),
+                    "ranks": [0, world_size - 1], "pid": int(args.get("pid") or 0), "local": True}
+        with job.changed:
+            job.local, job.launcher, job.state = True, channel, "running"
+        try:
+            send_frame(conn, {"id": request.get("id"), "ok": True, "result": {"job": job.id}})
+            result = channel.serve()
+        except OSError:
+            result = {"state": "lost", "failure": None, "error": "its `distrun train` went away as it started"}
+        job.launcher = None
+        job.finish(str(result["state"]), result)
+        self._forget_old()
+
     def follow(self, args: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """Events from ``offset`` on, then the result; a heartbeat while nothing happens."""
         job = self._get(args)
@@ -259,7 +286,7 @@ class JobManager:
         """Cancel a job nobody follows for LEASE_S, unless it was started with --detach."""
         def expire() -> None:
             with job.changed:
-                orphaned = job.followers == 0 and job.state == "running" and not job.detached
+                orphaned = job.followers == 0 and job.state == "running" and not job.detached and not job.local
                 left_s = LEASE_S - (time.monotonic() - job.unfollowed_since)
             launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
             if not orphaned or launcher is None:
@@ -276,7 +303,7 @@ class JobManager:
             timer.daemon = True
             timer.start()
 
-        if not job.detached:
+        if not job.detached and not job.local:  # a local job's lease is its own connection
             schedule(LEASE_S)
 
     def stopping(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -350,6 +377,8 @@ class JobManager:
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if launcher is None:
             return {"stacks": [], "dumps": {}}
+        if isinstance(launcher, LocalJobChannel):  # a local job: its own `distrun train` reads its ranks
+            return launcher.diagnose(native=bool(args.get("native")), flight_recorder=bool(args.get("flight_recorder")))
         dumps = launcher.dump_flight_recorder() if args.get("flight_recorder") else {}
         stacks = launcher.stacks(native=bool(args.get("native")))
         return {"stacks": [dataclasses.asdict(stack) for stack in stacks],
@@ -397,7 +426,9 @@ class JobManager:
             jobs = list(self._jobs.values())
         for job in jobs:
             launcher = job.launcher
-            if launcher is not None:
+            if isinstance(launcher, LocalJobChannel):
+                launcher.close()  # a local job is its own `distrun train`'s to stop (or the zygote's end)
+            elif launcher is not None:
                 job.decide_stop(reason)
                 launcher.stop(reason)
         for job in jobs:
@@ -495,7 +526,7 @@ def _job_id(args: dict[str, Any]) -> str:
     return job_id
 
 
-def _kill(job: JobRecord, launcher: LocalLauncher, reason: str) -> None:
+def _kill(job: JobRecord, launcher: LocalLauncher | LocalJobChannel, reason: str) -> None:
     """Stop the job's ranks here; the record notes why, if ``stopping`` did not (an older client's
     cancel). ``stop`` decides in the launcher itself before it kills."""
     job.decide_stop(reason)

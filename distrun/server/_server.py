@@ -168,6 +168,9 @@ class WorkerServer:
             conn.settimeout(IDLE_TIMEOUT_S)
             while not self._stop.is_set():
                 request = recv_frame(conn)
+                if request.get("op") == "local_job":  # the connection is the job's from now on
+                    self.jobs.local_job(conn, request)
+                    return
                 if request.get("op") in self._streams:
                     self._stream(conn, request)
                 else:

@@ -78,6 +78,8 @@ def test_a_warm_run_matches_a_cold_run_exactly(home: dict[str, str], tmp_path: P
                          "--checkpoint-dir", str(tmp_path / mode), *flags, env=home)
         assert result.returncode == 0, result.stderr[-3000:]
         runs[mode] = _summary(result.stdout)
+        first = json.loads(result.stdout.splitlines()[0])  # listed on the local server, warm or --cold
+        assert first["type"] == "job" and _listed(home, first["job"])["state"] == "succeeded", first
     assert runs["warm"]["warm"] is True and runs["cold"]["warm"] is False
     assert runs["warm"]["final_loss"] == runs["cold"]["final_loss"]
     warm = torch.load(latest_checkpoint(tmp_path / "warm"), weights_only=True)
@@ -115,8 +117,14 @@ def test_a_warm_rank_sees_the_interpreter_a_cold_one_would(home: dict[str, str],
 
 def _start_slow(home: dict[str, str], tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
     """A warm mirrored job in the training loop; its ranks' pids (from their Started events)."""
+    proc, pids, _job = _start_listed(home, tmp_path)
+    return proc, pids
+
+
+def _start_listed(home: dict[str, str], tmp_path: Path) -> tuple[subprocess.Popen[str], list[int], str]:
+    """``_start_slow``, and the job's id on the local server (its --json stream's first line)."""
     recipe = tmp_path / "slow.py"
-    recipe.write_text(SLOW)
+    recipe.write_text('print("hello from the recipe", flush=True)\n' + SLOW)
     proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "-s", "mirrored",
                              "--replicas", "2", "--epochs", "50", "--json", "--log-interval-s", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
@@ -124,17 +132,57 @@ def _start_slow(home: dict[str, str], tmp_path: Path) -> tuple[subprocess.Popen[
     assert proc.stdout is not None
     pids: dict[int, int] = {}
     stepped: set[int] = set()
+    job = ""
     deadline = time.monotonic() + 60
     while len(stepped) < 2:
         assert time.monotonic() < deadline, "the warm job did not reach its training loop"
         line = proc.stdout.readline()
         assert line, proc.stderr.read()[-2000:] if proc.stderr else "no output"
         event = json.loads(line)
-        if event["type"] == "started":
+        if event["type"] == "job":
+            assert not pids, "the job line comes first"
+            job = event["job"]
+        elif event["type"] == "started":
             pids[event["rank"]] = event["pid"]
         elif event["type"] == "step":
             stepped.add(event["rank"])
-    return proc, list(pids.values())
+    assert job.startswith("local-"), "a local job is listed on the local server while `distrun up` runs"
+    return proc, list(pids.values()), job
+
+
+def _listed(home: dict[str, str], job: str) -> dict:
+    listed = run_cli("jobs", "--json", env=home)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    rows = {row["job"]: row for row in map(json.loads, listed.stdout.splitlines())}
+    assert job in rows, f"{job} is not listed: {sorted(rows)}"
+    return rows[job]
+
+
+def test_a_local_job_is_listed_followed_stacked_and_cancelled(home: dict[str, str], tmp_path: Path) -> None:
+    """Issue 36: from another terminal, `distrun jobs`, `logs`, `stacks` and `cancel` reach a
+    local job as they reach a cluster job."""
+    proc, pids, job = _start_listed(home, tmp_path)
+    row = _listed(home, job)
+    assert (row["state"], row["recipe"], row["strategy"], row["world_size"], row["hosts"]) == \
+        ("running", "slow.py", "mirrored", 2, ["localhost"])
+    logs = run_cli("logs", job, env=home)
+    assert logs.returncode == 0 and "ranks 0-1: hello from the recipe" in logs.stdout, logs.stdout + logs.stderr
+    found = run_cli("stacks", "--json", env=home)  # no JOB: the one job running here
+    assert found.returncode == 0, found.stderr[-2000:]
+    stacks = json.loads(found.stdout)
+    assert stacks["job"] == job
+    assert sorted((stack["rank"], stack["pid"]) for stack in stacks["stacks"]) == sorted(enumerate(pids))
+    for stack in stacks["stacks"]:
+        assert not stack.get("error") and any("distrun/runtime" in frame["file"] for frame in stack["frames"]), stack
+    cancelled = run_cli("cancel", job, env=home)
+    assert cancelled.returncode == 0, cancelled.stderr
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("error: interrupted: stopped 2 replica(s) (cancelled by "), err
+    assert _summary(out)["reason"].startswith("cancelled by ")
+    _assert_gone(pids)
+    row = _listed(home, job)
+    assert row["state"] == "stopped" and row["reason"].startswith("cancelled by "), row
 
 
 def _assert_gone(pids: list[int], within_s: float = 10.0) -> None:
@@ -163,10 +211,12 @@ def test_ctrl_c_stops_a_warm_job_and_exits_130(home: dict[str, str], tmp_path: P
 def test_a_sigkilled_client_leaves_no_warm_rank(home: dict[str, str], tmp_path: Path) -> None:
     """The ranks are the zygote's children, not the client's: the zygote sees the client's
     connection close and kills them."""
-    proc, pids = _start_slow(home, tmp_path)
+    proc, pids, job = _start_listed(home, tmp_path)
     proc.kill()
     proc.communicate(timeout=30)
     _assert_gone(pids)
+    row = _listed(home, job)  # its server saw its connection close without a result
+    assert row["state"] == "lost" and "ended without a result" in row["failure"], row
 
 
 @pytest.mark.bench

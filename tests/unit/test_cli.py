@@ -14,11 +14,14 @@ def test_help_lists_every_command_of_the_mission():
         assert f" {command} " in result.stdout
 
 
-@pytest.mark.parametrize("args", [("jobs",), ("attach", "J1"), ("logs", "J1"), ("cancel", "J1"), ("pull", "J1")])
+@pytest.mark.parametrize("args", [("jobs",), ("attach", "J1"), ("logs", "J1"), ("cancel", "J1"), ("pull", "J1"),
+                                  ("stacks",)])
 def test_job_commands_without_a_server_say_how_to_start_one(args, tmp_path):
+    """Local jobs are listed on the local server (issue 36): without one, say how to get that."""
     result = run_cli(*args, env={"DISTRUN_HOME": str(tmp_path)})
     assert result.returncode == 6
-    assert result.stderr.strip() == "error: localhost: no worker server; run `distrun up` first"
+    assert result.stderr.strip() == ("error: localhost: no local server: local jobs are listed, followed, stacked "
+                                     "and cancelled while `distrun up` (no file) runs here; start it, then the job")
 
 
 @pytest.mark.parametrize("flag", ["--detach", "--include=x.py"])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
 import socket
 import struct
 import threading
 
 import pytest
 
+from distrun.protocol import Step, decode_event, event_to_dict
 from distrun.protocol.cluster import ClusterReport, HostRow, HostStatus, config_digest
 from distrun.protocol.wire import (
     MAX_AUTH_FRAME_BYTES,
@@ -103,6 +106,17 @@ def test_frames_round_trip_and_never_pickle() -> None:
     assert recv_frame(b) == {"op": "status", "args": {"n": [1, 2.5, None, "é"]}}
     with pytest.raises(TypeError):
         send_frame(a, {"object": object()})
+
+
+def test_a_non_finite_loss_crosses_the_wire() -> None:
+    """A `--on-nonfinite warn` step's NaN loss reaches a follower (it used to end the follow)."""
+    a, b = socket.socketpair()
+    step = Step(rank=0, time=1.0, step=3, epoch=0, loss=float("nan"), samples_per_s=1.0, mem_mb=1.0)
+    send_frame(a, {"events": [event_to_dict(step)], "inf": float("inf")})
+    got = recv_frame(b)
+    assert got["inf"] == math.inf
+    back = decode_event(json.dumps(got["events"][0]))
+    assert isinstance(back, Step) and math.isnan(back.loss)
 
 
 def test_remote_commands_are_quoted_element_by_element() -> None:
