@@ -7,7 +7,8 @@
     distrun train recipes/gpt.py -s sharded --pp 2 --tp 2         # 2 pipeline stages of 2 ranks (pp_chain below)
 
 The text ships with the repository (``data/shakespeare.txt``, 300 KB of Shakespeare's plays,
-public domain): nothing is downloaded. Tokens are bytes (a vocabulary of 256), so there is no
+public domain): nothing is downloaded. ``include`` below sends it with the recipe to a
+cluster's hosts (`--cluster` needs no `--include`). Tokens are bytes (a vocabulary of 256), so there is no
 tokenizer to agree on across hosts. The last tenth of the text is held out for evaluation.
 
 distrun reports tokens/s from ``tokens_per_sample`` and, on a GPU, MFU (model FLOPs per second
@@ -38,6 +39,7 @@ VOCAB = 256
 TEXT = Path(__file__).resolve().parent / "data" / "shakespeare.txt"
 
 defaults = {"global_batch_size": 32, "steps": 200, "seed": 0}
+include = ["data/shakespeare.txt"]  # goes into the code bundle with the recipe (docs/recipes.md)
 #: What distrun multiplies samples/s by for tokens/s.
 tokens_per_sample = ARGS.context
 

@@ -6,7 +6,8 @@ entries, zeroed times and owners, normalised modes, gzip without a timestamp), s
 the same files always give the same sha256 and a host that already has a bundle
 is not sent it again.
 
-What goes in: the recipe, every ``*.py`` file in its folder, and each
+What goes in: the recipe, every ``*.py`` file in its folder, each path the recipe's own
+``include = [...]`` names (relative to it: the data it reads beside itself) and each
 ``--include`` path (a file, or a folder taken recursively), minus what
 ``.distrunignore`` in the recipe's folder names (one glob per line, matched
 against the path inside the bundle and against the file name; ``#`` comments).
@@ -25,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from distrun.errors import UsageError
+from distrun.config import inspect_recipe
+from distrun.errors import RecipeError, UsageError
 
 __all__ = ["Bundle", "pack", "MAX_BUNDLE_BYTES", "IGNORE_FILE"]
 
@@ -54,7 +56,11 @@ def pack(recipe: Path, includes: Sequence[Path] = ()) -> Bundle:
     for path in sorted(root.glob("*.py")):
         _add(chosen, root, path, ignore)
     chosen[recipe.name] = recipe  # the recipe always goes in, whatever the ignore file says
-    for include in includes:
+    declared = inspect_recipe(str(recipe)).include
+    for name in declared:
+        if not (root / name).exists():
+            raise RecipeError(f"{recipe}: include {name!r}: no such file or folder next to the recipe ({root / name})")
+    for include in [*(root / name for name in declared), *includes]:
         include = include.resolve()
         if not include.exists():
             raise UsageError(f"--include {include}: no such file or folder")

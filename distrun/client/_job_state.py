@@ -24,17 +24,20 @@ import dataclasses
 import json
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from distrun.protocol import OOM_KILLED, PEER_LOST, EventDecodeError, Failed, decode_event
 
-__all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message"]
+__all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message", "as_written", "unshipped_hint"]
 
 STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
 #: Just after pending: a newer server's state is shown, not hidden behind "failed".
 _UNKNOWN = 1.5
 #: A server unpacks each bundle in bundles/<sha256>/: a recipe's path there, as the user wrote it.
 _IN_BUNDLE = re.compile(r"^.*/bundles/[0-9a-f]{64}/")
+#: A path inside a host's bundle, as an error message quotes it.
+_BUNDLE_PATH = re.compile(r"/bundles/[0-9a-f]{64}/([^'\"\s]+)")
 
 
 def merge_states(states: Iterable[str]) -> str:
@@ -78,7 +81,26 @@ def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
     own = [pair for pair in failures if pair[1].kind != PEER_LOST]
     if own or not errors and failures:
         host, failure = min(own or failures, key=lambda pair: pair[1].time)
-        if failure.file:  # the recipe's path inside the host's bundle folder: as the user wrote it
-            failure = dataclasses.replace(failure, file=_IN_BUNDLE.sub("", failure.file))
-        return f"{host}: {failure_message(failure)}"
+        return f"{host}: {failure_message(as_written(failure))}"
     return errors[0] if errors else None
+
+
+def as_written(failure: Failed) -> Failed:
+    """The recipe's path inside the host's bundle folder, as the user wrote it."""
+    return dataclasses.replace(failure, file=_IN_BUNDLE.sub("", failure.file)) if failure.file else failure
+
+
+def unshipped_hint(message: str, recipe: str | None) -> str:
+    """A rank could not find a file of its bundle that is there beside the recipe on this machine
+    (data the recipe reads from its own folder): how to ship it, or "" when that is not the case."""
+    if recipe is None or ("FileNotFoundError" not in message and "No such file" not in message):
+        return ""
+    found = _BUNDLE_PATH.search(message)
+    if found is None:
+        return ""
+    name = found.group(1)
+    here = Path(recipe).resolve().parent / name
+    if not here.exists():
+        return ""
+    return (f"; {name} is next to the recipe here but was not shipped: add include = [{name!r}] to "
+            f"{Path(recipe).name}, or pass --include {here}")

@@ -29,6 +29,7 @@ from distrun.client._bundle import Bundle
 from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
+from distrun.client._job_state import as_written, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
 from distrun.client._server_client import ServerClient
@@ -460,7 +461,8 @@ class ClusterJob:
         label, failure = root
         if failure is None:  # the host itself was lost (its server, or the link to it): a host error
             raise HostError(label, str(self._results[label].get("error")))
-        message = f"{label}: {failure_message(failure)}"
+        message = f"{label}: {failure_message(as_written(failure))}"
+        message += unshipped_hint(f"{failure.message}\n{failure.traceback or ''}", self.spec.recipe if self.spec else None)
         error_class = ERROR_BY_KIND.get(failure.kind)
         if error_class is not None:
             raise error_class(message, detail=failure.traceback)

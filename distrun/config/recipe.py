@@ -47,6 +47,9 @@ class RecipeInfo:
     kind: RecipeKind
     defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     functions: frozenset[str] = frozenset()  # top-level function names (eval_data, metrics, ...)
+    #: Module-level ``include = [...]``: files and folders, relative to the recipe, that go into
+    #: the code bundle with it (as ``--include`` does): the data a recipe reads beside itself.
+    include: tuple[str, ...] = ()
 
 
 def inspect_recipe(path: str) -> RecipeInfo:
@@ -66,6 +69,7 @@ def inspect_recipe(path: str) -> RecipeInfo:
 
     functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
     defaults_node: ast.expr | None = None
+    include: tuple[str, ...] = ()
     has_main_guard = False
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -74,16 +78,19 @@ def inspect_recipe(path: str) -> RecipeInfo:
             isinstance(t, ast.Name) and t.id == "defaults" for t in node.targets
         ):
             defaults_node = node.value
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)) and _assigns(node, "include") and node.value is not None:
+            include = _include(path, node.value)
         elif isinstance(node, ast.If) and _is_main_guard(node.test):
             has_main_guard = True
 
     main = functions.get("main")
     if main is not None and _required_positional(main) == 1:
-        return RecipeInfo(path, RecipeKind.CUSTOM_LOOP, _defaults(path, defaults_node), frozenset(functions))
+        return RecipeInfo(path, RecipeKind.CUSTOM_LOOP, _defaults(path, defaults_node), frozenset(functions),
+                          include)
 
     present = [name for name in FIT_REQUIRED if name in functions]
     if len(present) == len(FIT_REQUIRED):
-        return RecipeInfo(path, RecipeKind.FIT, _defaults(path, defaults_node), frozenset(functions))
+        return RecipeInfo(path, RecipeKind.FIT, _defaults(path, defaults_node), frozenset(functions), include)
     if present and not has_main_guard:
         first = functions[present[0]]
         missing = ", ".join(_SIGNATURES[n] for n in FIT_REQUIRED if n not in functions)
@@ -92,7 +99,7 @@ def inspect_recipe(path: str) -> RecipeInfo:
             f"but lacks {missing}: a fit-style recipe needs all of "
             f"{', '.join(_SIGNATURES[n] for n in FIT_REQUIRED)}"
         )
-    return RecipeInfo(path, RecipeKind.SCRIPT, MappingProxyType({}), frozenset(functions))
+    return RecipeInfo(path, RecipeKind.SCRIPT, MappingProxyType({}), frozenset(functions), include)
 
 
 def _required_positional(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -108,6 +115,28 @@ def _is_main_guard(test: ast.expr) -> bool:
         and test.left.id == "__name__"
         and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
     )
+
+
+def _assigns(node: ast.Assign | ast.AnnAssign, name: str) -> bool:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return any(isinstance(target, ast.Name) and target.id == name for target in targets)
+
+
+def _include(path: str, node: ast.expr) -> tuple[str, ...]:
+    """``include = ["data/shakespeare.txt", "vocab/"]``: literal relative paths inside the recipe's folder."""
+    try:
+        value = ast.literal_eval(node)
+    except ValueError:
+        raise RecipeError(f"{path}:{node.lineno}: `include` must be a literal list of paths") from None
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise RecipeError(f"{path}:{node.lineno}: `include` must be a list of paths (strings), relative to the "
+                          f"recipe. Received: {value!r}")
+    for item in value:
+        parts = item.replace("\\", "/").split("/")
+        if not item or item.startswith("/") or ".." in parts:
+            raise RecipeError(f"{path}:{node.lineno}: include {item!r}: must be a path inside the recipe's folder, "
+                              "relative to it (no leading /, no ..)")
+    return tuple(value)
 
 
 def _defaults(path: str, node: ast.expr | None) -> Mapping[str, Any]:

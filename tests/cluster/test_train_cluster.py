@@ -94,7 +94,7 @@ def test_pipeline_stages_go_across_hosts(lab: Lab, cluster: Path, tmp_path: Path
     assert "--tp 2: a tensor-parallel group stays inside one host" in refused.stderr, refused.stderr
 
 
-def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+def test_an_edit_runs_on_the_next_try_plain_scripts_run_unchanged_and_data_travels(lab: Lab, cluster: Path, tmp_path: Path) -> None:
     code = tmp_path / "code"
     code.mkdir()
     (code / "helper.py").write_text("GREETING = 'first'\n")
@@ -125,6 +125,22 @@ def test_an_edit_runs_on_the_next_try_and_plain_scripts_run_unchanged(lab: Lab, 
     assert len(lines[0]["bundle_sent_to"]) == 2  # changed content, new bundle
     assert [line["line"] for line in lines if line.get("type") == "output"].count(
         f"second 127.0.0.1 {lab.hosts['h1'][1]}") == 2
+
+    # A recipe's data travels with it when it says so (issue 34): gpt.py's `include` ships its text.
+    gpt = lab_cli(lab, "train", str(REPO / "recipes" / "gpt.py"), "--cluster", str(cluster), "--steps", "2", "--json",
+                  "--", "--layers", "1", "--width", "32", "--heads", "2", "--context", "32")
+    assert gpt.returncode == 0, gpt.stdout[-2000:] + gpt.stderr[-3000:]
+    assert json_lines(gpt)[-1]["steps"] == 2
+    # One that reads a file beside itself without saying so: the error says how to ship it.
+    (code / "data.txt").write_text("1 2 3\n")
+    reads = code / "reads.py"
+    reads.write_text(EQUIV + "\n\nfrom pathlib import Path as _Path\n_train_data = train_data\n\n\n"
+                     "def train_data(ctx):\n    (_Path(__file__).parent / 'data.txt').read_text()\n"
+                     "    return _train_data(ctx)\n")
+    unshipped = lab_cli(lab, "train", str(reads), "--cluster", str(cluster), "--steps", "1")
+    assert unshipped.returncode == 4, unshipped.stderr[-3000:]
+    assert ("data.txt is next to the recipe here but was not shipped: add include = ['data.txt'] to reads.py, "
+            f"or pass --include {code / 'data.txt'}") in unshipped.stderr.strip().splitlines()[-1], unshipped.stderr
 
 
 def test_a_slow_rank_is_named_with_its_host_and_every_hosts_trace_comes_home(lab: Lab, cluster: Path,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from distrun.client import pack
-from distrun.errors import UsageError
+from distrun.client._job_state import unshipped_hint
+from distrun.errors import RecipeError, UsageError
 from distrun.server._bundle import BundleError, unpack
 
 
@@ -43,6 +44,36 @@ def test_includes_and_ignore_file(code: Path) -> None:
         pack(code / "recipe.py", [code.parent])
     with pytest.raises(UsageError, match="no such file or folder"):
         pack(code / "recipe.py", [code / "missing"])
+
+
+def test_a_recipe_names_the_data_that_travels_with_it(code: Path) -> None:
+    """``include = [...]`` in the recipe (issue 34): as --include does, relative to the recipe."""
+    (code / "recipe.py").write_text('import helper\ninclude: list[str] = ["notes.txt", "pkg"]\n')
+    assert pack(code / "recipe.py").files == ("helper.py", "notes.txt", "pkg/__init__.py", "pkg/data.csv", "recipe.py")
+    (code / "recipe.py").write_text('include = ["missing.txt"]\n')
+    with pytest.raises(RecipeError, match=r"recipe.py: include 'missing.txt': no such file or folder next to the recipe"):
+        pack(code / "recipe.py")
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('include = "notes.txt"', "must be a list of paths"),
+    ("include = [NAME]", "must be a literal list of paths"),
+    ('include = ["../secrets"]', "must be a path inside the recipe's folder"),
+    ('include = ["/etc/passwd"]', "must be a path inside the recipe's folder"),
+])
+def test_a_bad_include_is_named_at_its_line(code: Path, line: str, message: str) -> None:
+    (code / "recipe.py").write_text(f"import helper\n{line}\n")
+    with pytest.raises(RecipeError, match=rf"recipe.py:2: .*{message}"):
+        pack(code / "recipe.py")
+
+
+def test_a_missing_bundle_file_that_is_here_says_how_to_ship_it(code: Path) -> None:
+    sent = f"FileNotFoundError: [Errno 2] No such file or directory: '/srv/bundles/{'a' * 64}/pkg/data.csv'"
+    hint = unshipped_hint(sent, str(code / "recipe.py"))
+    assert hint == (f"; pkg/data.csv is next to the recipe here but was not shipped: add include = ['pkg/data.csv'] "
+                    f"to recipe.py, or pass --include {code / 'pkg' / 'data.csv'}")
+    assert unshipped_hint(sent.replace("data.csv", "other.csv"), str(code / "recipe.py")) == ""  # not here either
+    assert unshipped_hint("ValueError: bad", str(code / "recipe.py")) == ""
 
 
 def test_same_files_same_address_and_an_edit_changes_it(code: Path) -> None:
