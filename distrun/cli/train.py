@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.live import Live
 
 from distrun.cli._app import app, stderr
+from distrun.cli._job_file import job_from_files
 from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, diloco_alone, local_layout, replicas_of
 from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
@@ -32,6 +33,7 @@ from distrun.config import (
     ClusterSpec,
     JobSpec,
     StrategyName,
+    inspect_recipe,
     parse_elastic,
     check_trackers,
     parse_profile,
@@ -67,54 +69,81 @@ class JsonStream:
         self.summary_printed = True
 
 
+def _filled(params: dict[str, Any]) -> dict[str, Any]:
+    """``--print-config``: the defaults the command would choose, filled in (the strategy, the
+    recipe's ``defaults`` where nothing set them), as ``build_spec`` chooses them."""
+    out = dict(params)
+    if out.get("strategy") is None:
+        out["strategy"] = default_strategy(out.get("cluster_file") is not None)
+    try:
+        defaults = dict(inspect_recipe(str(Path(out["recipe"]).expanduser())).defaults)
+    except DistrunError:
+        defaults = {}
+    if out.get("steps") is None and out.get("epochs") is None:
+        out["steps"] = defaults.get("steps")
+        out["epochs"] = None if out["steps"] is not None else defaults.get("epochs")
+    for key in ("global_batch_size", "seed", "checkpoint_every"):
+        if out.get(key) is None and key in defaults:
+            out[key] = defaults[key]
+    if out.get("seed") is None:
+        out["seed"] = 0
+    out["recipe_args"] = list(out.get("recipe_args") or ())
+    return out
+
+
+def _failed_early(exc: BaseException, params: dict[str, Any]) -> None:
+    """A bad --config (or cluster file's job:) still ends a --json stream with a failed summary."""
+    JsonStream(bool(params.get("json_output"))).failed_before_the_job(
+        exc, recipe=params["recipe"], strategy=params.get("strategy"), replicas=params.get("replicas"))
+
+
 @app.command(context_settings={"help_option_names": ["-h", "--help"]})
+@job_from_files(fill=_filled, failed=_failed_early)
 def train(
+    ctx: typer.Context,
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
     strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device) | diloco (replicas sync every --sync-every steps: for slow links). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
+    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
+    sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
     epochs: int | None = typer.Option(None, "--epochs", help="Train this many epochs (default: recipe defaults, else 1)."),
     global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help=f"Samples per step over all replicas (default: recipe defaults, else {DEFAULT_GLOBAL_BATCH_SIZE})."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of initial parameters and data order (default 0)."),
+    data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
+    eval_every: int | None = typer.Option(None, "--eval-every", metavar="N", help="Fit recipes with eval_data: evaluate every N steps too (every run evaluates at its end, and at each epoch's)."),
+    clip_grad_norm: float | None = typer.Option(None, "--clip-grad-norm", metavar="MAX", help="Clip the gradients' global norm to MAX before each optimizer step (every synchronous strategy; over the shards under sharded)."),
+    on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16: autocast around forward and loss; fp16 adds a loss scaler (docs/precision.md)."),
+    compile_model: bool = typer.Option(False, "--compile", help="torch.compile the prepared model (after DDP's wrap); kernels cached per host."),
+    compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
     checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Folder for ckpt-<step>.pt files."),
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps (always one at the end)."),
     keep_checkpoints: int = typer.Option(DEFAULT_KEEP_CHECKPOINTS, "--keep-checkpoints", help="Keep the newest K checkpoints."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --checkpoint-dir."),
-    sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
-    ps_tasks: int | None = typer.Option(None, "--ps-tasks", help="parameter-server, without --cluster: ps task processes here (default 1); on a cluster, its ps hosts."),
-    ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: apply the mean of one push from every worker per step (synchronous rounds)."),
-    max_staleness: int | None = typer.Option(None, "--max-staleness", help="parameter-server: a worker more than K steps ahead of the slowest waits."),
-    ps_partition_mb: float = typer.Option(DEFAULT_PS_PARTITION_MB, "--ps-partition-mb", help="parameter-server: split parameters bigger than this by rows across the ps tasks."),
-    precision: str = typer.Option("fp32", "--precision", help="fp32 | bf16 | fp16: autocast around forward and loss; fp16 adds a loss scaler (docs/precision.md)."),
-    compile_model: bool = typer.Option(False, "--compile", help="torch.compile the prepared model (after DDP's wrap); kernels cached per host."),
-    compile_mode: str = typer.Option("default", "--compile-mode", help="default | reduce-overhead | max-autotune (with --compile)."),
+    async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
     compression: str = typer.Option("none", "--compression", help="mirrored, multi-worker: none | fp16 | bf16 | powersgd[:RANK]: what gradients are all-reduced as (docs/communication.md)."),
     powersgd_warmup: int = typer.Option(DEFAULT_POWERSGD_WARMUP, "--powersgd-warmup", help="--compression powersgd: plain all-reduce steps first."),
-    clip_grad_norm: float | None = typer.Option(None, "--clip-grad-norm", metavar="MAX", help="Clip the gradients' global norm to MAX before each optimizer step (every synchronous strategy; over the shards under sharded)."),
-    reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
-    shard_within: str = typer.Option("auto", "--shard-within", help="sharded: auto (HSDP on 2+ hosts when the model fits a host) | all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
-    offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
-    data_workers: int = typer.Option(0, "--data-workers", help="Fit recipes: DataLoader worker processes per rank reading train_data (0: the rank reads it); on a GPU, batches are pinned and copied without blocking."),
-    tp: int = typer.Option(1, "--tp", metavar="N", help="mirrored, multi-worker, sharded: split each replica's layers over N ranks (tensor parallel; the recipe's tp_plan(model), else its MLP pairs); a job runs --replicas x N ranks, a cluster's slots / N replicas (docs/strategies.md#model-parallel)."),
-    pp: int = typer.Option(1, "--pp", metavar="P", help="mirrored, multi-worker, sharded: cut each replica's layer chain (an nn.Sequential's children, or the recipe's pp_chain(model)) into P pipeline stages, balanced by parameters; a job runs --replicas x --tp x P ranks, stages across hosts (docs/strategies.md#pipeline-parallel---pp)."),
-    pp_schedule: str = typer.Option("1f1b", "--pp-schedule", help="--pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (the interleaved ones: two stages a rank)."),
-    microbatches: int | None = typer.Option(None, "--microbatches", metavar="M", help="--pp: split each replica's batch into M microbatches (default 2 x P); M must divide it."),
-    activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
+    allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
     sync_every: int = typer.Option(DEFAULT_SYNC_EVERY, "--sync-every", metavar="H", help="diloco: inner steps each replica takes alone between syncs (--steps counts inner steps)."),
     outer_lr: float = typer.Option(DEFAULT_OUTER_LR, "--outer-lr", help="diloco: the outer SGD's learning rate on the replicas' mean pseudo-gradient."),
     outer_momentum: float = typer.Option(DEFAULT_OUTER_MOMENTUM, "--outer-momentum", help="diloco: the outer SGD's Nesterov momentum (0: plain SGD, Nesterov off)."),
     sync_dtype: str = typer.Option("fp32", "--sync-dtype", help="diloco: fp32 | bf16 | int8: what pseudo-gradients cross the wire as (bf16 and int8 feed their rounding error into the next sync)."),
     fragments: int = typer.Option(1, "--fragments", metavar="K", help="diloco: streaming DiLoCo: sync the model's units in K fragments, one at a time over the H steps, each exchange overlapping the next step (docs/strategies.md#diloco)."),
-    eval_every: int | None = typer.Option(None, "--eval-every", metavar="N", help="Fit recipes with eval_data: evaluate every N steps too (every run evaluates at its end, and at each epoch's)."),
-    async_checkpoint: bool = typer.Option(False, "--async-checkpoint", help="sharded: write checkpoints in the background (DCP's async_save); a step waits only while the shards are copied."),
-    allreduce: str = typer.Option("flat", "--allreduce", help="multi-worker on a cluster: flat (DDP's ring) | hierarchical (inside each host, then across hosts) | auto (time both on this job's buckets, keep the faster)."),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
-    cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
-    include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
-    detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
-    hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
+    ps_tasks: int | None = typer.Option(None, "--ps-tasks", help="parameter-server, without --cluster: ps task processes here (default 1); on a cluster, its ps hosts."),
+    ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: apply the mean of one push from every worker per step (synchronous rounds)."),
+    max_staleness: int | None = typer.Option(None, "--max-staleness", help="parameter-server: a worker more than K steps ahead of the slowest waits."),
+    ps_partition_mb: float = typer.Option(DEFAULT_PS_PARTITION_MB, "--ps-partition-mb", help="parameter-server: split parameters bigger than this by rows across the ps tasks."),
+    shard_within: str = typer.Option("auto", "--shard-within", help="sharded: auto (HSDP on 2+ hosts when the model fits a host) | all (shard over every rank) | host (HSDP: shard inside each host, replicate across hosts)."),
+    reshard_after_forward: bool = typer.Option(True, "--reshard-after-forward/--no-reshard-after-forward", help="sharded: free each block's gathered parameters after its forward (less memory), or keep them for backward (less communication)."),
+    offload: str = typer.Option("none", "--offload", help="sharded: none | cpu (keep shards and optimizer state in host memory; FSDP's CPUOffloadPolicy)."),
+    tp: int = typer.Option(1, "--tp", metavar="N", help="mirrored, multi-worker, sharded: split each replica's layers over N ranks (tensor parallel; the recipe's tp_plan(model), else its MLP pairs); a job runs --replicas x N ranks, a cluster's slots / N replicas (docs/strategies.md#model-parallel)."),
+    pp: int = typer.Option(1, "--pp", metavar="P", help="mirrored, multi-worker, sharded: cut each replica's layer chain (an nn.Sequential's children, or the recipe's pp_chain(model)) into P pipeline stages, balanced by parameters; a job runs --replicas x --tp x P ranks, stages across hosts (docs/strategies.md#pipeline-parallel---pp)."),
+    pp_schedule: str = typer.Option("1f1b", "--pp-schedule", help="--pp: gpipe | 1f1b | interleaved-1f1b | zero-bubble (the interleaved ones: two stages a rank)."),
+    microbatches: int | None = typer.Option(None, "--microbatches", metavar="M", help="--pp: split each replica's batch into M microbatches (default 2 x P); M must divide it."),
+    activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
     tensorboard: Path | None = typer.Option(None, "--tensorboard", help="Write TensorBoard event files to DIR (loss, samples/s, learning rate, eval, strategy.log, ps figures); --cluster: they come home to DIR (pip install 'distrun[tensorboard]')."),
     profile: str | None = typer.Option(None, "--profile", metavar="START:END", help="torch.profiler on every rank over these global steps (CPU and CUDA, shapes, memory); traces for Perfetto and TensorBoard come home: --cluster, to the results dir; here, to --checkpoint-dir/profile (else the results dir) (docs/profiling.md)."),
     tracker: list[str] = typer.Option([], "--tracker", help="mlflow | wandb | tensorboard (repeatable): rank 0 logs the run's parameters, per-step metrics and summary there (pip install 'distrun[mlflow]' / 'distrun[wandb]'; docs/tracking.md)."),
@@ -122,12 +151,17 @@ def train(
     run_name: str | None = typer.Option(None, "--run-name", help="--tracker: the run's name."),
     experiment: str | None = typer.Option(None, "--experiment", help="--tracker: MLflow's experiment, W&B's project."),
     tracker_checkpoint: bool = typer.Option(False, "--tracker-checkpoint", help="--tracker mlflow|wandb: log the newest checkpoint as an artifact at the end."),
-    on_nonfinite: str = typer.Option("stop", "--on-nonfinite", help="Fit-style recipes, a NaN or Inf loss: stop (name the step and rank) | skip (drop the update on every replica) | warn."),
-    elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
+    hang_timeout_s: float | None = typer.Option(None, "--hang-timeout-s", help="Name the stuck rank (and who waits for it) when no rank has stepped for this long."),
+    log_interval_s: float = typer.Option(0.25, "--log-interval-s", help="Send each replica's progress at most this often (0: every step)."),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="Train on the hosts of this cluster file (after `distrun up`)."),
+    include: list[Path] = typer.Option([], "--include", help="--cluster: also ship this file or folder (inside the recipe's folder)."),
+    detach: bool = typer.Option(False, "--detach", help="--cluster: start the job, print its id and return (`distrun attach`)."),
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
-    log_interval_s: float = typer.Option(0.25, "--log-interval-s", help="Send each replica's progress at most this often (0: every step)."),
+    cold: bool = typer.Option(False, "--cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
+    config: Path | None = typer.Option(None, "--config", metavar="FILE", help="The job's options in a YAML file, by section (strategy: {name: mirrored, replicas: 2}); flags given here win over it (docs/cli.md#a-job-in-a-file---config)."),
+    print_config: bool = typer.Option(False, "--print-config", help="Print the job as a --config file (defaults filled in, after every override) and exit."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:

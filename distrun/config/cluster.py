@@ -51,6 +51,7 @@ from distrun.config._slurm import (
 )
 from distrun.config._suggest import did_you_mean
 from distrun.config._yaml import Located, load_file, load_located
+from distrun.config.job_file import JobOption, job_options
 from distrun.errors import ConfigError
 
 __all__ = [
@@ -157,6 +158,9 @@ class ClusterSpec:
     local: bool = False  # the embedded default: no SSH, one host, this machine
     slurm: SlurmSpec | None = None  # scheduler: slurm; hosts come from an allocation
     allocation: Allocation | None = None  # the allocation ``hosts`` were taken from (Slurm, resolved)
+    #: The file's ``job:`` section: default options of every `distrun train --cluster` on it
+    #: (below the command line and ``--config``, above the recipe's ``defaults``).
+    job: tuple[JobOption, ...] = ()
 
     @property
     def label(self) -> str:
@@ -198,7 +202,7 @@ def _join_remote(workdir: str, *parts: str) -> str:
 
 # --------------------------------------------------------------------------- parsing
 
-_TOP_KEYS = ("name", "scheduler", "slurm", "ssh", "python", "workdir", "setup", "env", "network", "hosts")
+_TOP_KEYS = ("name", "scheduler", "slurm", "ssh", "python", "workdir", "setup", "env", "network", "hosts", "job")
 _SCHEDULERS = ("ssh", "slurm")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout_s", "accept_new_host_keys")
 _HOST_KEYS = ("address", "roles", "gpus", "slots", "ssh", "python")
@@ -299,7 +303,7 @@ class _Parser:
                 raise self.err("hosts", "is required: list the machines of the cluster")
             hosts = self.hosts(top["hosts"], ssh, python)
         return ClusterSpec(name=name, hosts=hosts, workdir=workdir, setup=setup, env=MappingProxyType(env),
-                           network=network, source=self.doc.source, slurm=slurm)
+                           network=network, source=self.doc.source, slurm=slurm, job=job_options(self.doc, "job"))
 
     def slurm(self, value: Any, ssh: SshSpec, python: str) -> SlurmSpec:
         raw = self.mapping(value, "slurm", SLURM_KEYS)

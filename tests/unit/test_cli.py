@@ -115,7 +115,10 @@ def test_step_flags_are_refused_for_a_plain_script(flag):
         (["bench", "ttfs", "--replicas", "0"], "--replicas: expected a positive whole number"),
     ],
 )
-def test_warm_start_and_ttfs_flags_are_one_line_errors(args, fragment):
+def test_warm_start_and_ttfs_flags_are_one_line_errors(args, fragment, tmp_path):
+    if "c.yaml" in args:  # a cluster file that exists: read first, for its job: section
+        (tmp_path / "c.yaml").write_text("hosts:\n  - {address: 10.0.0.1, roles: [chief, worker]}\n")
+        args = [str(tmp_path / "c.yaml") if arg == "c.yaml" else arg for arg in args]
     result = run_cli(*args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -10,6 +10,7 @@ import typer
 
 from distrun.cli import app
 from distrun.config import StrategyName
+from distrun.config.job_file import SECTIONS
 
 CLI_MD = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
 _FLAG = re.compile(r"(?<![\w-])(--?[a-z][a-z0-9-]*)")
@@ -67,3 +68,21 @@ def test_the_flags_the_cluster_and_job_tables_name_exist() -> None:
         row = next(line for line in jobs.splitlines() if line.startswith(f"| `{command}"))
         named = set(_FLAG.findall(row.split(" | ")[1]))
         assert named <= _options(command), f"{command}: {sorted(named - _options(command))}"
+
+
+def test_the_job_file_table_names_every_section_and_key_with_its_flag() -> None:
+    """docs/cli.md's --config table is the code's: each section, its panel, each key and its flag."""
+    text = CLI_MD.read_text()
+    start = text.index("## A job in a file")
+    table = text[start:text.index("\n## ", start + 1)]
+    command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    flags = {param.name: max(param.opts, key=len) if param.param_type_name == "option" else "-- ARGS"
+             for param in command.params}
+    rows = {line.split(" | ")[0][3:-1]: line for line in table.splitlines() if line.startswith("| `")}
+    assert list(rows) == [section.name for section in SECTIONS]
+    for section in SECTIONS:
+        expected = ", ".join(f"`{key}` (`{flags[param]}`)" for key, param in section.keys.items())
+        assert rows[section.name] == f"| `{section.name}` | {section.panel} | {expected} |"
+    every = {param for section in SECTIONS for param in section.keys.values()}
+    not_in_a_file = {"ctx", "recipe", "config", "print_config", "json_output", "debug"}
+    assert every | not_in_a_file == set(flags) | {"ctx"}, "a train option is in no section of the job file"
