@@ -4,7 +4,12 @@ Importing ``distrun`` is cheap and never imports torch: the CLI, the client and
 the worker server live on this side. Recipes reach the Strategy API through
 ``distrun.strategies`` (which does import torch) or, more often, simply receive a
 strategy as the argument of ``main(strategy)``.
+
+``distrun.train(recipe, **options)`` and ``distrun.Cluster(path)`` run jobs and clusters
+from Python (``distrun.api``, loaded on first use: docs/api.md).
 """
+
+from typing import Any
 
 from distrun._version import __version__
 from distrun.errors import (
@@ -22,6 +27,9 @@ from distrun.errors import (
 
 __all__ = [
     "__version__",
+    "train",
+    "Cluster",
+    "JobSummary",
     "DistrunError",
     "UsageError",
     "ConfigError",
@@ -33,3 +41,12 @@ __all__ = [
     "HostUnreachable",
     "Interrupted",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``distrun.train``, ``distrun.Cluster``, ``distrun.JobSummary``: the API, imported when first used."""
+    if name in ("train", "Cluster", "JobSummary"):
+        from distrun import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'distrun' has no attribute {name!r}")

@@ -48,7 +48,7 @@ def _wants_debug(argv: list[str]) -> bool:
 
 #: click's ClickException, as typer raises it: its vendored copy (a typer.TyperException) in recent
 #: releases, the click package's in older ones; found through typer's public BadParameter either way.
-_UsageErrors: type[Exception] = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
+ClickErrors: type[Exception] = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
 
 
 def usage_line(exc: Exception) -> str:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     typer runs outside its standalone mode so that its usage errors (exit 2) come out
     as one line (``usage_line``) rather than a box; ``--help``, ``--version`` and
     ``typer.Exit`` come back as exit codes. distrun never imports click itself: recent
-    typer releases vendor their own copy (``_UsageErrors`` finds its errors either way).
+    typer releases vendor their own copy (``ClickErrors`` finds its errors either way).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _wants_debug(args)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=args, prog_name="distrun", standalone_mode=False)
         if isinstance(code, int) and code:
             sys.exit(code)
-    except _UsageErrors as exc:
+    except ClickErrors as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":  # `distrun` alone: the help, as typer prints it
             typer.echo(exc.format_message(), err=True)
         else:

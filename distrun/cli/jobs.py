@@ -13,7 +13,7 @@ from rich.table import Table
 
 from distrun.cli._app import app, stderr
 from distrun.cli.cluster import resolve_cluster
-from distrun.cli.train import profile_line, run_job
+from distrun.cli._run import profile_line, run_job
 from distrun.client import ClusterJob
 from distrun.client.jobs import cancel_job, collapse_ranks, job_output, list_jobs, pull_job
 from distrun.errors import UsageError

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import signal
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.live import Live
 
 from distrun.cli._app import app, stderr
 from distrun.cli._job_file import job_from_files
+from distrun.cli._run import JsonStream, print_json, run_job
 from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, diloco_alone, local_layout, replicas_of
 from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
@@ -39,34 +33,8 @@ from distrun.config import (
     parse_profile,
     parse_tracker_uris,
 )
-from distrun.errors import DistrunError, Interrupted, UsageError
-from distrun.protocol import Diagnosed, Event, Heartbeat, JobSummary, Output, Resumed, event_to_dict
-from distrun.ui import render_diagnosis, render_progress, render_summary
-
-
-@dataclasses.dataclass
-class JsonStream:
-    """``--json``: stdout's last line is the summary, on failure too (docs/live-view.md).
-
-    ``run_job`` prints it once a job exists; a failure before that (a value the spec refuses,
-    a host that cannot be reached) prints a failed one here, with the same error line.
-    """
-
-    enabled: bool
-    started_s: float = dataclasses.field(default_factory=time.monotonic)
-    summary_printed: bool = False
-
-    def failed_before_the_job(self, exc: BaseException, *, recipe: Path, strategy: str | None,
-                              replicas: int | None) -> None:
-        if not self.enabled or self.summary_printed:
-            return
-        interrupted = isinstance(exc, (KeyboardInterrupt, Interrupted))
-        message = exc.message if isinstance(exc, DistrunError) else "interrupted"
-        _print_json(JobSummary(status="interrupted" if interrupted else "failed", recipe=str(recipe),
-                               strategy=strategy or "", replicas=replicas or 0, steps=0, final_loss=None,
-                               samples_per_s=0.0, time_to_first_step_s=None,
-                               wall_s=time.monotonic() - self.started_s, error=message).to_dict())
-        self.summary_printed = True
+from distrun.errors import DistrunError, UsageError
+from distrun.protocol import JobSummary
 
 
 def _filled(params: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +132,7 @@ def train(
     print_config: bool = typer.Option(False, "--print-config", help="Print the job as a --config file (defaults filled in, after every override) and exit."),
     json_output: bool = typer.Option(False, "--json", help="No table: one JSON object per line on stdout, a summary last."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-) -> None:
+) -> JobSummary | None:
     """Train RECIPE under --strategy, here or on a cluster; switching strategy never changes the recipe."""
     stream = JsonStream(json_output)
     try:
@@ -211,13 +179,12 @@ def train(
             local_job = LocalJob(spec, hang_timeout_s=hang_timeout_s, starter=start.starter, list_on=here)
             if local_job.listing is not None:  # `distrun up` runs here: the job is one of its jobs
                 if json_output:
-                    _print_json({"type": "job", "job": local_job.job_id, "world_size": spec.world_size,
+                    print_json({"type": "job", "job": local_job.job_id, "world_size": spec.world_size,
                                  "hosts": [local_job.listing.host], "bundle_sent_to": []})
                 else:
                     stderr.print(f"job {local_job.job_id}: listed on the local server (`distrun jobs`, `logs`, "
                                  "`stacks`, `cancel` reach it)", markup=False)
-            run_job(local_job, json_output=json_output, stream=stream)
-            return
+            return run_job(local_job, json_output=json_output, stream=stream)
         if cold:
             raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")
         if replicas is not None:
@@ -226,7 +193,7 @@ def train(
             raise UsageError("--ps-tasks: on a cluster every host with role ps runs one ps task; set roles there")
         if max_restarts < 0:
             raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
-        run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
+        return run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
                         results_dir=results_dir if fetch else None, max_restarts=max_restarts,
                         hang_timeout_s=hang_timeout_s, elastic=elastic, stream=stream)
     except (DistrunError, KeyboardInterrupt) as exc:  # before the job had a summary of its own
@@ -237,7 +204,7 @@ def train(
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
                     detach: bool, results_dir: Path | None, max_restarts: int = 0,
                     hang_timeout_s: float | None = None, elastic: str | None = None,
-                    stream: JsonStream | None = None) -> None:
+                    stream: JsonStream | None = None) -> JobSummary | None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -273,7 +240,7 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         if stream is not None:
             stream.summary_printed = True  # a detached job's stream is its one job line
         if json_output:
-            _print_json({**_job_line(job), "detached": True})
+            print_json({**_job_line(job), "detached": True})
         else:
             typer.echo(job.job_id)
             stderr.print(f"detached: `distrun attach {job.job_id}`, `distrun logs {job.job_id}`, "
@@ -285,9 +252,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         stderr.print(f"job {job.job_id}: {job.replicas} replica(s){ps} on {len(job.placements)} host(s); "
                      f"code sent to: {sent}", markup=False)
     else:
-        _print_json(_job_line(job))
+        print_json(_job_line(job))
     fetch = (lambda summary: job.fetch_results(results_dir / job.job_id, summary)) if results_dir else None
-    run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch, stream=stream)
+    return run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch, stream=stream)
 
 
 def _job_line(job: ClusterJob) -> dict[str, Any]:
@@ -344,133 +311,4 @@ def default_strategy(on_cluster: bool) -> str:
     return StrategyName.MULTI_WORKER.value if on_cluster else StrategyName.ONE_DEVICE.value
 
 
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
-            host_of_rank: Callable[[int], str] | None = None,
-            after: Callable[[JobSummary], dict[str, Any]] | None = None, stream: JsonStream | None = None) -> None:
-    """Render the job to its end; ``after(summary)`` runs before the summary is printed (results home)."""
-    if stream is not None:
-        stream.summary_printed = True  # from here on the summary is this function's to print
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    status, error = "succeeded", None
-    summary: JobSummary | None = None
-    try:
-        with job:
-            _consume(job, json_output, host_of_rank)
-            try:
-                summary = job.outcome().summary
-            except Interrupted as exc:
-                status, error = "interrupted", exc.message
-                raise
-            except DistrunError as exc:
-                status, error = "failed", exc.message
-                raise
-            finally:
-                summary = summary or job.summary(status, error)
-                if after is not None:
-                    _results_home(after, summary, json_output)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if summary is not None:
-            _print_summary(summary, json_output)
-            if not json_output and after is None:  # a fetched cluster job's line comes with its results
-                _profile_note(job, summary, on_cluster=host_of_rank is not None)
-
-
-def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSummary, json_output: bool) -> None:
-    """Copy results home; a failure here is reported but never hides the job's own outcome."""
-    try:
-        results = after(summary)
-    except DistrunError as exc:
-        stderr.print(f"warning: results not copied home: {exc.message}", markup=False)
-        return
-    if json_output:
-        _print_json(results)
-    else:
-        where = results.get("checkpoint") or results["dir"]
-        stderr.print(f"results: {where}", markup=False)
-        if results.get("profile"):
-            stderr.print(profile_line(len(results.get("profile_traces", ())), results["profile"]), markup=False)
-        for missed in results.get("profile_missed", ()):
-            stderr.print(f"warning: --profile traces not copied home from {missed}", markup=False)
-
-
-def _profile_note(job: LocalJob | ClusterJob, summary: JobSummary, *, on_cluster: bool) -> None:
-    """``--profile``: where the traces are, or that no step of the window ran."""
-    window = job.spec.profile_steps if job.spec is not None else None
-    if summary.profile_traces and not on_cluster:
-        stderr.print(profile_line(summary.profile_traces, str(summary.profile_dir)), markup=False)
-    elif summary.profile_traces:  # attached, or --no-fetch: they are on the hosts
-        stderr.print(f"profile: {summary.profile_traces} trace(s) on the hosts, in the job's folder; "
-                     f"`distrun pull {getattr(job, 'job_id', 'JOB')} --cluster FILE` brings them home", markup=False)
-    elif window and summary.status == "succeeded":
-        stderr.print(f"profile: no step of --profile {window[0]}:{window[1]} ran (the job took {summary.steps} "
-                     "step(s)); nothing was traced", markup=False)
-
-
-def profile_line(traces: int, folder: str) -> str:
-    """``--profile``: the one line that says where the traces are and what opens them."""
-    return (f"profile: {traces} trace(s) in {folder} (open one in https://ui.perfetto.dev, or "
-            f"`tensorboard --logdir {Path(folder).parent}` with torch-tb-profiler)")
-
-
-def _consume(job: LocalJob | ClusterJob, json_output: bool, host_of_rank: Callable[[int], str] | None) -> None:
-    """Render events until the job ends; Ctrl-C cancels the job and keeps draining."""
-    console = Console(stderr=not json_output and not sys.stdout.isatty(), highlight=False)
-    if json_output:
-        # Heartbeats are liveness plumbing (they feed --hang-timeout-s), not part of the stream.
-        _drain(job, lambda ev: _print_json(event_to_dict(ev)) if ev is not None and not isinstance(ev, Heartbeat)
-               else None)
-        return
-    with Live(render_progress(job.snapshot()), console=console, refresh_per_second=4, transient=False) as live:
-        def show(ev: Event | None) -> None:
-            if isinstance(ev, Output):
-                if ev.rank < 0:  # the evaluator, or a worker server's own note
-                    where = host_of_rank(ev.rank) if host_of_rank else "server"
-                else:
-                    where = f"{host_of_rank(ev.rank)} rank {ev.rank}" if host_of_rank else f"rank {ev.rank}"
-                live.console.print(f"[{where}] {ev.line}", markup=False, highlight=False)
-            elif isinstance(ev, Diagnosed):  # --hang-timeout-s: every rank's stack and last collective
-                live.console.print(render_diagnosis(ev))
-            elif isinstance(ev, Resumed):
-                live.console.print(resumed_line(ev), markup=False, highlight=False, soft_wrap=True)
-            live.update(render_progress(job.snapshot()))
-
-        _drain(job, show)
-    console.line()
-
-
-def resumed_line(event: Resumed) -> str:
-    """``--resume``: the one line that says what was resumed (and that nothing is left to train)."""
-    line = f"resumed from {event.path} at step {event.step}"
-    if event.past_end:
-        line += ": already at or past the job's last step (--steps, --epochs), so nothing is trained"
-    return line
-
-
-def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:
-    while True:
-        try:
-            for event in job.events():  # a fresh generator after each interrupt
-                handle(event)
-            return
-        except KeyboardInterrupt:
-            job.cancel("interrupted", interrupted=True)
-
-
-def _print_json(obj: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(obj, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
-
-
-def _print_summary(summary: Any, json_output: bool) -> None:
-    if json_output:
-        _print_json(summary.to_dict())
-    else:
-        Console(stderr=not sys.stdout.isatty(), highlight=False).print(render_summary(summary))
-
-
-__all__ = ["train", "build_spec", "run_job", "local_layout"]
+__all__ = ["train", "build_spec", "local_layout"]
