@@ -1,4 +1,5 @@
-"""Bringing a job's results home: its newest checkpoint and its TensorBoard files.
+"""Bringing a job's results home: its newest checkpoint, its summary, its TensorBoard files and
+every host's --profile traces.
 
 Shared storage is not assumed: checkpoints are written on rank 0's host (under
 ``--checkpoint-dir`` there) and copied back over the same SSH connection.
@@ -6,13 +7,17 @@ Shared storage is not assumed: checkpoints are written on rank 0's host (under
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from distrun.client._links import HostLink
+from distrun.config import JobSpec
 from distrun.errors import HostError
+from distrun.protocol import JobSummary
 
 
 def artifacts(link: HostLink, job_id: str) -> dict:
@@ -98,3 +103,35 @@ def fetch_folder(link: HostLink, board: dict, dest: Path) -> list[Path]:
             raise HostError(link.label, f"{name} not copied into {target.parent}: {exc.strerror or exc}") from None
         fetched.append(target)
     return fetched
+
+
+def fetch_job_results(links: list[HostLink], job_id: str, attempts: list[str], spec: JobSpec | None, dest: Path,
+                      summary: JobSummary) -> dict[str, Any]:
+    """Copy the newest checkpoint (from rank 0's host, ``links[0]``) and the summary into ``dest``,
+    the ``--tensorboard`` files into their folder, and every host's ``--profile`` traces of every
+    attempt (``attempts``, the current one last) into ``dest``/profile: the ``results`` line."""
+    dest = dest.resolve()
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
+    current = attempts[-1]
+    found = artifacts(links[0], current)  # one call for the checkpoint and the board
+    checkpoint = fetch_newest_checkpoint(links[0], current, dest, found)
+    board = None
+    if spec is not None and spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
+        board = Path(spec.tensorboard_dir)
+        fetch_tensorboard(links[0], current, board, found)
+    traces: list[Path] = []
+    missed: list[str] = []
+    if spec is not None and spec.profile_steps:  # a restart may have run the window: every attempt
+        for link in links:
+            for attempt in attempts:
+                try:
+                    known = found if link is links[0] and attempt == current else None
+                    traces += fetch_profile(link, attempt, dest / "profile", known)
+                except HostError as exc:
+                    if attempt == current:  # an older attempt a host never ran is not news
+                        missed.append(f"{link.label}: {exc.reason}")
+    return {"type": "results", "job": job_id, "dir": str(dest),
+            "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None,
+            "profile": str(dest / "profile") if traces else None,
+            "profile_traces": sorted(str(path) for path in traces), "profile_missed": missed}

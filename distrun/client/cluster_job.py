@@ -31,15 +31,16 @@ from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._job_state import as_written, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
-from distrun.client._results import artifacts, fetch_newest_checkpoint, fetch_profile, fetch_tensorboard
+from distrun.client._hosts import ps_hosts, training_hosts
+from distrun.client._results import fetch_job_results
 from distrun.client._server_client import ServerClient
 from distrun.client._stop import by_whom, stop_everywhere
 from distrun.client._tracker import JobTracker, tracker_settings
 from distrun.client.cluster import slots_for
 from distrun.client.diagnose import diagnose_hosts
 from distrun.client.local import ELASTIC_RESPAWNS, ERROR_BY_KIND, JobOutcome, failure_message, independent_ranks
-from distrun.config import ClusterSpec, HostSpec, JobSpec, Role, StrategyName, inspect_recipe
-from distrun.errors import ConfigError, HostError, Interrupted, Preempted, TrainingError, UsageError
+from distrun.config import ClusterSpec, JobSpec, Role, StrategyName, inspect_recipe
+from distrun.errors import HostError, Interrupted, Preempted, TrainingError, UsageError
 from distrun.protocol import (
     EVALUATOR_RANK,
     PEER_LOST,
@@ -55,31 +56,7 @@ from distrun.protocol import (
 )
 from distrun.protocol.secret import new_job_secret
 
-__all__ = ["ClusterJob", "Placement"]
-
-
-
-def training_hosts(cluster: ClusterSpec, strategy: StrategyName) -> tuple[HostSpec, ...]:
-    """Hosts that run ranks: every worker for multi-worker, sharded and diloco; one host (rank 0's)
-    otherwise; for parameter-server every worker host, then every ps host (one ps task each)."""
-    workers = [host for host in cluster.hosts if Role.WORKER in host.roles]
-    workers.sort(key=lambda host: not host.is_chief)  # the chief, when it trains, holds rank 0
-    if not workers:
-        cluster.require_strategy(strategy.value)
-    if strategy is StrategyName.PARAMETER_SERVER:
-        return tuple(workers) + ps_hosts(cluster)
-    every_worker = strategy in (StrategyName.MULTI_WORKER, StrategyName.SHARDED, StrategyName.DILOCO)
-    return tuple(workers) if every_worker else tuple(workers[:1])
-
-
-def ps_hosts(cluster: ClusterSpec) -> tuple[HostSpec, ...]:
-    """The hosts with role ps; each runs one ps task, and nothing else of the job."""
-    hosts = tuple(host for host in cluster.hosts if Role.PS in host.roles)
-    for host in hosts:
-        if Role.WORKER in host.roles:
-            raise ConfigError(f"{cluster.source or 'cluster'}: host {host.label} has roles worker and ps; under "
-                              "--strategy parameter-server a host runs workers or a ps task, not both")
-    return hosts
+__all__ = ["ClusterJob", "Placement", "training_hosts", "ps_hosts"]
 
 
 class ClusterJob:
@@ -482,42 +459,12 @@ class ClusterJob:
         return failures
 
     def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
-        """Copy the newest checkpoint (from rank 0's host) and the summary into ``dest``, and the
-        ``--tensorboard`` files into their folder."""
-        dest = dest.resolve()
+        """Copy the newest checkpoint (from rank 0's host), the summary, the ``--tensorboard`` files
+        and every host's ``--profile`` traces home (``client/_results``)."""
         if self._watch is not None and self._watch.reason is not None:
             raise HostError("slurm", "the allocation ended, and the checkpoint with it unless the folder is shared")
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-        found = artifacts(self._links[0], self.attempt_id)  # one call for the checkpoint and the board
-        checkpoint = fetch_newest_checkpoint(self._links[0], self.attempt_id, dest, found)
-        board = None
-        if self.spec is not None and self.spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
-            board = Path(self.spec.tensorboard_dir)
-            fetch_tensorboard(self._links[0], self.attempt_id, board, found)
-        traces, missed = self._fetch_traces(dest / "profile", found) if self.spec and self.spec.profile_steps \
-            else ([], [])
-        return {"type": "results", "job": self.job_id, "dir": str(dest),
-                "checkpoint": str(checkpoint) if checkpoint else None, "tensorboard": str(board) if board else None,
-                "profile": str(dest / "profile") if traces else None,
-                "profile_traces": sorted(str(path) for path in traces), "profile_missed": missed}
-
-    def _fetch_traces(self, dest: Path, found: dict) -> tuple[list[Path], list[str]]:
-        """``--profile``: every host's traces, of every attempt (a restart may have run the window);
-        a host that cannot be read is named and skipped, not the end of the others' results.
-        ``found``: rank 0's host's ``artifacts`` answer for the current attempt, already asked."""
         attempts = [self.job_id] + [f"{self.job_id}-r{n}" for n in range(1, self.restarts + 1)]
-        traces: list[Path] = []
-        missed: list[str] = []
-        for link in self._links:
-            for attempt in attempts:
-                try:
-                    known = found if link is self._links[0] and attempt == self.attempt_id else None
-                    traces += fetch_profile(link, attempt, dest, known)
-                except HostError as exc:
-                    if attempt == self.attempt_id:  # an older attempt a host never ran is not news
-                        missed.append(f"{link.label}: {exc.reason}")
-        return traces, missed
+        return fetch_job_results(self._links, self.job_id, attempts, self.spec, dest, summary)
 
     def close(self) -> None:
         for link in self._links + self._evaluators:

@@ -1,13 +1,10 @@
 """Specs: frozen, validated values describing a job, a recipe and a cluster. Imports only errors."""
 
+from distrun.config._hosts import DEFAULT_SSH_PORT, HostSpec, NetworkSpec, Role, SshSpec
 from distrun.config.cluster import (
     Allocation,
     ClusterSpec,
-    HostSpec,
-    NetworkSpec,
-    Role,
     SlurmSpec,
-    SshSpec,
     load_cluster,
     local_cluster,
     parse_cluster,
@@ -26,6 +23,7 @@ from distrun.config._observe import TRACKERS, check_trackers, parse_profile, par
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
+    "DEFAULT_SSH_PORT",
     "Compression",
     "DEFAULT_POWERSGD_WARMUP",
     "DEFAULT_OUTER_LR",

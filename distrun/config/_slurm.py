@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from distrun.config.cluster import HostSpec
+from distrun.config._hosts import HostSpec
 
 __all__ = ["SlurmSpec", "Allocation", "SLURM_KEYS", "TIME_PATTERN", "NAME_PATTERN", "EXTRA_ARG_PATTERN",
            "REFUSED_EXTRA_ARGS"]

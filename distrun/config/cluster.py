@@ -34,11 +34,18 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from distrun.config._hosts import (
+    DEFAULT_PYTHON,
+    DEFAULT_WORKDIR,
+    HostSpec,
+    NetworkSpec,
+    Role,
+    SshSpec,
+)
 from distrun.config._slurm import (
     CONSTRAINT_PATTERN,
     EXTRA_ARG_PATTERN,
@@ -68,12 +75,6 @@ __all__ = [
     "RESERVED_ENV",
 ]
 
-DEFAULT_SSH_PORT = 22
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_WORKDIR = "~/.distrun"
-DEFAULT_PYTHON = "python3"
-DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
-
 #: Variables distrun sets for every training process; the cluster file may not.
 RESERVED_ENV = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "NODE_RANK",
@@ -85,65 +86,6 @@ _USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _INTERFACE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
-
-
-class Role(str, Enum):
-    """TensorFlow's task types."""
-
-    CHIEF = "chief"
-    WORKER = "worker"
-    PS = "ps"
-    EVALUATOR = "evaluator"
-
-
-@dataclass(frozen=True)
-class SshSpec:
-    """How to log in to a host. Local paths are already expanded and absolute."""
-
-    user: str | None = None
-    port: int = DEFAULT_SSH_PORT
-    identity_file: str | None = None
-    known_hosts: str = field(default_factory=lambda: os.path.expanduser(DEFAULT_KNOWN_HOSTS))
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    accept_new_host_keys: bool = False
-
-
-@dataclass(frozen=True)
-class NetworkSpec:
-    """Where training traffic goes: the interface for gloo/NCCL and the rendezvous ports."""
-
-    interface: str | None = None
-    port_range: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    address: str
-    roles: tuple[Role, ...]
-    ssh: SshSpec
-    python: str
-    gpus: int | None = None  # None: "auto", detected by the worker server
-    slots: int | None = None  # None: the GPU count, else 1
-
-    @property
-    def label(self) -> str:
-        """How messages and tables name this host: the address, plus the port if not 22."""
-        return self.address if self.ssh.port == DEFAULT_SSH_PORT else f"{self.address}:{self.ssh.port}"
-
-    @property
-    def state_id(self) -> str:
-        """Folder name of this host's state under the workdir.
-
-        Keyed by address and port as the cluster file gives them, not by the
-        host's own name: hosts that share a home directory over NFS (or test
-        hosts that share one filesystem) then never touch each other's files.
-        """
-        base = self.address.replace(":", "_")
-        return base if self.ssh.port == DEFAULT_SSH_PORT else f"{base}_{self.ssh.port}"
-
-    @property
-    def is_chief(self) -> bool:
-        return Role.CHIEF in self.roles
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,48 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 
 from distrun.launch.api import WorkerSpec
-from distrun.protocol.environment import CHIEF_ADDR_VAR
+from distrun.protocol.environment import (
+    CHIEF_ADDR_VAR,
+    DEBUG_DIR_VAR,
+    FLIGHT_RECORDER_ENTRIES,
+    FLIGHT_RECORDER_VAR,
+    JOB_SECRET_VAR,
+    SUPERVISOR_PID_VAR,
+)
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _loopback_ifname() -> str | None:
+    """The loopback interface's name ("lo" on Linux), for gloo on a job of this machine alone."""
+    try:
+        return next((name for _index, name in socket.if_nameindex() if name == "lo"), None)
+    except OSError:
+        return None
+
+
+_LOOPBACK_IFNAME = _loopback_ifname()
+
+
+def process_env(spec: WorkerSpec, local_rank: int, master_port: int, store_port: int | None,
+                secret_hex: str) -> dict[str, str]:
+    """A process's whole environment: ours, the job's, torchrun's (``rank_env``), the job secret,
+    the Flight Recorder's settings, and gloo kept on loopback for a job of this machine alone."""
+    env = dict(os.environ)
+    env.update(spec.env)
+    env.update(rank_env(spec, local_rank, master_port, store_port))
+    env[JOB_SECRET_VAR] = secret_hex
+    env[SUPERVISOR_PID_VAR] = str(os.getpid())
+    env.setdefault(FLIGHT_RECORDER_VAR, str(FLIGHT_RECORDER_ENTRIES))  # the user's setting wins (0: off)
+    if spec.debug_dir:
+        env[DEBUG_DIR_VAR] = spec.debug_dir
+        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(spec.debug_dir, "nccl-trace-rank-"))
+    if spec.master_addr in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env and _LOOPBACK_IFNAME:
+        env["GLOO_SOCKET_IFNAME"] = _LOOPBACK_IFNAME  # gloo's listeners stay on loopback too
+    return env
 
 
 def rank_env(spec: WorkerSpec, local_rank: int, master_port: int, store_port: int | None = None) -> dict[str, str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 
+from distrun.launch.api import PEER_LOST
 from distrun.protocol import Failed
 
 __all__ = ["StopDecision", "DEFAULT_KILL_AFTER_S"]
@@ -70,3 +71,16 @@ class StopDecision:
         """``failure`` came after the decision: the stop caused it (a peer was killed first)."""
         decided_at = self._decided_at
         return decided_at is not None and failure.time >= decided_at
+
+    def own(self, failures: list[Failed]) -> list[Failed]:
+        """Failures of the job's own: not those of ranks that died after the stop was decided."""
+        return [failure for failure in failures if not self.part_of_stop(failure)]
+
+    def root_cause(self, failures: list[Failed]) -> Failed | None:
+        """The job's first failure of its own: a rank's own failure beats one that only lost a
+        peer (``PEER_LOST``), and among equals the earliest wins."""
+        own = self.own(failures)
+        if not own:
+            return None
+        primary = [failure for failure in own if failure.kind != PEER_LOST] or own
+        return min(primary, key=lambda failure: failure.time)

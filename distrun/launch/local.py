@@ -44,18 +44,18 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from distrun.launch._agent import ElasticAgent
-from distrun.launch._env import rank_env
+from distrun.launch._diagnose import RankDiagnosis
+from distrun.launch._env import process_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._oom import OomWatch
-from distrun.launch._pyspy import StackUnavailable, read_stack
-from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
+from distrun.launch._proc import Proc as _Proc, describe_exit as _describe_exit
+from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
 from distrun.launch._stopped import StoppedWatch
 from distrun.launch._store_relay import StoreFront, StoreRelay
-from distrun.launch.api import PEER_LOST, ProcessState, RunResult, WorkerSpec
+from distrun.launch.api import ProcessState, RunResult, WorkerSpec
 from distrun.protocol import (
     OOM_KILLED,
     SERVER_RANK,
@@ -67,17 +67,12 @@ from distrun.protocol import (
     Step,
     decode_event,
 )
-from distrun.protocol.diagnosis import RankStack, flight_recorder_file
+from distrun.protocol.diagnosis import RankStack
 from distrun.protocol.environment import (
-    DEBUG_DIR_VAR,
     DIAGNOSE_FD_VAR,
-    FLIGHT_RECORDER_ENTRIES,
-    FLIGHT_RECORDER_VAR,
-    SUPERVISOR_PID_VAR,
     ELASTIC_JOINER_VAR,
     EVENT_FD_VAR,
     INCARNATION_VAR,
-    JOB_SECRET_VAR,
     PARENT_PID_VAR,
     PREEMPTED_EXIT_CODE,
     STORE_FD_VAR,
@@ -91,31 +86,6 @@ EventSink = Callable[[Event], None]
 
 _TICK_S = 0.05
 _DRAIN_S = 2.0
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def _loopback_ifname() -> str | None:
-    """The loopback interface's name ("lo" on Linux), for gloo on a job of this machine alone."""
-    try:
-        return next((name for _index, name in socket.if_nameindex() if name == "lo"), None)
-    except OSError:
-        return None
-
-
-_LOOPBACK_IFNAME = _loopback_ifname()
-
-
-@dataclass
-class _Proc:
-    local_rank: int
-    rank: int
-    popen: Handle  # a subprocess.Popen, or a process the warm interpreter forked
-    fds: dict[int, tuple[str, LineBuffer]] = field(default_factory=dict)
-    returncode: int | None = None
-    signalled: bool = False  # we sent it SIGTERM/SIGKILL: its death is ours, not its own failure
-    lost_reason: str | None = None  # --elastic: why we killed it as lost (a hang), said when it is started again
-    incarnation: int = 0  # how many times this rank was started before this process
-    diagnose_w: int | None = None  # write end of its diagnose pipe: a byte asks for its Flight Recorder
 
 
 class LocalLauncher:
@@ -154,7 +124,7 @@ class LocalLauncher:
         self._preempt_requested = threading.Event()
         self._preempt_sent = False
         self._preempted: set[int] = set()  # ranks that checkpointed and stopped to be requeued
-        self._diagnose_lock = threading.Lock()  # a diagnose pipe is written from any thread, closed by ours
+        self._diagnose = RankDiagnosis(self._running, spec.debug_dir)
         self._oom = OomWatch()  # names the kernel's OOM killer when a rank dies of a SIGKILL not ours
         self._stopped = StoppedWatch()  # --elastic: a rank stopped by a signal is lost (launch/_stopped)
 
@@ -171,8 +141,8 @@ class LocalLauncher:
             self._close_store_access()
             self._drain_pipes(deadline=time.monotonic() + _DRAIN_S)
             self._selector.close()
-            self._close_diagnose_pipes()
-        if state is ProcessState.STOPPED and self._root_cause() is not None:
+            self._diagnose.close_all(self._procs)
+        if state is ProcessState.STOPPED and self._stop.root_cause(self._failures) is not None:
             # A rank's own failure, stamped before the stop was decided but read after it: the job's.
             state = ProcessState.FAILED
         return RunResult(
@@ -180,7 +150,7 @@ class LocalLauncher:
             returncodes={p.rank: (p.returncode if p.returncode is not None else -signal.SIGKILL) for p in self._procs},
             # Also when stopped: a rank that died on its own just before a stop request
             # (a peer host's failure reached us first) is still the root cause.
-            failure=self._root_cause(),
+            failure=self._stop.root_cause(self._failures),
         )
 
     def stop(self, reason: str = "stop requested") -> None:
@@ -220,42 +190,12 @@ class LocalLauncher:
         return [p.popen.pid for p in self._procs]
 
     def stacks(self, *, native: bool = False, host: str = "") -> list[RankStack]:
-        """Every running rank's main-thread stack now, read by py-spy (one at a time: each
-        read pauses its rank for a moment). Thread-safe; a rank py-spy cannot read says why."""
-        found = []
-        for proc in sorted(self._running(), key=lambda p: p.rank):
-            pid = proc.popen.pid
-            try:
-                found.append(RankStack(rank=proc.rank, host=host, pid=pid, frames=read_stack(pid, native=native)))
-            except StackUnavailable as exc:
-                found.append(RankStack(rank=proc.rank, host=host, pid=pid, error=str(exc)))
-        return found
+        """Every running rank's main-thread stack now (py-spy; ``launch/_diagnose``). Thread-safe."""
+        return self._diagnose.stacks(native=native, host=host)
 
     def dump_flight_recorder(self, timeout_s: float = 10.0) -> dict[int, str]:
-        """Ask every running rank for its Flight Recorder; {rank: the dump's path} for the dumps
-        written within ``timeout_s`` (a rank stuck holding the GIL writes none). Thread-safe."""
-        folder = self._spec.debug_dir
-        if folder is None:
-            return {}
-        asked: dict[int, str] = {}
-        with self._diagnose_lock:
-            for proc in self._running():
-                path = os.path.join(folder, flight_recorder_file(proc.rank))
-                try:
-                    os.unlink(path)  # an older dump must not pass for this one
-                except FileNotFoundError:
-                    pass
-                if proc.diagnose_w is None:
-                    continue
-                try:
-                    os.write(proc.diagnose_w, b"d")
-                except OSError:  # it exited, or its pipe is full of unanswered asks
-                    continue
-                asked[proc.rank] = path
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not all(os.path.exists(p) for p in asked.values()):
-            time.sleep(0.05)
-        return {rank: path for rank, path in asked.items() if os.path.exists(path)}
+        """Every running rank's Flight Recorder, {rank: the dump's path} (``launch/_diagnose``). Thread-safe."""
+        return self._diagnose.dump_flight_recorder(timeout_s)
 
     def _running(self) -> list[_Proc]:
         return [p for p in list(self._procs) if p.returncode is None]
@@ -319,19 +259,7 @@ class LocalLauncher:
         self._sink(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
 
     def _environment(self, local_rank: int) -> dict[str, str]:
-        """A process's environment: ours, the job's, torchrun's, the job secret."""
-        env = dict(os.environ)
-        env.update(self._spec.env)
-        env.update(rank_env(self._spec, local_rank, self._port, self._store_port))
-        env[JOB_SECRET_VAR] = self._secret.hex()
-        env[SUPERVISOR_PID_VAR] = str(os.getpid())
-        env.setdefault(FLIGHT_RECORDER_VAR, str(FLIGHT_RECORDER_ENTRIES))  # the user's setting wins (0: off)
-        if self._spec.debug_dir:
-            env[DEBUG_DIR_VAR] = self._spec.debug_dir
-            env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(self._spec.debug_dir, "nccl-trace-rank-"))
-        if self._spec.master_addr in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env and _LOOPBACK_IFNAME:
-            env["GLOO_SOCKET_IFNAME"] = _LOOPBACK_IFNAME  # gloo's listeners stay on loopback too
-        return env
+        return process_env(self._spec, local_rank, self._port, self._store_port, self._secret.hex())
 
     def _spawn(self, local_rank: int, listener: socket.socket | None, *, joiner: bool = False) -> _Proc:
         spec = self._spec
@@ -394,7 +322,7 @@ class LocalLauncher:
             self._poll_exits()
             running = [p for p in self._procs if p.returncode is None]
             if stopping_since is None:
-                if self._own_failures():
+                if self._stop.own(self._failures):
                     state = ProcessState.FAILED
                 elif self._stop.kill_due() or (self._stop.decided and self._failures):
                     state = ProcessState.STOPPED  # a rank that died after the decision: kill the rest now
@@ -448,7 +376,7 @@ class LocalLauncher:
             if rc is None:
                 continue
             proc.returncode = rc
-            self._close_diagnose_pipe(proc)
+            self._diagnose.close(proc)
             # Anything it spawned goes with it; then read its last words (its
             # Failed event) before deciding whether it failed.
             self._kill_group(proc, signal.SIGKILL)
@@ -524,17 +452,6 @@ class LocalLauncher:
     def _note(self, rank: int, text: str) -> None:
         self._sink(Output(rank=rank, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
 
-    def _own_failures(self) -> list[Failed]:
-        """Failures of the job's own: not those of ranks that died after a stop was decided."""
-        return [f for f in self._failures if not self._stop.part_of_stop(f)]
-
-    def _root_cause(self) -> Failed | None:
-        failures = self._own_failures()
-        if not failures:
-            return None
-        primary = [f for f in failures if f.kind != PEER_LOST] or failures
-        return min(primary, key=lambda f: f.time)
-
     # -- tear down ------------------------------------------------------------
 
     def _kill_group(self, proc: _Proc, sig: int) -> None:
@@ -559,22 +476,6 @@ class LocalLauncher:
                 proc.returncode = rc
                 self._sink(Exited(rank=proc.rank, time=time.time(), returncode=rc))
 
-    def _close_diagnose_pipe(self, proc: _Proc) -> None:
-        with self._diagnose_lock:  # never closed while another thread writes to it
-            if proc.diagnose_w is not None:
-                os.close(proc.diagnose_w)
-                proc.diagnose_w = None
-
-    def _close_diagnose_pipes(self) -> None:
-        for proc in self._procs:
-            self._close_diagnose_pipe(proc)
-        folder = self._spec.debug_dir
-        if folder:
-            try:
-                os.rmdir(folder)  # only if nothing was dumped: an empty folder tells nobody anything
-            except OSError:
-                pass
-
     def _drain_proc(self, proc: _Proc, deadline: float) -> None:
         while time.monotonic() < deadline:
             if not any(fd in self._selector.get_map() for fd in proc.fds):
@@ -590,13 +491,3 @@ class LocalLauncher:
                 os.close(key.fd)
             except OSError:
                 pass
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        return f"killed by {name}"
-    return f"exited with code {returncode}"

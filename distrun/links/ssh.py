@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import paramiko
 
-from distrun.config.cluster import DEFAULT_SSH_PORT, HostSpec
+from distrun.config import DEFAULT_SSH_PORT, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
 from distrun.links.api import RawResult, Result, command_line, last_line
 from distrun.protocol.wire import Stream

@@ -18,6 +18,7 @@ from typing import Any, BinaryIO
 
 from distrun.launch import LocalLauncher
 from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
+from distrun.server._job_args import files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
 __all__ = ["JobRecord"]
@@ -78,6 +79,41 @@ class JobRecord:
             self.reason = reason
         self.record_note(f"stopping: {reason}")
         return True
+
+    @classmethod
+    def read_back(cls, job_id: str, folder: Path) -> JobRecord | None:
+        """A finished job its server no longer keeps: its log and result, read back from ``folder``."""
+        try:
+            result = json.loads((folder / "result.json").read_text())
+            raw = (folder / "events.ndjson").read_bytes() if (folder / "events.ndjson").is_file() else b""
+        except (OSError, ValueError):
+            return None
+        lines = []
+        for line in raw.splitlines():
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+        job = cls(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result,
+                  reason=result.get("reason"))
+        job.finished_at = time.monotonic()
+        return job
+
+    def artifacts(self) -> dict[str, Any]:
+        """What the job left for the client to fetch: the newest checkpoint its ranks wrote here (from
+        its event log; a sharded one's files named), its ``--tensorboard`` files, its ``--profile`` traces."""
+        with self.changed:
+            saved = [line for line in self.lines if line.get("type") == "checkpoint"]
+        newest = max(saved, key=lambda line: line["step"]) if saved else None
+        board = self.folder / "tensorboard"
+        profile = self.folder / "profile"
+        checkpoint = Path(newest["path"]) if newest else None
+        parts = sorted(entry.name for entry in checkpoint.iterdir() if entry.is_file()) \
+            if checkpoint is not None and checkpoint.is_dir() else None
+        return {"checkpoint": str(checkpoint) if checkpoint else None, "checkpoint_files": parts,
+                "step": newest["step"] if newest else None,
+                "result": self.result, "tensorboard": {"dir": str(board), "files": files_under(board)},
+                "profile": {"dir": str(profile), "files": traces_in(profile)}}
 
     def summary(self) -> dict[str, Any]:
         """What ``distrun jobs`` lists: the state, why it stopped, and (failed) the root cause."""

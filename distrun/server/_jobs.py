@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import json
 import logging
 import os
-import re
 import socket
 import sys
 import threading
@@ -37,21 +35,26 @@ from pathlib import Path
 from typing import Any
 
 from distrun.config import DILOCO_DEFAULTS, JobSpec, StrategyName
-from distrun.errors import ConfigError
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol import event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
+from distrun.server._job_args import (
+    JobError,
+    job_id_of,
+    port_range_of,
+    reason_of,
+    secret_of,
+    sha_of,
+    torchelastic_ids,
+)
 from distrun.server._job_record import JobRecord
 from distrun.server._local_job import LocalJobChannel
-from distrun.protocol.secret import parse_job_secret
 from distrun.protocol.wire import Stream, send_frame
 from distrun.server._net import address_to_bind, interface_towards
 
 log = logging.getLogger("distrun.server.jobs")
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 #: How long a follower waits for the next event before it sends a heartbeat.
 FOLLOW_HEARTBEAT_S = 1.0
 #: A job not started with --detach is cancelled when no client has followed it for this long.
@@ -65,10 +68,6 @@ TEST_HOOKS_VAR = "DR_TEST_HOOKS"
 #: Finished jobs kept in memory: at most this many, for at most this long (their logs stay on disk).
 KEEP_FINISHED = 64
 KEEP_FINISHED_S = 24 * 3600.0
-
-
-class JobError(ValueError):
-    """A request about a job cannot be honoured (unknown id, bad bundle, ...)."""
 
 
 class JobManager:
@@ -86,21 +85,21 @@ class JobManager:
     # -- requests
 
     def has_bundle(self, args: dict[str, Any]) -> dict[str, Any]:
-        sha = _sha(args)
+        sha = sha_of(args)
         return {"present": (self.bundles / sha).is_dir() or (self.bundles / f"{sha}.tar.gz").is_file(),
                 "upload_path": str(self.bundles / f"{sha}.tar.gz")}
 
     def rendezvous(self, args: dict[str, Any]) -> dict[str, Any]:
         """Bind the job's rendezvous socket on this host's cluster address (``address``: this
         host as the cluster file names it; ``interface``: the cluster's, if set)."""
-        secret = _secret(args)
+        secret = secret_of(args)
         address = address_to_bind(str(args.get("address") or "127.0.0.1"), args.get("interface"))
         if address is None:
             raise JobError(f"cannot tell this host's address on the cluster network from {args.get('address')!r}; "
                            f"set network.interface in the cluster file")
-        job = self._new_job(_job_id(args))
+        job = self._new_job(job_id_of(args))
         job.secret = secret
-        low, high = _port_range(args.get("port_range"))
+        low, high = port_range_of(args.get("port_range"))
         sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         for port in ([0] if low is None else range(low, high + 1)):
@@ -135,7 +134,7 @@ class JobManager:
         job.rendezvous_lease.start()
 
     def submit(self, args: dict[str, Any]) -> dict[str, Any]:
-        job_id = _job_id(args)
+        job_id = job_id_of(args)
         with self._lock:
             job = self._jobs.get(job_id)
         if job is not None and args.get("join") and job.launcher is None and job.result is not None:
@@ -147,12 +146,12 @@ class JobManager:
             job = self._new_job(job_id)
         if job.launcher is not None or job.state != "pending":
             raise JobError(f"job {job_id} was already submitted here")
-        secret = _secret(args)
+        secret = secret_of(args)
         if job.secret and not hmac.compare_digest(job.secret, secret):
             raise JobError(f"job {job_id}: the secret differs from the rendezvous's")
         if job.reason is not None:  # cancelled between its rendezvous and this submit (checked again below)
             raise JobError(f"job {job_id} is stopping ({job.reason}); not started here")
-        sha = _sha(args)
+        sha = sha_of(args)
         try:
             root = unpack(self.bundles / f"{sha}.tar.gz", sha, self.bundles / sha)
         except FileNotFoundError:
@@ -202,7 +201,7 @@ class JobManager:
             respawns=int(args.get("respawns", 0)),
             elastic=spec.elastic,
             join=bool(args.get("join", False)) and spec.elastic,
-            **_torchelastic_ids(job_id, int(args.get("respawns", 0))),
+            **torchelastic_ids(job_id, int(args.get("respawns", 0))),
             job_secret=secret,
             debug_dir=str(job.folder / "debug"),
         )
@@ -231,7 +230,7 @@ class JobManager:
         the job's until its result, which ends the record as a cluster job's result does."""
         args = request.get("args") if isinstance(request.get("args"), dict) else {}
         try:
-            job = self._new_job(_job_id(args))
+            job = self._new_job(job_id_of(args))
         except JobError as exc:
             send_frame(conn, {"id": request.get("id"), "ok": False, "error": {"type": "JobError", "message": str(exc)}})
             return
@@ -311,7 +310,7 @@ class JobManager:
         a rank that dies from now on (its peer on another host was killed first) is part of
         the stop, so every host ends the job ``stopped``, whichever is killed first."""
         job = self._get(args)
-        reason = _reason(args)
+        reason = reason_of(args)
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if job.decide_stop(reason) and launcher is not None:
             launcher.stopping(reason)  # with no kill behind it, the launcher kills after its own wait
@@ -321,7 +320,7 @@ class JobManager:
     def cancel(self, args: dict[str, Any]) -> dict[str, Any]:
         """Kill the job's ranks here (deciding to stop first, if ``stopping`` did not)."""
         job = self._get(args)
-        reason = _reason(args)
+        reason = reason_of(args)
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if launcher is not None:
             delay_s = self._kill_delay_s()
@@ -385,23 +384,8 @@ class JobManager:
                 "dumps": {str(rank): path for rank, path in dumps.items()}}
 
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
-        """The newest checkpoint this host's ranks wrote for the job (from its event log), and
-        the ``--tensorboard`` event files they wrote (paths under ``dir``)."""
-        job = self._get(args)
-        with job.changed:
-            saved = [line for line in job.lines if line.get("type") == "checkpoint"]
-        newest = max(saved, key=lambda line: line["step"]) if saved else None
-        board = job.folder / "tensorboard"
-        files = _files_under(board)
-        profile = job.folder / "profile"
-        checkpoint = Path(newest["path"]) if newest else None
-        # A sharded checkpoint is a folder (every rank's shards, the index, the sidecar): name its files.
-        parts = sorted(entry.name for entry in checkpoint.iterdir() if entry.is_file()) \
-            if checkpoint is not None and checkpoint.is_dir() else None
-        return {"checkpoint": str(checkpoint) if checkpoint else None, "checkpoint_files": parts,
-                "step": newest["step"] if newest else None,
-                "result": job.result, "tensorboard": {"dir": str(board), "files": files},
-                "profile": {"dir": str(profile), "files": _traces_in(profile)}}
+        """What the job left here for the client to fetch (``JobRecord.artifacts``)."""
+        return self._get(args).artifacts()
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
@@ -448,32 +432,13 @@ class JobManager:
         return job
 
     def _get(self, args: dict[str, Any]) -> JobRecord:
-        job_id = _job_id(args)
+        job_id = job_id_of(args)
         with self._lock:
             job = self._jobs.get(job_id)
         if job is None:
-            job = self._from_disk(job_id)
+            job = JobRecord.read_back(job_id, self.jobs_dir / job_id)
         if job is None:
             raise JobError(f"no job {job_id} on this server")
-        return job
-
-    def _from_disk(self, job_id: str) -> JobRecord | None:
-        """A finished job this server no longer keeps: its log and result, read back (not kept)."""
-        folder = self.jobs_dir / job_id
-        try:
-            result = json.loads((folder / "result.json").read_text())
-            raw = (folder / "events.ndjson").read_bytes() if (folder / "events.ndjson").is_file() else b""
-        except (OSError, ValueError):
-            return None
-        lines = []
-        for line in raw.splitlines():
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                continue
-        job = JobRecord(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result,
-                        reason=result.get("reason"))
-        job.finished_at = time.monotonic()
         return job
 
     def _forget(self, job: JobRecord) -> None:
@@ -509,72 +474,11 @@ class JobManager:
             self._forget_old()
 
 
-_ATTEMPT = re.compile(r"^(?P<run>.+?)(?:-r(?P<restart>\d+))?$")
-
-
-def _torchelastic_ids(attempt_id: str, max_restarts: int) -> dict[str, Any]:
-    """torchrun's run id and restart count from an attempt id (JOB, then JOB-r1, JOB-r2, ...)."""
-    found = _ATTEMPT.match(attempt_id)
-    assert found is not None  # the pattern matches any non-empty id
-    return {"run_id": found["run"], "restart_count": int(found["restart"] or 0), "max_restarts": max_restarts}
-
-
-def _job_id(args: dict[str, Any]) -> str:
-    job_id = args.get("job")
-    if not isinstance(job_id, str) or not _JOB_ID.match(job_id):
-        raise JobError(f"bad job id {job_id!r}")
-    return job_id
-
-
 def _kill(job: JobRecord, launcher: LocalLauncher | LocalJobChannel, reason: str) -> None:
     """Stop the job's ranks here; the record notes why, if ``stopping`` did not (an older client's
     cancel). ``stop`` decides in the launcher itself before it kills."""
     job.decide_stop(reason)
     launcher.stop(reason)
-
-
-def _reason(args: dict[str, Any]) -> str:
-    """Why a job is stopped, as the client said it: one short line."""
-    text = " ".join(str(args.get("reason") or "cancelled").split())
-    return text[:200] or "cancelled"
-
-
-def _secret(args: dict[str, Any]) -> str:
-    try:
-        parse_job_secret(args.get("secret"), "the request's secret")
-    except ConfigError as exc:
-        raise JobError(str(exc)) from None
-    return str(args["secret"])
-
-
-def _sha(args: dict[str, Any]) -> str:
-    sha = args.get("bundle")
-    if not isinstance(sha, str) or not _SHA256.match(sha):
-        raise JobError(f"bad bundle id {sha!r}")
-    return sha
-
-
-def _port_range(value: Any) -> tuple[int | None, int | None]:
-    if value is None:
-        return None, None
-    low, high = int(value[0]), int(value[1])
-    return low, high
-
-
-def _files_under(folder: Path) -> list[str]:
-    """The files under ``folder`` (relative paths), for the client to fetch; none if it is absent."""
-    if not folder.is_dir():
-        return []
-    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
-
-
-def _traces_in(folder: Path) -> list[str]:
-    """The ``--profile`` traces the job's ranks wrote: finished (not a ``.tmp``), plain files, no links."""
-    if not folder.is_dir():
-        return []
-    return sorted(path.name for path in folder.iterdir()
-                  if path.name.endswith(".pt.trace.json") and not path.name.startswith(".")
-                  and path.is_file() and not path.is_symlink())
 
 
 def evaluator_spec(spec: JobSpec) -> JobSpec:

@@ -134,7 +134,7 @@ def test_without_respawns_an_independent_rank_is_lost_and_the_others_finish(tmp_
 
 def test_torchrun_variables_name_the_run_its_restart_and_the_hosts():
     from distrun.launch._env import rank_env
-    from distrun.server._jobs import _torchelastic_ids
+    from distrun.server._job_args import torchelastic_ids as _torchelastic_ids
 
     ids = _torchelastic_ids("20261123-014911-218bdc-r2", 3)
     assert ids == {"run_id": "20261123-014911-218bdc", "restart_count": 2, "max_restarts": 3}
