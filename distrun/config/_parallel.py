@@ -15,17 +15,34 @@ from typing import Any
 from distrun.errors import ConfigError
 
 __all__ = ["ACTIVATION_CHECKPOINTING", "MODEL_PARALLEL_STRATEGIES", "PP_SCHEDULES", "stages_per_rank",
-           "validate_parallel"]
+           "stages_of_rank", "rank_of_stage", "validate_parallel"]
 
 #: ``--pp-schedule``: torch.distributed.pipelining's schedules by distrun's names. The
-#: interleaved ones hold two stages on each rank (fewer idle slots, more messages).
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+#: interleaved ones hold two stages on each rank (fewer idle slots, more messages), looped
+#: (rank r: stages r and r + P); the V-shaped ones hold two as a V (rank r: stages r and
+#: 2P - 1 - r, so the first and the last stage share rank 0, and the middle turn is local).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 _INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+_V_SHAPED = ("zbv", "dualpipe-v")
 
 
 def stages_per_rank(schedule: str) -> int:
     """How many pipeline stages each rank holds under ``schedule``."""
-    return 2 if schedule in _INTERLEAVED else 1
+    return 2 if schedule in _INTERLEAVED + _V_SHAPED else 1
+
+
+def stages_of_rank(schedule: str, rank: int, pp: int) -> list[int]:
+    """The stages pipeline rank ``rank`` (of ``pp``) holds under ``schedule``, in order."""
+    if schedule in _V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(stages_per_rank(schedule))]
+
+
+def rank_of_stage(schedule: str, stage: int, pp: int) -> int:
+    """The pipeline rank that holds ``stage`` under ``schedule`` (``stages_of_rank`` inverted)."""
+    if schedule in _V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 def _microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None:
@@ -36,6 +53,8 @@ def _microbatch_problem(schedule: str, microbatches: int, pp: int) -> str | None
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
             return f"{schedule} runs microbatches in rounds of {pp}: give a multiple of {pp}, or fewer than {pp}"
+    if schedule == "dualpipe-v" and microbatches < 2 * pp:
+        return f"DualPipeV needs at least one microbatch per stage ({2 * pp}: two stages a rank)"
     return None
 
 #: ``--activation-checkpointing``: keep every activation, recompute each unit's in backward,

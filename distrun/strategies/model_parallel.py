@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distrun.config._parallel import stages_per_rank
+from distrun.config._parallel import rank_of_stage, stages_of_rank, stages_per_rank
 from distrun.errors import ConfigError, RecipeError
 from distrun.strategies.checkpoint import layout
 from distrun.strategies.parallel.mesh import MeshShape, ParallelMesh, mesh_shape
@@ -147,9 +147,10 @@ class ModelParallelStrategy(ShardedStrategy):
             if rebuilt is not None:
                 self._wait_for_copies(rebuilt)
             return self._parts[0], rebuilt
-        self.pipeline = Pipeline(parts, stages=self.shape.pp * stages_per_rank(self._schedule_name), device=self.device,
-                                 group=self.parallel.pipeline_group, schedule=self._schedule_name,
-                                 microbatches=self._microbatches)
+        schedule, pp = self._schedule_name, self.shape.pp
+        self.pipeline = Pipeline(parts, stages=pp * stages_per_rank(schedule), device=self.device,
+                                 group=self.parallel.pipeline_group, schedule=schedule,
+                                 microbatches=self._microbatches, rank_of=lambda stage: rank_of_stage(schedule, stage, pp))
         container = PipelineParts(self._parts)
         if optimizer is None:
             return container, None
@@ -173,7 +174,7 @@ class ModelParallelStrategy(ShardedStrategy):
             print(f"[{self.name}] pipeline: {cut.stages} stages over {self.shape.pp} ranks ({self._schedule_name}, "
                   f"{self._microbatches} microbatches), chain from {chain.source}: {cut.describe(chain)}", flush=True)
         base = meta_copy(model) if not on_meta(model) else model
-        mine = [self.place["pp"] + k * self.shape.pp for k in range(per_rank)]
+        mine = stages_of_rank(self._schedule_name, self.place["pp"], self.shape.pp)
         return [(stage, keep_stages(meta_copy(base) if per_rank > 1 else base, chain, cut.items(stage)))
                 for stage in mine]
 
@@ -282,8 +283,9 @@ class ModelParallelStrategy(ShardedStrategy):
         # The chief writes the sidecar: it needs every stage's groups and scalars, in stage order.
         every: list[Any] = [None] * dist.get_world_size(self.parallel.pipeline_group)
         dist.all_gather_object(every, rests, group=self.parallel.pipeline_group)
-        by_stage = sorted(((rank + k * self.shape.pp, rest) for rank, mine in enumerate(every)
-                           for k, rest in enumerate(mine)), key=lambda pair: pair[0])
+        by_stage = sorted(((stage, rest) for rank, mine in enumerate(every)
+                           for stage, rest in zip(stages_of_rank(self._schedule_name, rank, self.shape.pp), mine)),
+                          key=lambda pair: pair[0])
         return tensors, merge_rest([rest for _, rest in by_stage])
 
     def _load_sharded(self, path: Path, data: dict[str, Any]) -> None:

@@ -166,7 +166,10 @@ def test_the_live_view_shows_the_mesh_and_each_ranks_place():
 @pytest.mark.parametrize("extra, says", [
     ({"pp": 2, "microbatches": 1}, "--microbatches 1: 1F1B needs at least one microbatch per stage (2)"),
     ({"pp": 2, "global_batch_size": 6}, "--microbatches 4: a replica's batch of 6"),
-    ({"pp": 2, "pp_schedule": "wavy"}, "--pp-schedule: expected gpipe, 1f1b, interleaved-1f1b, zero-bubble"),
+    ({"pp": 2, "pp_schedule": "wavy"}, "--pp-schedule: expected gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv, "
+                                       "dualpipe-v"),
+    ({"pp": 2, "pp_schedule": "dualpipe-v", "microbatches": 2},
+     "--microbatches 2: DualPipeV needs at least one microbatch per stage (4: two stages a rank)"),
     ({"pp_schedule": "gpipe"}, "--pp-schedule is for pipeline parallel: it needs --pp 2 or more"),
     ({"microbatches": 4}, "--microbatches is for pipeline parallel"),
     ({"pp": 2, "precision": "fp16"}, "--precision fp16 with --pp"),
@@ -235,3 +238,18 @@ def test_the_evaluator_role_runs_one_device_whatever_the_layout():
     evaluator = evaluator_spec(_spec("sharded", replicas=2, tp=2, pp=2, pp_schedule="gpipe", global_batch_size=8))
     assert evaluator.world_size == 1 and evaluator.strategy is StrategyName.ONE_DEVICE and evaluator.mesh == {
         "dp": 1, "tp": 1}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v"])
+@pytest.mark.parametrize("pp", [2, 3, 4])
+def test_every_stage_has_one_rank_and_a_v_turns_on_the_last_rank(schedule: str, pp: int) -> None:
+    from distrun.config._parallel import rank_of_stage, stages_of_rank, stages_per_rank
+
+    held = {stage: rank for rank in range(pp) for stage in stages_of_rank(schedule, rank, pp)}
+    assert sorted(held) == list(range(pp * stages_per_rank(schedule)))
+    assert all(rank_of_stage(schedule, stage, pp) == rank for stage, rank in held.items())
+    if schedule in ("zbv", "dualpipe-v"):  # the first and the last stage on rank 0; the turn local
+        assert held[0] == held[2 * pp - 1] == 0 and held[pp - 1] == held[pp] == pp - 1
+    elif stages_per_rank(schedule) == 2:  # looped: rank r holds r and r + P
+        assert held[pp] == 0
+

@@ -1,7 +1,7 @@
 """Running a replica's pipeline: torch's schedules for training, a plain forward pass for evaluation.
 
 Training hands each step to a torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved
-1F1B, interleaved zero bubble). The first stage feeds the replica's inputs (``batch[0]``), the
+1F1B, interleaved zero bubble, and the V-shaped ZBV and DualPipeV). The first stage feeds the replica's inputs (``batch[0]``), the
 schedule splits them into microbatches, and the last stage computes the recipe's
 ``loss(outputs, batch)`` on each: its target is the microbatch's row numbers
 (``torch.arange``, torchtitan's trick), so the loss sees the rows of the whole batch that the
@@ -17,7 +17,8 @@ gradients' shapes; that call is not a microbatch, and the loss reported leaves i
 
 Evaluation batches vary in size and need no backward, so evaluation does not use the
 schedules: each rank runs its stages in order, receiving a stage's input from the rank before
-and sending its output on (a shape header, then the tensor). The last stage has the outputs.
+and sending its output on (a shape header, then the tensor), or keeping it when the next stage
+is its own (a V's turn). The last stage has the outputs.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
 )
 
 from distrun.errors import RecipeError
@@ -41,7 +44,8 @@ from distrun.errors import RecipeError
 __all__ = ["Pipeline", "SCHEDULES"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
-             "zero-bubble": ScheduleInterleavedZeroBubble}
+             "zero-bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipe-v": ScheduleDualPipeV}
 
 #: Activations between stages in evaluation: the header carries the dtype's index here.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
@@ -75,9 +79,12 @@ class Pipeline:
     """This rank's stages of one replica's pipeline and the schedule that runs them."""
 
     def __init__(self, parts: Sequence[tuple[int, nn.Module]], *, stages: int, device: torch.device,
-                 group: dist.ProcessGroup, schedule: str, microbatches: int) -> None:
-        """``parts``: (stage index, module) for each stage this rank holds, in order."""
+                 group: dist.ProcessGroup, schedule: str, microbatches: int,
+                 rank_of: Callable[[int], int] | None = None) -> None:
+        """``parts``: (stage index, module) for each stage this rank holds, in order; ``rank_of``:
+        the pipeline rank of a stage (default: looped, stage mod the ranks)."""
         self._parts = list(parts)
+        self._rank_of = rank_of or (lambda stage: stage % dist.get_world_size(group))
         self._stages = stages
         self._device = device
         self._group = group
@@ -139,17 +146,18 @@ class Pipeline:
     def forward(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The model's output for ``inputs`` on the last stage's ranks; None on the others."""
         x: Any = inputs if self.first else None
+        mine = {index for index, _ in self._parts}
         for index, module in self._parts:
-            if index > 0:
+            if index > 0 and index - 1 not in mine:
                 x = self._receive(self._peer(index - 1))
             x = module(x)
-            if index < self._stages - 1:
+            if index < self._stages - 1 and index + 1 not in mine:
                 self._send(x, self._peer(index + 1))
                 x = None
         return x
 
     def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self._group, stage % dist.get_world_size(self._group))
+        return dist.get_global_rank(self._group, self._rank_of(stage))
 
     def _send(self, tensor: torch.Tensor, to: int) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
