@@ -320,6 +320,102 @@ def test_every_pipeline_schedule_ends_with_one_devices_parameters(sequential, tm
     assert "chain from nn.Sequential: stage 0 = 0" in said[0], said
 
 
+# A chain whose items pass two tensors on (the hidden state and the input, for a skip connection
+# across the stage boundary), and a last item that returns two (the loss reads both).
+TUPLES = """
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+defaults = {"global_batch_size": 8, "seed": 0}
+
+
+class First(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.inner(x)), x
+
+
+class Mix(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.skip = nn.Linear(16, 16), nn.Linear(6, 16)
+
+    def forward(self, h, x):
+        return torch.tanh(self.inner(h)) + self.skip(x), x
+
+
+class Last(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out, self.aux = nn.Linear(16, 3), nn.Linear(6, 3)
+
+    def forward(self, h, x):
+        return self.out(h), self.aux(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.mix1, self.mix2, self.last = First(), Mix(), Mix(), Last()
+
+    def forward(self, x):
+        h, x = self.first(x)
+        h, x = self.mix1(h, x)
+        h, x = self.mix2(h, x)
+        return self.last(h, x)
+
+
+def model():
+    return Net()
+
+
+def pp_chain(net):
+    return [net.first, net.mix1, net.mix2, net.last]
+
+
+def optimizer(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def loss(outputs, batch):
+    main, aux = outputs
+    return nn.functional.cross_entropy(main, batch[1]) + 0.1 * nn.functional.cross_entropy(aux, batch[1])
+
+
+def _points(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def train_data(ctx):
+    return _points(42, 60)
+
+
+def eval_data(ctx):
+    return _points(7, 21)
+
+"""
+
+
+def test_stages_that_pass_several_tensors_on_end_with_one_devices_parameters(tmp_path):
+    """A chain item may give a tuple, the next item's arguments (issue 31): a skip connection
+    crosses the stage boundary, and the last stage gives the loss two outputs."""
+    recipe = tmp_path / "tuples.py"
+    recipe.write_text(TUPLES)
+    reference, one = _train(recipe, tmp_path / "one", "--epochs", "2")
+    result, data = _train(recipe, tmp_path / "pp", "-s", "mirrored", "--pp", "2", "--epochs", "2")
+    _close(data["model"], one["model"], "mirrored --pp 2, tuples between stages")
+    assert data["step"] == one["step"] == 16  # 8 batches an epoch, the last one short
+    assert result.summary["eval_metrics"] == pytest.approx(reference.summary["eval_metrics"], abs=TOLERANCE)
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "pipeline:" in line["line"]]
+    assert "stage 0 = first..mix1" in said[0], said
+
+
 def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_device, tmp_path):
     """sharded --pp 2 --tp 2 (4 ranks: two stages of two) matches one-device; its step-4
     checkpoint resumes under sharded with 2 replicas and under one-device, and one-device's

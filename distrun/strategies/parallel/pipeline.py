@@ -1,7 +1,10 @@
 """A model as a chain of modules, cut into pipeline stages: what each rank keeps, under the model's names.
 
-``--pp`` needs the model's forward as a chain: an ordered list of modules, each taking one
-tensor and giving one, whose composition is the forward. An ``nn.Sequential`` is its own chain
+``--pp`` needs the model's forward as a chain: an ordered list of modules, each taking what
+the one before gives, whose composition is the forward. An item gives one tensor, or a tuple
+of tensors that the next item takes as its arguments (``h, skip = item(x)`` then
+``next_item(h, skip)``): so a stage can pass several tensors to the next, as torch's
+``PipelineStage`` sends a tuple of outputs as the next stage's arguments. An ``nn.Sequential`` is its own chain
 (its children); any other model names one with the recipe's ``pp_chain(model)``, e.g.
 ``[model.embed, *model.blocks, model.norm, model.head]``. That the composition really is the
 forward cannot be read off the code, so rank 0 checks it on the first batch, before step 1
@@ -149,13 +152,28 @@ def keep_stages(model: nn.Module, chain: Chain, items: Sequence[int]) -> nn.Modu
         del model.get_submodule(parent_name)._modules[key]
     modules = [model.get_submodule(name) for name in kept]
 
-    def forward(self: nn.Module, x: Any) -> Any:
+    def forward(self: nn.Module, *args: Any) -> Any:
+        x: Any = args if len(args) != 1 else args[0]
         for module in modules:
-            x = module(x)
+            x = call_item(module, x)
         return x
 
     model.forward = types.MethodType(forward, model)
     return model
+
+
+def call_item(module: nn.Module, x: Any) -> Any:
+    """One chain item on what the one before gave: a tuple is its arguments, a tensor its one."""
+    return module(*x) if isinstance(x, tuple) else module(x)
+
+
+def _tensors(value: Any) -> tuple[torch.Tensor, ...] | None:
+    """``value`` as a tuple of tensors (one tensor: a tuple of one), or None if it is neither."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, tuple) and value and all(isinstance(item, torch.Tensor) for item in value):
+        return value
+    return None
 
 
 def check_chain(model: nn.Module, chain: Chain, inputs: Any, *, atol: float = 1e-5) -> str | None:
@@ -168,17 +186,20 @@ def check_chain(model: nn.Module, chain: Chain, inputs: Any, *, atol: float = 1e
             expected = model(inputs)
             x = inputs
             for name in chain.names:
-                x = model.get_submodule(name)(x)
-                if not isinstance(x, torch.Tensor):
+                x = call_item(model.get_submodule(name), x)
+                if _tensors(x) is None:
                     return (f"pp_chain(model): {name} returns a {type(x).__name__}; each item of the chain must "
-                            "return one tensor, the next item's input")
+                            "return a tensor, or a tuple of tensors (the next item's arguments)")
     finally:
         model.train(was_training)
-    if not isinstance(expected, torch.Tensor) or expected.shape != x.shape:
-        shape = tuple(expected.shape) if isinstance(expected, torch.Tensor) else type(expected).__name__
+    got, want = _tensors(x), _tensors(expected)
+    assert got is not None
+    if want is None or [t.shape for t in want] != [t.shape for t in got]:
+        shape = [tuple(t.shape) for t in want] if want is not None else type(expected).__name__
         return (f"the chain ({chain.source}) does not compose to the model's forward: it gives shape "
-                f"{tuple(x.shape)} where the model gives {shape}")
-    worst = float((expected.float() - x.float()).abs().max()) if x.numel() else 0.0
+                f"{[tuple(t.shape) for t in got] if len(got) > 1 else tuple(got[0].shape)} where the model "
+                f"gives {shape[0] if isinstance(shape, list) and len(shape) == 1 else shape}")
+    worst = max((float((a.float() - b.float()).abs().max()) if a.numel() else 0.0) for a, b in zip(want, got))
     if not worst <= atol:
         return (f"the chain ({chain.source}) does not compose to the model's forward: on the first batch they "
                 f"differ by up to {worst:.3g}; the forward does more than call the chain in order")

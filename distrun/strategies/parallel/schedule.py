@@ -40,6 +40,7 @@ from torch.distributed.pipelining import (
 )
 
 from distrun.errors import RecipeError
+from distrun.strategies.parallel.pipeline import call_item
 
 __all__ = ["Pipeline", "SCHEDULES"]
 
@@ -50,6 +51,8 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": S
 #: Activations between stages in evaluation: the header carries the dtype's index here.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool)
 _MAX_DIMS = 8
+#: Tensors one stage may pass to the next (a tuple's), in evaluation's messages.
+_MAX_TENSORS = 16
 
 
 def _rows(value: Any, index: torch.Tensor) -> Any:
@@ -135,8 +138,8 @@ class Pipeline:
         step = self._step
         kept = rows[rows < step["real"]]
         if kept.numel() == 0:  # all padding: no gradient, but a backward all the same
-            return outputs.sum() * 0.0
-        loss = step["loss_fn"](outputs[(rows < step["real"]).to(outputs.device)], _rows(step["batch"], kept))
+            return sum(value.sum() for value in (outputs if isinstance(outputs, tuple) else (outputs,))) * 0.0
+        loss = step["loss_fn"](_rows(outputs, torch.nonzero(rows < step["real"]).flatten()), _rows(step["batch"], kept))
         step["check"](loss)
         step["sums"].append(loss.detach().double() * kept.numel())
         return loss * (self._microbatches * step["weight"] * kept.numel() / step["real"])
@@ -150,7 +153,7 @@ class Pipeline:
         for index, module in self._parts:
             if index > 0 and index - 1 not in mine:
                 x = self._receive(self._peer(index - 1))
-            x = module(x)
+            x = call_item(module, x)
             if index < self._stages - 1 and index + 1 not in mine:
                 self._send(x, self._peer(index + 1))
                 x = None
@@ -159,20 +162,33 @@ class Pipeline:
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self._group, self._rank_of(stage))
 
-    def _send(self, tensor: torch.Tensor, to: int) -> None:
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
-            raise RecipeError("--pp: a stage must give the next one a tensor (of at most 8 dimensions)")
-        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        dist.send(header, dst=to, group=self._group)
-        dist.send(tensor.detach().contiguous(), dst=to, group=self._group)
+    def _send(self, value: Any, to: int) -> None:
+        """A stage's output to the next stage's rank: how many tensors (a tuple's, or 1), then for
+        each a shape header and the tensor."""
+        tensors = value if isinstance(value, tuple) else (value,)
+        if not tensors or len(tensors) > _MAX_TENSORS or not all(
+                isinstance(t, torch.Tensor) and t.dim() <= _MAX_DIMS and t.dtype in _DTYPES for t in tensors):
+            raise RecipeError(f"--pp: a stage must give the next one a tensor, or a tuple of at most {_MAX_TENSORS} "
+                              f"(each of at most {_MAX_DIMS} dimensions)")
+        dist.send(torch.tensor([len(tensors), int(isinstance(value, tuple))], dtype=torch.int64, device=self._device),
+                  dst=to, group=self._group)
+        for tensor in tensors:
+            header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
+            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+            dist.send(header, dst=to, group=self._group)
+            dist.send(tensor.detach().contiguous(), dst=to, group=self._group)
 
-    def _receive(self, sender: int) -> torch.Tensor:
-        header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
-        dist.recv(header, src=sender, group=self._group)
-        dims = int(header[0])
-        tensor = torch.empty([int(size) for size in header[2:2 + dims]], dtype=_DTYPES[int(header[1])],
-                             device=self._device)
-        dist.recv(tensor, src=sender, group=self._group)
-        return tensor
+    def _receive(self, sender: int) -> Any:
+        count = torch.zeros(2, dtype=torch.int64, device=self._device)
+        dist.recv(count, src=sender, group=self._group)
+        tensors = []
+        for _ in range(int(count[0])):
+            header = torch.zeros(_MAX_DIMS + 2, dtype=torch.int64, device=self._device)
+            dist.recv(header, src=sender, group=self._group)
+            dims = int(header[0])
+            tensor = torch.empty([int(size) for size in header[2:2 + dims]], dtype=_DTYPES[int(header[1])],
+                                 device=self._device)
+            dist.recv(tensor, src=sender, group=self._group)
+            tensors.append(tensor)
+        return tuple(tensors) if int(count[1]) else tensors[0]
