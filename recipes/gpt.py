@@ -4,6 +4,7 @@
     distrun train recipes/gpt.py --strategy sharded --replicas 2  # FSDP2, each block a unit
     distrun train recipes/gpt.py -- --layers 12 --width 768       # GPT-2 small's shape (85M + embeddings)
     distrun train recipes/gpt.py -s mirrored --tp 2               # each layer split over 2 ranks (tp_plan below)
+    distrun train recipes/gpt.py -s mirrored --tp 2 --sequence-parallel  # and the activations between them
     distrun train recipes/gpt.py -s sharded --pp 2 --tp 2         # 2 pipeline stages of 2 ranks (pp_chain below)
 
 The text ships with the repository (``data/shakespeare.txt``, 300 KB of Shakespeare's plays,
@@ -65,10 +66,10 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
         normed = self.norm1(x)
-        q, k, v = (layer(normed).view(batch, length, -1, self.head_dim).transpose(1, 2)
-                   for layer in (self.q, self.k, self.v))
+        q, k, v = (layer(normed) for layer in (self.q, self.k, self.v))
+        batch, length = q.shape[:2]  # x holds a slice of the positions under --sequence-parallel; q all
+        q, k, v = (z.view(batch, length, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, -1))
         return x + self.mlp(self.norm2(x))
@@ -83,7 +84,8 @@ class Embeddings(nn.Module):
         self.positions = nn.Embedding(context, width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1], device=tokens.device))
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, length]: a batch of one
+        return self.tokens(tokens) + self.positions(positions)
 
 
 class GPT(nn.Module):
@@ -120,9 +122,12 @@ def shard_units(gpt: GPT) -> nn.ModuleList:
 def tp_plan(gpt: GPT) -> dict[str, str]:
     """Under --tp: Megatron's split. q, k, v and the MLP's first layer by output features (each
     rank some heads, some hidden units), the projections back by input features (one all-reduce
-    each). Embeddings, norms and the head stay whole on every rank."""
-    return {"blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise", "blocks.*.proj": "rowwise",
-            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}
+    each); the embeddings by rows (each rank some bytes), the head by output features, gathered
+    for the loss. The norms work on each position alone ("sequence"): whole on every rank, or,
+    under --sequence-parallel, each rank on its slice of the positions."""
+    return {"embed.tokens": "rowwise", "embed.positions": "rowwise", "blocks.*.norm[12]": "sequence",
+            "blocks.*.q": "colwise", "blocks.*.k": "colwise", "blocks.*.v": "colwise", "blocks.*.proj": "rowwise",
+            "blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise", "norm": "sequence", "head": "output"}
 
 
 def pp_chain(gpt: GPT) -> list[nn.Module]:

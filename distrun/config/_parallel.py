@@ -91,6 +91,9 @@ def validate_parallel(spec: Any) -> None:
             raise ConfigError(f"{flag}: expected a positive whole number of ranks. Received: {value!r}")
     _validate_pipeline(spec)
     tp = spec.tp
+    if spec.sequence_parallel and tp < 2:
+        raise ConfigError("--sequence-parallel splits the activations between tensor-parallel layers by sequence "
+                          "position over the --tp ranks: it needs --tp 2 or more")
     if spec.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(f"--activation-checkpointing: expected {', '.join(ACTIVATION_CHECKPOINTING)}. "
                           f"Received: {spec.activation_checkpointing!r}")

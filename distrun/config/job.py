@@ -154,6 +154,9 @@ class JobSpec:
     #: ``--tp N``: each replica's layers split over N ranks (mirrored, multi-worker, sharded), so
     #: the job runs ``replicas x tp`` ranks; ``replicas`` stays the data-parallel degree.
     tp: int = 1
+    #: ``--sequence-parallel``: under ``--tp``, the activations between the split layers are split
+    #: by sequence position over the tensor-parallel ranks too (norms and dropout run on a slice).
+    sequence_parallel: bool = False
     #: ``--pp P``: each replica's layer chain cut into P pipeline stages (a rank each, or two under
     #: the interleaved schedules); ``pp_schedule`` orders the microbatches, ``microbatches``
     #: splits each replica's batch (0: twice ``pp``).

@@ -48,7 +48,7 @@ from distrun.strategies.parallel.parts import PipelineOptimizer, PipelineParts, 
 from distrun.strategies.parallel.pipeline import Chain, chain_of, check_chain, cut_chain, keep_stages, meta_copy
 from distrun.strategies.parallel.plan import TensorPlan, resolve_plan
 from distrun.strategies.parallel.schedule import Pipeline
-from distrun.strategies.parallel.tensor import apply_tensor_parallel
+from distrun.strategies.parallel.tensor import apply_tensor_parallel, check_sequence_gradients
 from distrun.strategies.sharded import ShardedStrategy
 from distrun.strategies.checkpoint.layout import MODEL as MODEL_PREFIX
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer
@@ -76,7 +76,7 @@ class ModelParallelStrategy(ShardedStrategy):
     view, the summary and the checkpoints call it."""
 
     def __init__(self, *args: Any, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b", microbatches: int = 0,
-                 label: str, **kwargs: Any) -> None:
+                 sequence_parallel: bool = False, label: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _quiet_torch()
         self.name = label
@@ -86,6 +86,8 @@ class ModelParallelStrategy(ShardedStrategy):
         self.place = self.shape.place(self._replica.rank)
         self._replica_group = self.parallel.replica_group
         self._schedule_name = pp_schedule
+        self._sequence_parallel = sequence_parallel
+        self._gradients_checked = not sequence_parallel  # --sequence-parallel: once, after the first backward
         self._microbatches = microbatches or 2 * pp
         #: The recipe's ``tp_plan(model)`` and ``pp_chain(model)``, when it defines them (the runtime sets them).
         self.tp_plan_from: Any = None
@@ -124,9 +126,10 @@ class ModelParallelStrategy(ShardedStrategy):
         said = [f"mesh {self.shape.describe()}"]
         for index, (stage, part) in enumerate(parts):
             if plan is not None:
-                apply_tensor_parallel(part, _within(plan, part), self.parallel.tp)
+                apply_tensor_parallel(part, _within(plan, part), self.parallel.tp,
+                                      sequence_parallel=self._sequence_parallel)
                 if index == 0:
-                    said.append(plan.description)
+                    said.append(plan.description + (", sequence parallel" if self._sequence_parallel else ""))
             units = pick_units(part, self.units_from)
             if index == 0:
                 said.append(f"FSDP2 units{' of each stage' if self.pipelined else ''}: {units.description}")
@@ -216,9 +219,27 @@ class ModelParallelStrategy(ShardedStrategy):
                          loss_fn: Callable[[Any, Any], torch.Tensor],
                          check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
         if self.pipeline is None:
-            return super().forward_backward(model, batch, forward, loss_fn, check)
-        self._check_chain(batch)
-        return self.pipeline.train_step(batch, loss_fn, self.batch_weight, check)
+            loss = super().forward_backward(model, batch, forward, loss_fn, check)
+        else:
+            self._check_chain(batch)
+            loss = self.pipeline.train_step(batch, loss_fn, self.batch_weight, check)
+        if not self._gradients_checked:
+            self._check_sequence_gradients()
+        return loss
+
+    def _check_sequence_gradients(self) -> None:
+        """--sequence-parallel, after the first backward: a module the plan left out saw a slice of
+        the sequence (``check_sequence_gradients``); every rank learns it, and all stop together."""
+        self._gradients_checked = True
+        named = [(name, param) for part in self._parts for name, param in part.named_parameters()]
+        found = check_sequence_gradients(named, self.parallel.tp.get_group())
+        flag = torch.tensor([1.0 if found else 0.0], device=self._collective_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if float(flag) > 0:
+            module = found.rpartition(".")[0] if found else "a module"
+            raise RecipeError(f"--sequence-parallel: {module or found} took a slice of the sequence but is not in "
+                              "tp_plan, so its gradient is each rank's slice's; mark it \"sequence\" (a norm, dropout: "
+                              "anything per position) or split it (docs/strategies.md#sequence-parallel)")
 
     def _check_chain(self, batch: Any) -> None:
         """Before step 1, on rank 0's whole model and the first batch: does the chain compose to the

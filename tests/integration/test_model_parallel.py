@@ -128,6 +128,41 @@ def one_device(transformer, tmp_path_factory):
     return result, data, ckpt
 
 
+# The transformer under --sequence-parallel: the embedding hands out slices of the sequence, the
+# norms run on them, the head gathers them back; the forward reads the length off q's output
+# (a slice's x holds LENGTH / tp positions). The model and its parameters are the same.
+SEQUENCE_PARALLEL = TRANSFORMER.replace(
+    "        b, t, _ = x.shape\n        h = self.norm1(x)\n"
+    "        q, k, v = (layer(h).view(b, t, -1, self.head_dim).transpose(1, 2) for layer in (self.q, self.k, self.v))\n",
+    "        h = self.norm1(x)\n        q, k, v = (layer(h) for layer in (self.q, self.k, self.v))\n"
+    "        b, t = q.shape[:2]\n"
+    "        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))\n").replace(
+    '"blocks.*.mlp.2": "rowwise"}',
+    '"blocks.*.mlp.2": "rowwise",\n            "embed": "rowwise", "blocks.*.norm[12]": "sequence", "head": "output"}')
+
+
+def test_sequence_parallel_ends_with_one_devices_parameters_and_a_missed_norm_is_named(one_device, tmp_path):
+    """--tp 2 --sequence-parallel: the activations between the split layers are slices of the
+    sequence; the parameters are one-device's. A norm left out of the plan is named on step 1."""
+    assert SEQUENCE_PARALLEL.count("sequence") == 1 and "q.shape[:2]" in SEQUENCE_PARALLEL
+    recipe = tmp_path / "sequence.py"
+    recipe.write_text(SEQUENCE_PARALLEL)
+    reference, one, _ = one_device
+    result, data = _train(recipe, tmp_path / "sp", "-s", "mirrored", "--tp", "2", "--replicas", "2",
+                          "--sequence-parallel", *STEPS)
+    _close(data["model"], one["model"], "mirrored --tp 2 --sequence-parallel vs one-device")
+    assert result.summary["eval_metrics"]["loss"] == pytest.approx(reference.summary["eval_metrics"]["loss"],
+                                                                   abs=TOLERANCE)
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "mesh dp" in line["line"]]
+    assert "blocks.*.norm[12] sequence (4), head output, sequence parallel" in said[0], said
+    missed = tmp_path / "missed.py"
+    missed.write_text(SEQUENCE_PARALLEL.replace('"blocks.*.norm[12]": "sequence", ', ""))
+    refused = run_cli("train", str(missed), "-s", "mirrored", "--tp", "2", "--sequence-parallel", *STEPS)
+    assert refused.returncode == 3, refused.stderr[-2000:]
+    assert ("--sequence-parallel: blocks.0.norm1 took a slice of the sequence but is not in tp_plan"
+            in refused.stderr.strip().splitlines()[-1]), refused.stderr[-2000:]
+
+
 @pytest.mark.parametrize("strategy, flags, mesh", [
     ("mirrored", ("--tp", "2"), {"dp": 1, "tp": 2}),
     ("sharded", ("--tp", "2", "--replicas", "2"), {"dp": 2, "tp": 2}),

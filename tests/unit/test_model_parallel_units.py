@@ -87,7 +87,8 @@ def test_a_derived_plan_splits_only_what_is_sure():
 @pytest.mark.parametrize("plan, says", [
     ({"qq": "colwise"}, "tp_plan['qq']: matches no module of the model (did you mean 'q'?)"),
     ({"mlp.1": "colwise"}, "tp_plan['mlp.1']: colwise splits nn.Linear and nn.Embedding; mlp.1 is a ReLU"),
-    ({"q": "sideways"}, "tp_plan['q']: expected colwise, rowwise, replicate or a torch ParallelStyle"),
+    ({"q": "sideways"}, "tp_plan['q']: expected colwise, rowwise, output, sequence, replicate or a torch "
+                          "ParallelStyle"),
     ({"q": "colwise", "[qo]": "rowwise"}, "tp_plan: q is matched by 'q' (colwise) and by '[qo]' (rowwise)"),
     ({"mlp.0": "colwise"}, None),
 ])

@@ -4,8 +4,20 @@ A plan maps module names to a style. ``colwise`` splits a layer's output feature
 tensor-parallel ranks (each computes its share of the outputs); ``rowwise`` splits its input
 features and sums the partial outputs (one all-reduce); ``replicate`` keeps the module whole on
 every rank. A colwise layer, elementwise work, then a rowwise layer is the Megatron pair: one
-all-reduce forward and one backward for the whole pair. torch ``ParallelStyle`` objects are
-accepted as values too, for anything the three words do not say.
+all-reduce forward and one backward for the whole pair. ``output`` splits a model's last
+layer (a language model's head) by output features and gathers its output, so the loss sees
+it whole. ``sequence`` marks a module that works on each position alone (a norm, dropout):
+whole on every rank, as ``replicate``, unless ``--sequence-parallel``. torch ``ParallelStyle``
+objects are accepted as values too, for anything the words do not say.
+
+Under ``--sequence-parallel`` (Megatron's sequence parallelism, torchtitan's plan) the
+activations between the split layers are split by sequence position (dimension 1) over the
+tensor-parallel ranks, so what runs between them holds 1/N of them: a colwise layer gathers
+its input from those slices, a rowwise layer's output is reduce-scattered into them (where
+the pair's all-reduce was), a ``sequence`` module runs on its slice (``SequenceParallel``), a
+rowwise ``nn.Embedding`` hands the first slices out and ``output`` gathers the last ones in. A
+module left out of the plan would see a slice while taking its parameters' gradients for the
+whole: ``check_sequence_gradients`` finds that on the first step and names the module.
 
 Keys are module names or fnmatch patterns over them (``*.attn.q``). torch's
 ``parallelize_module`` only warns about a pattern that matches nothing, and a typo then trains
@@ -28,14 +40,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from distrun.config._suggest import did_you_mean
 from distrun.errors import RecipeError
 
 __all__ = ["STYLES", "TensorPlan", "resolve_plan", "style_object"]
 
-STYLES = ("colwise", "rowwise", "replicate")
+STYLES = ("colwise", "rowwise", "output", "sequence", "replicate")
 
 #: Modules that act on each feature alone: a colwise layer's shards pass through them unchanged.
 _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU, nn.ELU,
@@ -51,14 +64,26 @@ class TensorPlan:
 
     @property
     def split(self) -> tuple[str, ...]:
-        return tuple(name for name, style in self.styles.items() if style != "replicate")
+        return tuple(name for name, style in self.styles.items() if style not in ("replicate", "sequence"))
 
 
-def style_object(style: Any) -> ParallelStyle | None:
-    """The torch style for a plan entry; None for ``replicate`` (distrun replicates it itself)."""
+def style_object(style: Any, module: nn.Module | None = None, *,
+                 sequence_parallel: bool = False) -> ParallelStyle | None:
+    """The torch style for a plan entry on ``module``; None for what distrun replicates itself
+    (``replicate``, and ``sequence`` without ``--sequence-parallel``)."""
     if isinstance(style, ParallelStyle):
         return style
-    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(), "replicate": None}[style]
+    if isinstance(module, nn.Embedding) and style == "rowwise":  # token ids come whole, never split
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate())
+    if isinstance(module, nn.Embedding) and style == "colwise" and sequence_parallel:
+        raise RecipeError("--sequence-parallel: a colwise nn.Embedding gives each rank some features of every "
+                          "position; make the embedding rowwise, which hands out the sequence's slices")
+    if not sequence_parallel:
+        return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+                "output": ColwiseParallel(output_layouts=Replicate()), "sequence": None, "replicate": None}[style]
+    return {"colwise": ColwiseParallel(input_layouts=Shard(1)), "rowwise": RowwiseParallel(output_layouts=Shard(1)),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "sequence": SequenceParallel(), "replicate": None}[style]
 
 
 def resolve_plan(model: nn.Module, recipe_plan: Callable[[nn.Module], Any] | None, tp: int) -> TensorPlan:
@@ -127,18 +152,20 @@ def _expand(model: nn.Module, given: Mapping[Any, Any], tp: int) -> dict[str, An
 def _check_sizes(model: nn.Module, styles: Mapping[str, Any], tp: int, label: Callable[[str], str]) -> None:
     """A word style names a Linear or an Embedding whose split dimension ``tp`` divides."""
     for name, style in styles.items():
-        if not isinstance(style, str) or style == "replicate":
+        if not isinstance(style, str) or style in ("replicate", "sequence"):
             continue
         module = model.get_submodule(name)
         key = label(name)
         if isinstance(module, nn.Linear):
-            size, what = (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
-        elif isinstance(module, nn.Embedding):
+            size, what = (module.out_features, "output") if style in ("colwise", "output") \
+                else (module.in_features, "input")
+        elif isinstance(module, nn.Embedding) and style != "output":
             size, what = ((module.embedding_dim, "embedding dimension") if style == "colwise"
                           else (module.num_embeddings, "rows"))
         else:
-            raise RecipeError(f"{key}: {style} splits nn.Linear and nn.Embedding; {name} is a "
-                              f"{type(module).__name__} (give it a torch ParallelStyle, or leave it out)")
+            what_splits = "nn.Linear" if style == "output" else "nn.Linear and nn.Embedding"
+            raise RecipeError(f"{key}: {style} splits {what_splits}; {name} is a {type(module).__name__} (a norm or "
+                              "dropout is 'sequence'; give anything else a torch ParallelStyle, or leave it out)")
         if size % tp:
             raise RecipeError(f"{key}: {name}'s {size} {what} features do not split over --tp {tp}")
 

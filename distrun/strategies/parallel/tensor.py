@@ -19,9 +19,11 @@ broadcast from rank 0 into the shards.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -30,12 +32,19 @@ from torch.distributed.tensor.parallel import parallelize_module
 from distrun.errors import RecipeError
 from distrun.strategies.parallel.plan import TensorPlan, style_object
 
-__all__ = ["apply_tensor_parallel"]
+__all__ = ["apply_tensor_parallel", "check_sequence_gradients"]
+
+#: Two tensor-parallel ranks' gradients of one replicated parameter differing by more than this
+#: (relative to its size) took different slices of the sequence: a module the plan left out.
+_AGREE_RTOL = 1e-4
 
 
-def apply_tensor_parallel(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *,
+                          sequence_parallel: bool = False) -> None:
     """Split ``model`` (on the meta device) over ``mesh`` (1-D: the tensor-parallel ranks) by ``plan``."""
-    split = {name: style_object(style) for name, style in plan.styles.items() if style != "replicate"}
+    split = {name: style_object(style, model.get_submodule(name), sequence_parallel=sequence_parallel)
+             for name, style in plan.styles.items()}
+    split = {name: style for name, style in split.items() if style is not None}
     parallelize_module(model, mesh, split, src_data_rank=None)
     covered = set(split)
     for name, module in model.named_modules():
@@ -71,3 +80,27 @@ def _outputs_local(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     if isinstance(outputs, tuple):
         return tuple(value.to_local() if isinstance(value, DTensor) else value for value in outputs)
     return outputs
+
+
+def check_sequence_gradients(parameters: Iterable[tuple[str, nn.Parameter]], group: dist.ProcessGroup) -> str | None:
+    """``--sequence-parallel``, after the first backward: every parameter replicated over the
+    tensor-parallel ranks must have the same gradient on each of them. A module the plan left out
+    (a norm not marked ``sequence``) is replicated by distrun as if it saw the whole sequence, while
+    it saw a slice: its gradient is then each rank's slice's, and the ranks would drift apart.
+    Which module did, or None. Gradients torch marks ``Partial`` (a ``sequence`` module's, summed
+    at the optimizer) are not compared."""
+    for name, param in parameters:
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.device_mesh.mesh_dim_names is None:
+            continue
+        names = grad.device_mesh.mesh_dim_names
+        if "tp" not in names or not isinstance(grad.placements[names.index("tp")], Replicate):
+            continue
+        local = grad.to_local().detach().double().flatten()
+        high, low = local.clone(), local.clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=group)
+        scale = float(torch.maximum(high.abs(), low.abs()).max()) if local.numel() else 0.0  # the same on every rank
+        if local.numel() and float((high - low).abs().max()) > _AGREE_RTOL * max(scale, 1e-12):
+            return name
+    return None
