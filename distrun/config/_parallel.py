@@ -91,6 +91,11 @@ def validate_parallel(spec: Any) -> None:
             raise ConfigError(f"{flag}: expected a positive whole number of ranks. Received: {value!r}")
     _validate_pipeline(spec)
     tp = spec.tp
+    if spec.loss_parallel and tp < 2:
+        raise ConfigError("--loss-parallel computes the loss on each tensor-parallel rank's slice of the logits: it "
+                          "needs --tp 2 or more")
+    if spec.loss_parallel and spec.pp > 1:
+        raise ConfigError("--loss-parallel with --pp: not yet (the last stage gathers its logits); drop one of them")
     if spec.sequence_parallel and tp < 2:
         raise ConfigError("--sequence-parallel splits the activations between tensor-parallel layers by sequence "
                           "position over the --tp ranks: it needs --tp 2 or more")

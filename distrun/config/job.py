@@ -157,6 +157,9 @@ class JobSpec:
     #: ``--sequence-parallel``: under ``--tp``, the activations between the split layers are split
     #: by sequence position over the tensor-parallel ranks too (norms and dropout run on a slice).
     sequence_parallel: bool = False
+    #: ``--loss-parallel``: under ``--tp``, the plan's ``output`` layer keeps its logits split by
+    #: class, and the loss is computed on each rank's slice (torch's ``loss_parallel``).
+    loss_parallel: bool = False
     #: ``--pp P``: each replica's layer chain cut into P pipeline stages (a rank each, or two under
     #: the interleaved schedules); ``pp_schedule`` orders the microbatches, ``microbatches``
     #: splits each replica's batch (0: twice ``pp``).

@@ -66,6 +66,7 @@ SECTIONS: tuple[Section, ...] = (
                                                       "reshard_after_forward": "reshard_after_forward",
                                                       "offload": "offload"}),
     _section("parallel", "Sharding and parallelism", {"tp": "tp", "sequence_parallel": "sequence_parallel",
+                                                      "loss_parallel": "loss_parallel",
                                                       "pp": "pp", "pp_schedule": "pp_schedule",
                                                       "microbatches": "microbatches",
                                                       "activation_checkpointing": "activation_checkpointing"}),

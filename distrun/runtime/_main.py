@@ -309,7 +309,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                     "async_checkpoint": spec.async_checkpoint}
         if model_parallel:
             options |= {"tp": spec.tp, "pp": spec.pp, "pp_schedule": spec.pp_schedule,
-                        "microbatches": spec.pipeline_microbatches, "sequence_parallel": spec.sequence_parallel}
+                        "microbatches": spec.pipeline_microbatches, "sequence_parallel": spec.sequence_parallel,
+                        "loss_parallel": spec.loss_parallel}
     if spec.strategy is StrategyName.DILOCO:
         options |= {"sync_every": spec.sync_every, "outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum,
                     "sync_dtype": spec.sync_dtype, "fragments": spec.fragments}

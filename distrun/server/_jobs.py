@@ -486,5 +486,5 @@ def evaluator_spec(spec: JobSpec) -> JobSpec:
     whatever the job's layout (--tp/--pp, diloco's and the parameter-server's settings go)."""
     return dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
                                checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
-                               pp_schedule="1f1b", microbatches=0, sequence_parallel=False, elastic_min=0,
+                               pp_schedule="1f1b", microbatches=0, sequence_parallel=False, loss_parallel=False, elastic_min=0,
                                elastic_max=0, **DILOCO_DEFAULTS)

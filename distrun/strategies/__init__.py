@@ -58,6 +58,6 @@ def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options
     ``tp`` or ``pp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded)."""
     if options.get("tp", 1) > 1 or options.get("pp", 1) > 1:
         return ModelParallelStrategy(replica, reporter, label=name, **options)
-    for key in ("tp", "pp", "pp_schedule", "microbatches", "sequence_parallel"):
+    for key in ("tp", "pp", "pp_schedule", "microbatches", "sequence_parallel", "loss_parallel"):
         options.pop(key, None)
     return _BY_NAME[name](replica, reporter, **options)

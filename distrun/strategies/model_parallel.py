@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from distrun.config._parallel import rank_of_stage, stages_of_rank, stages_per_rank
 from distrun.errors import ConfigError, RecipeError
@@ -76,7 +77,7 @@ class ModelParallelStrategy(ShardedStrategy):
     view, the summary and the checkpoints call it."""
 
     def __init__(self, *args: Any, tp: int = 1, pp: int = 1, pp_schedule: str = "1f1b", microbatches: int = 0,
-                 sequence_parallel: bool = False, label: str, **kwargs: Any) -> None:
+                 sequence_parallel: bool = False, loss_parallel: bool = False, label: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _quiet_torch()
         self.name = label
@@ -87,6 +88,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self._replica_group = self.parallel.replica_group
         self._schedule_name = pp_schedule
         self._sequence_parallel = sequence_parallel
+        self._loss_parallel = loss_parallel
         self._gradients_checked = not sequence_parallel  # --sequence-parallel: once, after the first backward
         self._microbatches = microbatches or 2 * pp
         #: The recipe's ``tp_plan(model)`` and ``pp_chain(model)``, when it defines them (the runtime sets them).
@@ -127,9 +129,10 @@ class ModelParallelStrategy(ShardedStrategy):
         for index, (stage, part) in enumerate(parts):
             if plan is not None:
                 apply_tensor_parallel(part, _within(plan, part), self.parallel.tp,
-                                      sequence_parallel=self._sequence_parallel)
+                                      sequence_parallel=self._sequence_parallel, loss_parallel=self._loss_parallel)
                 if index == 0:
-                    said.append(plan.description + (", sequence parallel" if self._sequence_parallel else ""))
+                    said.append(plan.description + (", sequence parallel" if self._sequence_parallel else "")
+                                + (", loss parallel" if self._loss_parallel else ""))
             units = pick_units(part, self.units_from)
             if index == 0:
                 said.append(f"FSDP2 units{' of each stage' if self.pipelined else ''}: {units.description}")
@@ -218,7 +221,11 @@ class ModelParallelStrategy(ShardedStrategy):
     def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
                          loss_fn: Callable[[Any, Any], torch.Tensor],
                          check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
-        if self.pipeline is None:
+        if self.pipeline is None and self._loss_parallel:
+            with loss_parallel():  # the loss and its backward on each rank's slice of the logits
+                loss = super().forward_backward(model, batch, forward, loss_fn, check)
+            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        elif self.pipeline is None:
             loss = super().forward_backward(model, batch, forward, loss_fn, check)
         else:
             self._check_chain(batch)
@@ -259,7 +266,8 @@ class ModelParallelStrategy(ShardedStrategy):
 
     def eval_outputs(self, model: nn.Module, forward: Callable[[nn.Module, Any], Any], batch: Any) -> Any:
         if self.pipeline is None:
-            return super().eval_outputs(model, forward, batch)
+            outputs = super().eval_outputs(model, forward, batch)
+            return outputs.full_tensor() if isinstance(outputs, DTensor) else outputs  # --loss-parallel's logits
         return self.pipeline.forward(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
     @property

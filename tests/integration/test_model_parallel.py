@@ -141,20 +141,23 @@ SEQUENCE_PARALLEL = TRANSFORMER.replace(
     '"blocks.*.mlp.2": "rowwise",\n            "embed": "rowwise", "blocks.*.norm[12]": "sequence", "head": "output"}')
 
 
-def test_sequence_parallel_ends_with_one_devices_parameters_and_a_missed_norm_is_named(one_device, tmp_path):
-    """--tp 2 --sequence-parallel: the activations between the split layers are slices of the
-    sequence; the parameters are one-device's. A norm left out of the plan is named on step 1."""
+def test_sequence_and_loss_parallel_end_with_one_devices_parameters_and_a_missed_norm_is_named(one_device,
+                                                                                                tmp_path):
+    """--tp 2 --sequence-parallel --loss-parallel: the activations between the split layers are
+    slices of the sequence, the loss is computed on each rank's slice of the logits; the
+    parameters are one-device's. A norm left out of the plan is named on step 1."""
     assert SEQUENCE_PARALLEL.count("sequence") == 1 and "q.shape[:2]" in SEQUENCE_PARALLEL
     recipe = tmp_path / "sequence.py"
     recipe.write_text(SEQUENCE_PARALLEL)
     reference, one, _ = one_device
     result, data = _train(recipe, tmp_path / "sp", "-s", "mirrored", "--tp", "2", "--replicas", "2",
-                          "--sequence-parallel", *STEPS)
-    _close(data["model"], one["model"], "mirrored --tp 2 --sequence-parallel vs one-device")
+                          "--sequence-parallel", "--loss-parallel", *STEPS)
+    _close(data["model"], one["model"], "mirrored --tp 2 --sequence-parallel --loss-parallel vs one-device")
+    assert result.summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=TOLERANCE)
     assert result.summary["eval_metrics"]["loss"] == pytest.approx(reference.summary["eval_metrics"]["loss"],
                                                                    abs=TOLERANCE)
     said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "mesh dp" in line["line"]]
-    assert "blocks.*.norm[12] sequence (4), head output, sequence parallel" in said[0], said
+    assert "blocks.*.norm[12] sequence (4), head output, sequence parallel, loss parallel" in said[0], said
     missed = tmp_path / "missed.py"
     missed.write_text(SEQUENCE_PARALLEL.replace('"blocks.*.norm[12]": "sequence", ', ""))
     refused = run_cli("train", str(missed), "-s", "mirrored", "--tp", "2", "--sequence-parallel", *STEPS)

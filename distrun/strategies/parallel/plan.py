@@ -67,14 +67,17 @@ class TensorPlan:
         return tuple(name for name, style in self.styles.items() if style not in ("replicate", "sequence"))
 
 
-def style_object(style: Any, module: nn.Module | None = None, *,
-                 sequence_parallel: bool = False) -> ParallelStyle | None:
+def style_object(style: Any, module: nn.Module | None = None, *, sequence_parallel: bool = False,
+                 loss_parallel: bool = False) -> ParallelStyle | None:
     """The torch style for a plan entry on ``module``; None for what distrun replicates itself
     (``replicate``, and ``sequence`` without ``--sequence-parallel``)."""
     if isinstance(style, ParallelStyle):
         return style
     if isinstance(module, nn.Embedding) and style == "rowwise":  # token ids come whole, never split
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate())
+    if style == "output" and loss_parallel:  # the logits stay split by class, as a DTensor, for the loss
+        return ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=False)
     if isinstance(module, nn.Embedding) and style == "colwise" and sequence_parallel:
         raise RecipeError("--sequence-parallel: a colwise nn.Embedding gives each rank some features of every "
                           "position; make the embedding rowwise, which hands out the sequence's slices")

@@ -40,9 +40,13 @@ _AGREE_RTOL = 1e-4
 
 
 def apply_tensor_parallel(model: nn.Module, plan: TensorPlan, mesh: DeviceMesh, *,
-                          sequence_parallel: bool = False) -> None:
+                          sequence_parallel: bool = False, loss_parallel: bool = False) -> None:
     """Split ``model`` (on the meta device) over ``mesh`` (1-D: the tensor-parallel ranks) by ``plan``."""
-    split = {name: style_object(style, model.get_submodule(name), sequence_parallel=sequence_parallel)
+    if loss_parallel and "output" not in plan.styles.values():
+        raise RecipeError("--loss-parallel: tp_plan names no \"output\" layer (the head whose logits the loss "
+                          "reads); mark it \"output\"")
+    split = {name: style_object(style, model.get_submodule(name), sequence_parallel=sequence_parallel,
+                                loss_parallel=loss_parallel)
              for name, style in plan.styles.items()}
     split = {name: style for name, style in split.items() if style is not None}
     parallelize_module(model, mesh, split, src_data_rank=None)
