@@ -16,6 +16,7 @@ Importing ``distrun`` stays cheap and never imports torch: this module loads on 
 
 from __future__ import annotations
 
+import enum
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,19 +26,23 @@ import typer
 
 from distrun.cli import app
 from distrun.cli._app import ClickErrors, usage_line
+from distrun.cli._job_file import GIVEN
 from distrun.cli._run import NOTEBOOK, QUIET, TERMINAL, rendered_as
 from distrun.cli.cluster import load_cluster_file
 from distrun.client import cluster_down, cluster_status, cluster_up
 from distrun.config.job_file import SECTIONS
 from distrun.config._suggest import did_you_mean
-from distrun.errors import DistrunError, HostError, UsageError
+from distrun.errors import DistrunError, HostError, Interrupted, UsageError
 from distrun.protocol import JobSummary
 from distrun.protocol.cluster import ClusterReport
 
 __all__ = ["train", "Cluster", "JobSummary"]
 
-#: Options that say how the command prints, not what the job is: the API decides those.
+#: Options that say how the command prints or returns, not what the job is: the API decides those
+#: (``distrun.train`` waits for the job and returns its summary: never detached).
 _NOT_OPTIONS = ("json", "debug", "print_config", "detach", "help")
+#: What the API always says of those, over any file's ``job:`` or ``--config``.
+_DECIDED = frozenset({"json_output", "debug", "print_config", "detach"})
 _SECTIONS = {section.name: section for section in SECTIONS}
 
 
@@ -48,13 +53,19 @@ def train(recipe: str | Path, *, progress: bool = True, **options: Any) -> JobSu
     ``compile=True``, ``tracker=["mlflow"]``), sections as dicts (``training={"steps": 30}``), and
     ``args=[...]`` for the recipe's own arguments (``-- ARGS``). ``progress=False``: print nothing.
     """
-    argv = ["train", str(recipe), *_argv(options)]
+    argv, given = _argv(options)
     mode = QUIET if not progress else NOTEBOOK if _in_notebook() else TERMINAL
-    with rendered_as(mode):
-        try:
-            summary = app(args=argv, prog_name="distrun", standalone_mode=False)
-        except ClickErrors as exc:
-            raise UsageError(usage_line(exc).replace("distrun train: ", "distrun.train: ", 1)) from None
+    command = typer.main.get_command(app)  # not app(): that would set sys.excepthook for the process
+    token = GIVEN.set(given | _DECIDED)
+    try:
+        with rendered_as(mode):
+            summary = command.main(["train", str(recipe), *argv], prog_name="distrun", standalone_mode=False)
+    except typer.Abort:  # a Ctrl-C before the job started (click's word for it)
+        raise Interrupted("interrupted") from None
+    except ClickErrors as exc:
+        raise UsageError(usage_line(exc).replace("distrun train: ", "distrun.train: ", 1)) from None
+    finally:
+        GIVEN.reset(token)
     if not isinstance(summary, JobSummary):
         raise DistrunError("distrun.train: the job ended without a summary")
     return summary
@@ -96,8 +107,9 @@ def _checked(report: ClusterReport, wanted: str) -> ClusterReport:
     return report
 
 
-def _argv(options: Mapping[str, Any]) -> list[str]:
-    """The command line these options mean (sections spread into their flags)."""
+def _argv(options: Mapping[str, Any]) -> tuple[list[str], frozenset[str]]:
+    """The command line these options mean (sections spread into their flags), and the train
+    parameters they name (given outright: over any file, a False or [] too)."""
     params = _train_options()
     flat: dict[str, Any] = {}
     recipe_args: Sequence[Any] = ()
@@ -123,17 +135,23 @@ def _argv(options: Mapping[str, Any]) -> list[str]:
     argv: list[str] = []
     for name, value in flat.items():
         argv += _tokens(params[name], value)
+    given = {str(params[name].name) for name, value in flat.items() if value is not None}
     if recipe_args:
         if isinstance(recipe_args, (str, bytes)) or not isinstance(recipe_args, Sequence):
             raise UsageError(f"distrun.train: args: expected a list of the recipe's arguments. Received: {recipe_args!r}")
         argv += ["--", *(str(item) for item in recipe_args)]
-    return argv
+        given.add("recipe_args")
+    return argv, frozenset(given)
 
 
 def _tokens(param: Any, value: Any) -> list[str]:
     flag = max(param.opts, key=len)
     if value is None:
         return []
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, Mapping) and param.multiple:  # tracker_uri={"mlflow": "sqlite:///m.db"}
+        value = [f"{key}={item}" for key, item in value.items()]
     if param.is_flag:
         if not isinstance(value, bool):
             raise UsageError(f"distrun.train: {_name(param)}: expected True or False. Received: {value!r}")

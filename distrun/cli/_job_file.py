@@ -18,6 +18,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,15 @@ from distrun.config import load_cluster
 from distrun.config.job_file import SECTIONS, JobOption, panel_of, read_job_file
 from distrun.errors import ConfigError, DistrunError, UsageError
 
-__all__ = ["job_from_files", "render_job"]
+__all__ = ["job_from_files", "render_job", "GIVEN"]
 
 #: How a value that is given on the command line (or in its environment variable) reads in click.
 _GIVEN = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")
 
 Command = Callable[..., Any]
+#: Options given outright by the Python API (``distrun.train``): they win over the files as the
+#: command line does, a ``False`` or an empty list included (which no command-line token says).
+GIVEN: ContextVar[frozenset[str]] = ContextVar("distrun_given_options", default=frozenset())
 _WHOLE = ("integer", "int", "integer range")
 _KINDS = {"integer": "a whole number", "int": "a whole number", "float": "a number", "boolean": "true or false",
           "text": "text", "path": "a path"}
@@ -77,7 +81,7 @@ def job_from_files(*, fill: Callable[[dict[str, Any]], dict[str, Any]],
 
 def _apply_files(ctx: typer.Context, params: dict[str, Any], hints: dict[str, Any],
                  came_from: dict[str, JobOption]) -> None:
-    given = {name for name in params if name != "ctx" and _source(ctx, name) in _GIVEN}
+    given = {name for name in params if name != "ctx" and _source(ctx, name) in _GIVEN} | GIVEN.get()
     by_name = {param.name: param for param in ctx.command.params}
     layers: list[tuple[JobOption, ...]] = []
     if params.get("config") is not None:
@@ -98,6 +102,8 @@ def _set(options: tuple[JobOption, ...], ctx: typer.Context, params: dict[str, A
     for option in options:
         if option.param not in by_name:
             continue
+        if option.value is None:  # null: distrun's default, as --print-config writes it
+            continue
         value = _convert(ctx, by_name[option.param], option, hints.get(option.param))  # checked even if overridden
         if option.param in given or option.param in came_from:
             continue  # the command line wins; a higher file set it already
@@ -111,6 +117,9 @@ def _convert(ctx: typer.Context, param: Any, option: JobOption, hint: Any) -> An
     several = bool(getattr(param, "multiple", False)) or getattr(param, "nargs", 1) == -1
     if several and isinstance(value, (str, int, float)):
         value = [value]  # one include, one tracker
+    if several and not isinstance(value, list) or several and any(isinstance(item, (dict, list)) for item in value):
+        raise ConfigError(f"{option.where}: {option.key}: expected a list of values (as {_flag(param)} takes, once "
+                          f"each). Received: {value!r}")
     if isinstance(value, (dict, list)) and not several:
         raise ConfigError(f"{option.where}: {option.key}: expected one value (as {_flag(param)} takes). "
                           f"Received: {value!r}")
@@ -136,7 +145,8 @@ def _at_its_line(exc: UsageError, ctx: typer.Context, came_from: dict[str, JobOp
     """A command's error about ``--flag`` whose value came from a file: said at that file's line."""
     for name, option in came_from.items():
         param = next((p for p in ctx.command.params if p.name == name), None)
-        if param is not None and any(exc.message.startswith(flag) for flag in param.opts):
+        if param is not None and any(exc.message == flag or exc.message.startswith((f"{flag}:", f"{flag} "))
+                                     for flag in param.opts):
             return type(exc)(f"{option.where}: {option.key}: {exc.message}", detail=exc.detail)
     return exc
 
@@ -147,6 +157,8 @@ def _source(ctx: typer.Context, name: str) -> str:
 
 
 def _flag(param: Any) -> str:
+    if getattr(param, "param_type_name", "") == "argument":
+        return "-- ARGS"  # the recipe's own arguments
     return max(param.opts, key=len) if getattr(param, "opts", None) else str(param.name)
 
 

@@ -210,7 +210,7 @@ def _aside(ev: Event | None, host_of_rank: Callable[[int], str] | None) -> Rende
 
 class _NotebookView:
     """The live table in a notebook cell: one IPython display updated in place (``display_id``),
-    which a saved notebook keeps as its last state; a rank's lines print above it. rich's own
+    which a saved notebook keeps as its last state; a rank's lines print as they come. rich's own
     Live would draw into an ipywidgets Output, whose content a saved notebook does not keep."""
 
     def __init__(self, first: RenderableType) -> None:

@@ -60,7 +60,8 @@ def pack(recipe: Path, includes: Sequence[Path] = ()) -> Bundle:
     for name in declared:
         if not (root / name).exists():
             raise RecipeError(f"{recipe}: include {name!r}: no such file or folder next to the recipe ({root / name})")
-    for include in [*(root / name for name in declared), *includes]:
+    # What the recipe declares goes in whatever the ignore file says (the recipe asked for it by name).
+    for include, skip in [*((root / name, ()) for name in declared), *((path, ignore) for path in includes)]:
         include = include.resolve()
         if not include.exists():
             raise UsageError(f"--include {include}: no such file or folder")
@@ -71,9 +72,9 @@ def pack(recipe: Path, includes: Sequence[Path] = ()) -> Bundle:
         if include.is_dir():
             for path in sorted(include.rglob("*")):
                 if path.is_file() and not any(_skipped(part) for part in path.relative_to(root).parts):
-                    _add(chosen, root, path, ignore)
+                    _add(chosen, root, path, skip)
         else:
-            _add(chosen, root, include, ignore)
+            _add(chosen, root, include, skip)
     data = _archive(chosen)
     if len(data) > MAX_BUNDLE_BYTES:
         raise UsageError(f"the code bundle is {len(data) / 2**20:.0f} MiB, over the "

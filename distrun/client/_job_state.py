@@ -36,8 +36,8 @@ STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeede
 _UNKNOWN = 1.5
 #: A server unpacks each bundle in bundles/<sha256>/: a recipe's path there, as the user wrote it.
 _IN_BUNDLE = re.compile(r"^.*/bundles/[0-9a-f]{64}/")
-#: A path inside a host's bundle, as an error message quotes it.
-_BUNDLE_PATH = re.compile(r"/bundles/[0-9a-f]{64}/([^'\"\s]+)")
+#: The path a FileNotFoundError names ("No such file or directory: 'data/x.txt'").
+_MISSING = re.compile(r"No such file or directory: '([^']+)'")
 
 
 def merge_states(states: Iterable[str]) -> str:
@@ -92,14 +92,22 @@ def as_written(failure: Failed) -> Failed:
 
 def unshipped_hint(message: str, recipe: str | None) -> str:
     """A rank could not find a file of its bundle that is there beside the recipe on this machine
-    (data the recipe reads from its own folder): how to ship it, or "" when that is not the case."""
-    if recipe is None or ("FileNotFoundError" not in message and "No such file" not in message):
-        return ""
-    found = _BUNDLE_PATH.search(message)
+    (data the recipe reads from its own folder): how to ship it, or "" when that is not the case.
+    ``message``: the rank's error (not its traceback, whose frames name the recipe's own path)."""
+    found = _MISSING.search(message) if recipe is not None else None
     if found is None:
         return ""
-    name = found.group(1)
-    here = Path(recipe).resolve().parent / name
+    missing = found.group(1)
+    inside = _IN_BUNDLE.match(missing)
+    if inside is not None:  # an absolute path into the host's bundle folder
+        name = missing[inside.end():]
+    elif not missing.startswith("/"):  # relative: a rank's folder is its bundle's root
+        name = missing[2:] if missing.startswith("./") else missing
+    else:
+        return ""
+    if not name or ".." in name.split("/"):
+        return ""
+    here = Path(recipe).resolve().parent / name  # type: ignore[arg-type]
     if not here.exists():
         return ""
     return (f"; {name} is next to the recipe here but was not shipped: add include = [{name!r}] to "

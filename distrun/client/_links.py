@@ -101,6 +101,12 @@ class HostLink:
         with self._lock:
             return self._control.call(op, **args)
 
+    def call_waiting(self, op: str, wait_s: float, **args: Any) -> dict[str, Any]:
+        """``call`` that waits up to ``wait_s`` for the answer (``ServerClient.call_waiting``)."""
+        assert self._control is not None
+        with self._lock:
+            return self._control.call_waiting(op, wait_s, **args)
+
     def close(self) -> None:
         if self._control is not None:
             self._control.close()

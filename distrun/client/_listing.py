@@ -124,7 +124,11 @@ def list_on_local_server(cluster: ClusterSpec, job_id: str, meta: dict[str, Any]
         return None
     try:
         client = connect(remote, state, host.label)
+    except HostError:
+        return None
+    try:
         stream = client.hand_over("local_job", job=job_id, pid=os.getpid(), **meta)
     except HostError:
+        client.close()
         return None
     return Listing(stream, job_id, host.label)

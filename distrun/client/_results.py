@@ -105,15 +105,15 @@ def fetch_folder(link: HostLink, board: dict, dest: Path) -> list[Path]:
     return fetched
 
 
-def fetch_job_results(links: list[HostLink], job_id: str, attempts: list[str], spec: JobSpec | None, dest: Path,
-                      summary: JobSummary) -> dict[str, Any]:
+def fetch_job_results(links: list[HostLink], job_id: str, attempts: list[str], current: str, spec: JobSpec | None,
+                      dest: Path, summary: JobSummary) -> dict[str, Any]:
     """Copy the newest checkpoint (from rank 0's host, ``links[0]``) and the summary into ``dest``,
     the ``--tensorboard`` files into their folder, and every host's ``--profile`` traces of every
-    attempt (``attempts``, the current one last) into ``dest``/profile: the ``results`` line."""
+    attempt (``attempts``) into ``dest``/profile: the ``results`` line. ``current``: the attempt
+    that ran last (a restart whose submit failed never ran: it is not this one)."""
     dest = dest.resolve()
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2))
-    current = attempts[-1]
     found = artifacts(links[0], current)  # one call for the checkpoint and the board
     checkpoint = fetch_newest_checkpoint(links[0], current, dest, found)
     board = None

@@ -28,6 +28,16 @@ class ServerClient:
             stream.close()
             raise HostError(label, f"no worker server answered the handshake ({exc})") from None
 
+    def call_waiting(self, op: str, wait_s: float, **args: Any) -> dict[str, Any]:
+        """``call``, for a request the server may take up to ``wait_s`` to answer (``diagnose``:
+        a Flight Recorder dump waits up to 10 s, then py-spy reads every rank)."""
+        before = getattr(self._stream, "gettimeout", lambda: None)()
+        self._stream.settimeout(wait_s)
+        try:
+            return self.call(op, **args)
+        finally:
+            self._stream.settimeout(before)
+
     def call(self, op: str, **args: Any) -> dict[str, Any]:
         request_id = next(self._ids)
         try:

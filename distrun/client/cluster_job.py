@@ -439,7 +439,7 @@ class ClusterJob:
         if failure is None:  # the host itself was lost (its server, or the link to it): a host error
             raise HostError(label, str(self._results[label].get("error")))
         message = f"{label}: {failure_message(as_written(failure))}"
-        message += unshipped_hint(f"{failure.message}\n{failure.traceback or ''}", self.spec.recipe if self.spec else None)
+        message += unshipped_hint(failure.message, self.spec.recipe if self.spec else None)
         error_class = ERROR_BY_KIND.get(failure.kind)
         if error_class is not None:
             raise error_class(message, detail=failure.traceback)
@@ -464,7 +464,7 @@ class ClusterJob:
         if self._watch is not None and self._watch.reason is not None:
             raise HostError("slurm", "the allocation ended, and the checkpoint with it unless the folder is shared")
         attempts = [self.job_id] + [f"{self.job_id}-r{n}" for n in range(1, self.restarts + 1)]
-        return fetch_job_results(self._links, self.job_id, attempts, self.spec, dest, summary)
+        return fetch_job_results(self._links, self.job_id, attempts, self.attempt_id, self.spec, dest, summary)
 
     def close(self) -> None:
         for link in self._links + self._evaluators:

@@ -29,6 +29,11 @@ _DUMP_NAME = re.compile(r"^flight-recorder-rank-\d{1,7}\.json$")
 MAX_DUMP_BYTES = 64 << 20
 
 
+#: How long ``distrun stacks`` waits for a host's answer: its ranks' Flight Recorder dumps (up to
+#: 10 s for a rank stuck holding the GIL) and py-spy on each rank; a local job's server asks its
+#: own `distrun train`, which has 30 s (``server/_local_job.DIAGNOSE_TIMEOUT_S``).
+DIAGNOSE_WAIT_S = 45.0
+
 def diagnose_launcher(launcher: LocalLauncher, reason: str, *, native: bool = False,
                       flight_recorder: bool = True, host: str = "localhost") -> Diagnosed:
     """A job of this machine: the dumps stay where the ranks wrote them (the job's debug folder)."""
@@ -59,7 +64,8 @@ def diagnose_hosts(links: list[HostLink], job_id: str, reason: str, *, native: b
 
 def _ask(link: HostLink, job_id: str, native: bool, dest: Path | None) -> tuple[list[RankStack], dict[tuple[int, str], bytes | None]]:
     try:
-        answer = link.call("diagnose", job=job_id, native=native, flight_recorder=dest is not None)
+        answer = link.call_waiting("diagnose", DIAGNOSE_WAIT_S, job=job_id, native=native,
+                                   flight_recorder=dest is not None)
     except HostError as exc:
         return [RankStack(rank=-1, host=link.label, pid=0, error=exc.reason)], {}
     stacks = [dataclasses.replace(RankStack.from_dict(raw), host=link.label) for raw in answer.get("stacks") or ()]

@@ -8,6 +8,7 @@ cluster path (issue 4) will offer the same ``events()``/``result`` shape.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import sys
 import tempfile
@@ -39,6 +40,8 @@ from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSum
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
+
+_RUNS = itertools.count(1)
 
 #: ``--elastic``: how many times each lost rank is started again to rejoin (torchrun's
 #: ``--max-restarts`` bounds the same thing for its whole group).
@@ -77,7 +80,8 @@ class LocalJob:
             require_checkpoint(spec.checkpoint_dir)  # before any rank starts, not as "rank 1 failed at step 1"
         self.spec = spec
         self._t0 = time.time()
-        run_id = f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
+        run_id = (f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
+                  f"-{next(_RUNS)}")  # unique in this process: a sweep's jobs may start in one second
         worker = WorkerSpec(
             argv=(python or sys.executable, "-m", "distrun.runtime"),
             local_world_size=spec.world_size,
@@ -96,26 +100,27 @@ class LocalJob:
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         self.job_id = run_id
         self.listing: Listing | None = None
-        if list_on is not None:
+        self._launcher = LocalLauncher(worker, self._sink, starter=starter)
+        if list_on is not None:  # last: nothing after it can fail and leave the listing open
             self.listing = list_on_local_server(list_on, run_id, {
                 "recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": spec.world_size,
                 "ps_tasks": spec.ps_tasks, "warm": starter is not None})
-        self._launcher = LocalLauncher(worker, self._feed.put if self.listing is None else self._tee, starter=starter)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
         self._interrupted = False
         self._stop_reason: str | None = None  # stopped from elsewhere (`distrun cancel`): by whom
 
-    def _tee(self, event: Event) -> None:
+    def _sink(self, event: Event) -> None:
+        """Every event of the job: to this process's view, and to the local server's record."""
         self._feed.put(event)
-        assert self.listing is not None
-        self.listing.put(event)
+        if self.listing is not None:
+            self.listing.put(event)
 
     def _on_hang(self, hang: Hung) -> None:
         """Every rank's stack and Flight Recorder, then (``--elastic``) the stuck rank is
         treated as lost (killed, the others go on, it rejoins)."""
-        self._feed.put(self.diagnose("hang"))
+        self._sink(self.diagnose("hang"))
         if self.spec.elastic and hang.rank >= 0:
             self._launcher.lose_rank(hang.rank, f"hung for {hang.stalled_s:.0f} s {hang.where}")
 

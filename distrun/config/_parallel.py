@@ -24,6 +24,8 @@ __all__ = ["ACTIVATION_CHECKPOINTING", "MODEL_PARALLEL_STRATEGIES", "PP_SCHEDULE
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v")
 _INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 _V_SHAPED = ("zbv", "dualpipe-v")
+#: Schedules whose backward is split into an input and a weight pass: torch refuses compiled stages.
+_SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipe-v")
 
 
 def stages_per_rank(schedule: str) -> int:
@@ -138,6 +140,10 @@ def _validate_pipeline(spec: Any) -> None:
     problem = _microbatch_problem(spec.pp_schedule, count, spec.pp)
     if problem:
         raise ConfigError(f"--microbatches {count}: {problem}")
+    if spec.compile and spec.pp_schedule in _SPLIT_BACKWARD:
+        raise ConfigError(f"--compile with --pp-schedule {spec.pp_schedule}: its backward is split in two (inputs, "
+                          "then weights), which torch does not run on compiled stages; use 1f1b, gpipe or "
+                          "interleaved-1f1b")
     if spec.precision == "fp16":
         raise ConfigError("--precision fp16 with --pp: the loss scaler scales one model's output, and a pipeline's "
                           "output is on its last stage only; use --precision bf16 (no scaler needed)")

@@ -21,6 +21,7 @@ file's shape (each bound a one-line ConfigError naming file and line):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,24 @@ MAX_FILE_BYTES = 4 * 2**20
 MAX_DEPTH = 64
 MAX_VALUES = 200_000
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 numbers: ``2:4`` (an ``--elastic`` range),
+    ``10:20`` (a ``--profile`` window) and ``02:00:00`` (a Slurm time) stay text, as YAML 1.2 reads
+    them, instead of becoming 124, 620 and 7200."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"""^(?:[-+]?0b[0-1_]+
+    |[-+]?0[0-7_]+
+    |[-+]?(?:0|[1-9][0-9_]*)
+    |[-+]?0x[0-9a-fA-F_]+)$""", re.X), list("-+0123456789"))
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?
+    |\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X), list("-+0123456789."))
+
 _OPENS = (yaml.BlockMappingStartToken, yaml.BlockSequenceStartToken, yaml.FlowMappingStartToken,
           yaml.FlowSequenceStartToken)
 _CLOSES = (yaml.BlockEndToken, yaml.FlowMappingEndToken, yaml.FlowSequenceEndToken)
@@ -76,7 +95,7 @@ def load_located(text: str, source: str) -> Located:
         raise ConfigError(f"{source}: {size:,} bytes; a cluster file is at most {MAX_FILE_BYTES // 2**20} MiB")
     loader: yaml.SafeLoader | None = None
     try:
-        loader = yaml.SafeLoader(text)  # its reader refuses unprintable characters here
+        loader = _Loader(text)  # its reader refuses unprintable characters here
         _check_depth(text, source)
         node = loader.get_single_node()
         lines: dict[str, int] = {}

@@ -123,14 +123,16 @@ def _assigns(node: ast.Assign | ast.AnnAssign, name: str) -> bool:
 
 
 def _include(path: str, node: ast.expr) -> tuple[str, ...]:
-    """``include = ["data/shakespeare.txt", "vocab/"]``: literal relative paths inside the recipe's folder."""
+    """``include = ["data/shakespeare.txt", "vocab/"]``: literal relative paths inside the recipe's folder.
+
+    Only a literal list (or tuple) of strings is distrun's: a script's own ``include`` variable
+    (``include = sys.argv[1:]``, a number) is the script's business and is left alone."""
     try:
         value = ast.literal_eval(node)
-    except ValueError:
-        raise RecipeError(f"{path}:{node.lineno}: `include` must be a literal list of paths") from None
-    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise RecipeError(f"{path}:{node.lineno}: `include` must be a list of paths (strings), relative to the "
-                          f"recipe. Received: {value!r}")
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        return ()
     for item in value:
         parts = item.replace("\\", "/").split("/")
         if not item or item.startswith("/") or ".." in parts:

@@ -17,6 +17,9 @@ _PEER_LOST_HINTS = (
     "Socket Timeout",
     "recvBytes",
     "NCCL communicator was aborted",
+    # torch's own words under a gloo transport error from a peer that went away, whatever the
+    # socket said first (seen on a 2-host job whose other rank was SIGKILLed):
+    "typically caused by a remote worker crashing",
 )
 
 

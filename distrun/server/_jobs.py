@@ -230,15 +230,15 @@ class JobManager:
         the job's until its result, which ends the record as a cluster job's result does."""
         args = request.get("args") if isinstance(request.get("args"), dict) else {}
         try:
+            world_size, ps_tasks, pid = (_count(args, key) for key in ("world_size", "ps_tasks", "pid"))
             job = self._new_job(job_id_of(args))
         except JobError as exc:
             send_frame(conn, {"id": request.get("id"), "ok": False, "error": {"type": "JobError", "message": str(exc)}})
             return
         channel = LocalJobChannel(conn, job.record, warm=bool(args.get("warm")))
-        world_size = int(args.get("world_size") or 0)
         job.meta = {"recipe": str(args.get("recipe", "?"))[:200], "strategy": str(args.get("strategy", "?"))[:64],
-                    "world_size": world_size, "ps_tasks": int(args.get("ps_tasks") or 0),
-                    "ranks": [0, world_size - 1], "pid": int(args.get("pid") or 0), "local": True}
+                    "world_size": world_size, "ps_tasks": ps_tasks, "ranks": [0, world_size - 1], "pid": pid,
+                    "local": True}
         with job.changed:
             job.local, job.launcher, job.state = True, channel, "running"
         try:
@@ -247,6 +247,8 @@ class JobManager:
         except OSError:
             result = {"state": "lost", "failure": None, "error": "its `distrun train` went away as it started"}
         job.launcher = None
+        if result.get("reason") and job.reason is None:  # stopped by its own Ctrl-C: `distrun jobs` says so
+            job.reason = str(result["reason"])
         job.finish(str(result["state"]), result)
         self._forget_old()
 
@@ -472,6 +474,14 @@ class JobManager:
         finally:
             job.launcher = None  # its processes, pipes and threads are gone; the job's record stays
             self._forget_old()
+
+
+def _count(args: dict[str, Any], key: str) -> int:
+    """A whole number a request gives (a local job's size, its client's pid), or a JobError."""
+    value = args.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
+        raise JobError(f"{key}: expected a whole number. Received: {value!r}")
+    return value
 
 
 def _kill(job: JobRecord, launcher: LocalLauncher | LocalJobChannel, reason: str) -> None:

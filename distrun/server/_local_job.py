@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +56,9 @@ class LocalJobChannel:
     def serve(self) -> dict[str, Any]:
         """Record the client's events until its result; that result, or why there is none."""
         self._conn.settimeout(None)  # a hung job sends nothing for long; the client's death closes it
+        setsockopt = getattr(self._conn, "setsockopt", None)
+        if setsockopt is not None:  # a send to a client that stopped reading (SIGSTOP) gives up after 5 s
+            setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 5, 0))
         try:
             while True:
                 frame = recv_frame(self._conn)

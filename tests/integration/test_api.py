@@ -47,6 +47,12 @@ def test_distrun_train_trains_the_clis_parameters_and_raises_distruns_errors(tmp
         distrun.train(LINEAR, strategy="mirrored", replicas=2, steps=1, global_batch_size=33, progress=False)
     with pytest.raises(distrun.UsageError, match=r"no option 'stepz' \(did you mean 'steps'\?\)"):
         distrun.train(LINEAR, stepz=3)
+    # An option given here wins over a file, False too (no command-line token says it); a file's
+    # detach never applies (distrun.train waits for the job and returns its summary).
+    job = tmp_path / "job.yaml"
+    job.write_text(f"checkpoint: {{resume: true, dir: {tmp_path / 'none'}}}\ncluster: {{detach: true}}\n")
+    fresh = distrun.train(LINEAR, config=job, resume=False, steps=1, progress=False)
+    assert fresh.status == "succeeded" and fresh.resumed is None
 
 
 def test_a_notebook_keeps_the_live_table_and_the_summary_in_its_saved_output(tmp_path: Path) -> None:

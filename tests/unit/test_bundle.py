@@ -56,8 +56,6 @@ def test_a_recipe_names_the_data_that_travels_with_it(code: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    ('include = "notes.txt"', "must be a list of paths"),
-    ("include = [NAME]", "must be a literal list of paths"),
     ('include = ["../secrets"]', "must be a path inside the recipe's folder"),
     ('include = ["/etc/passwd"]', "must be a path inside the recipe's folder"),
 ])
@@ -67,6 +65,13 @@ def test_a_bad_include_is_named_at_its_line(code: Path, line: str, message: str)
         pack(code / "recipe.py")
 
 
+@pytest.mark.parametrize("line", ['include = "notes.txt"', "include = sys.argv[1:]", "include = 3"])
+def test_an_include_that_is_not_a_list_of_paths_is_the_recipes_own(code: Path, line: str) -> None:
+    """A script may have its own ``include``: only a literal list of strings is distrun's."""
+    (code / "recipe.py").write_text(f"import sys\n{line}\n")
+    assert pack(code / "recipe.py").files == ("helper.py", "recipe.py")
+
+
 def test_a_missing_bundle_file_that_is_here_says_how_to_ship_it(code: Path) -> None:
     sent = f"FileNotFoundError: [Errno 2] No such file or directory: '/srv/bundles/{'a' * 64}/pkg/data.csv'"
     hint = unshipped_hint(sent, str(code / "recipe.py"))
@@ -74,6 +79,11 @@ def test_a_missing_bundle_file_that_is_here_says_how_to_ship_it(code: Path) -> N
                     f"to recipe.py, or pass --include {code / 'pkg' / 'data.csv'}")
     assert unshipped_hint(sent.replace("data.csv", "other.csv"), str(code / "recipe.py")) == ""  # not here either
     assert unshipped_hint("ValueError: bad", str(code / "recipe.py")) == ""
+    relative = "FileNotFoundError: [Errno 2] No such file or directory: 'pkg/data.csv'"  # the rank's folder: the bundle
+    assert unshipped_hint(relative, str(code / "recipe.py")).startswith("; pkg/data.csv is next to the recipe here")
+    # The traceback's frames name the recipe inside the bundle: never a missing file.
+    framed = f'File "/srv/bundles/{"a" * 64}/recipe.py", line 3\nValueError: no'
+    assert unshipped_hint(framed, str(code / "recipe.py")) == ""
 
 
 def test_same_files_same_address_and_an_edit_changes_it(code: Path) -> None:

@@ -114,3 +114,29 @@ def test_train_help_groups_its_options_by_the_files_sections() -> None:
     assert panels == ["Arguments", "Options", *expected, "Output"], panels
     catch_all = shown.split("╭─ Options")[1].split("╰")[0]
     assert "--help" in catch_all and catch_all.count("--") == 1, catch_all
+
+
+def test_null_means_the_default_and_an_off_form_overrides_a_file(tmp_path: Path) -> None:
+    """Review fixes: null is distrun's default (as --print-config writes it), `--no-resume` turns
+    off a file's `resume: true`, and an ``a:b`` value stays text (YAML 1.1 would read 2:4 as 124)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("observe: {log_interval_s: null, profile: 3:4}\ncheckpoint: {keep: null, resume: true}\n"
+                   "strategy: {elastic: 2:4}\n")
+    printed = _printed("--config", str(job))
+    assert printed["observe"]["log_interval_s"] == 0.25 and printed["checkpoint"]["keep"] == 3
+    assert printed["observe"]["profile"] == "3:4" and printed["strategy"]["elastic"] == "2:4"
+    assert printed["checkpoint"]["resume"] is True
+    assert _printed("--config", str(job), "--no-resume")["checkpoint"]["resume"] is False
+
+
+def test_an_error_about_a_flag_given_here_is_not_pinned_on_the_file(tmp_path: Path) -> None:
+    """`--pp-schedule wavy` typed on the command line, `parallel.pp` in the file: the error is the
+    flag's own (--pp is a prefix of --pp-schedule, not the same flag)."""
+    job = tmp_path / "job.yaml"
+    job.write_text("parallel: {pp: 2}\n")
+    result = run_cli("train", LINEAR, "-s", "mirrored", "--config", str(job), "--pp-schedule", "wavy")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: --pp-schedule: expected gpipe"), result.stderr
+    job.write_text("observe: {tracker: {mlflow: 1}}\n")
+    result = run_cli("train", LINEAR, "--config", str(job))
+    assert result.returncode == 2 and "observe.tracker: expected a list of values" in result.stderr, result.stderr

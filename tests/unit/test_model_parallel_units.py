@@ -172,6 +172,7 @@ def test_the_live_view_shows_the_mesh_and_each_ranks_place():
     ({"sequence_parallel": True}, "--sequence-parallel splits the activations"),
     ({"loss_parallel": True}, "--loss-parallel computes the loss on each tensor-parallel rank's slice"),
     ({"tp": 2, "pp": 2, "loss_parallel": True}, "--loss-parallel with --pp: not yet"),
+    ({"pp": 2, "pp_schedule": "zbv", "compile": True}, "--compile with --pp-schedule zbv: its backward is split"),
     ({"pp": 2, "pp_schedule": "dualpipe-v", "microbatches": 2},
      "--microbatches 2: DualPipeV needs at least one microbatch per stage (4: two stages a rank)"),
     ({"pp_schedule": "gpipe"}, "--pp-schedule is for pipeline parallel: it needs --pp 2 or more"),

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import gc
 import socket
+import threading
 import time
 import tracemalloc
 from pathlib import Path
 
 import pytest
 
+from distrun.protocol import Output
 from distrun.protocol.secret import new_job_secret
+from distrun.protocol.wire import recv_frame, send_frame
 from distrun.server import _jobs
 from distrun.server._jobs import KEEP_FINISHED, JobError, JobManager
 
@@ -111,3 +114,39 @@ def test_a_job_told_to_stop_before_its_submit_is_never_started(tmp_path: Path) -
     assert (listed["state"], listed["reason"]) == ("stopped", "interrupted by alice from laptop")
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_a_local_jobs_bad_arguments_are_refused_before_a_record_exists(tmp_path: Path) -> None:
+    """`local_job` (a local `distrun train` listing its job): a malformed size is one error frame,
+    and no record is left pending in `distrun jobs`."""
+    manager = JobManager(tmp_path)
+    server_end, client_end = socket.socketpair()
+    with server_end, client_end:
+        manager.local_job(server_end, {"id": 7, "op": "local_job", "args": {"job": "local-x", "world_size": "abc"}})
+        reply = recv_frame(client_end)
+    assert reply["ok"] is False and reply["id"] == 7
+    assert reply["error"]["message"] == "world_size: expected a whole number. Received: 'abc'"
+    assert manager.list({})["jobs"] == []
+
+
+def test_a_local_jobs_record_ends_lost_when_its_client_goes(tmp_path: Path) -> None:
+    """The connection is the lease: closed without a result, the record reads lost, with why."""
+    manager = JobManager(tmp_path)
+    server_end, client_end = socket.socketpair()
+    serving = threading.Thread(target=manager.local_job, args=(server_end, {
+        "id": 1, "op": "local_job", "args": {"job": "local-y", "world_size": 2, "recipe": "r.py",
+                                             "strategy": "mirrored", "pid": 123}}))
+    serving.start()
+    assert recv_frame(client_end)["ok"] is True
+    line = Output(rank=0, time=1.0, stream="stdout", line="hello")
+    send_frame(client_end, {"event": {"type": "output", **line.__dict__}})
+    deadline = time.monotonic() + 5
+    while manager.list({})["jobs"][0]["events"] < 1:
+        assert time.monotonic() < deadline, "the event was not recorded"
+        time.sleep(0.01)
+    client_end.close()
+    serving.join(5)
+    server_end.close()
+    (row,) = manager.list({})["jobs"]
+    assert (row["job"], row["state"], row["recipe"], row["world_size"]) == ("local-y", "lost", "r.py", 2)
+    assert "ended without a result" in row["error"]

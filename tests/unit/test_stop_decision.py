@@ -219,3 +219,17 @@ def test_a_restart_names_the_rank_that_failed_first_not_the_host_that_answered_f
     rejoiner = Failed(rank=1, time=2.25, kind="raised", message="DistNetworkError: Failed to recv, got 0 bytes")
     below = Failed(rank=0, time=2.05, kind="raised", message="BelowMinimum: 2 replica(s) left")
     assert _root_cause([("h2", rejoiner), ("h1", below), ("h3", None)]) == ("h1", below)
+
+
+@pytest.mark.parametrize("text", [
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242",
+    "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:600] Read error: No route to host. This is typically "
+    "caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.",
+])
+def test_a_gloo_error_from_a_peer_that_went_is_peer_lost_not_the_root_cause(text: str) -> None:
+    """The rank that lost its peer is not blamed for the job's failure (a 2-host job whose rank 1
+    was SIGKILLed named rank 0's gloo error once: torch's wording varies with what the socket said)."""
+    from distrun.runtime._failure import describe_failure
+
+    failed = describe_failure(RuntimeError(text), rank=0, recipe="/r/recipe.py", step=11, phase="train")
+    assert failed.kind == PEER_LOST
