@@ -66,9 +66,6 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
     if info.kind is RecipeKind.SCRIPT and split:
         raise UsageError(f"{recipe}: {split[0]} applies to recipes distrun steps (fit-style or main(strategy)); a plain "
                          "script owns its model: apply torch's parallelize_module / pipelining / checkpoint in it")
-    if info.kind is RecipeKind.CUSTOM_LOOP and pp != 1:
-        raise UsageError(f"{recipe}: --pp trains fit-style recipes: a custom loop calls model(inputs), and a pipeline "
-                         "stage cannot run the whole model; use --tp, or a fit-style recipe")
     whole = all(isinstance(v, int) and v >= 1 for v in (tp, pp))
     device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus,
                                     ranks_per_replica=tp * pp if whole else 1)

@@ -128,7 +128,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     def train_step(batch: Any) -> torch.Tensor:
         batch = to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
-        loss = strategy.forward_backward(model, batch, forward, loss_fn, one_number)
+        loss = strategy.forward_backward(model, batch, loss_fn, forward=forward, check=one_number)
         if guard.update_allowed(loss):
             optimizer.step()
         return loss

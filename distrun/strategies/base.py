@@ -326,13 +326,17 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         """Bring the replicas to one set of weights before an evaluation, a checkpoint or the end of
         the run. Synchronous strategies always are; DiLoCo syncs what has not just synced."""
 
-    def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
-                         loss_fn: Callable[[Any, Any], torch.Tensor],
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         forward: Callable[[nn.Module, Any], Any] | None = None,
                          check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
-        """One replica batch's forward, loss and backward (the gradients weighted by
-        ``batch_weight``); the loss, detached. ``check`` sees each loss before its backward.
-        Under ``--pp`` the pipeline's schedule does it, microbatch by microbatch."""
-        loss = loss_fn(forward(model, batch), batch)
+        """One replica batch's forward, ``loss_fn(outputs, batch)`` and backward (the gradients
+        weighted by ``batch_weight``); the loss, detached. ``forward`` (default: the model on
+        ``batch[0]``) gives the outputs; ``check`` sees each loss before its backward.
+
+        A custom loop's step calls it too: under ``--pp`` the pipeline's schedule does it,
+        microbatch by microbatch (a rank holds stages, which cannot be called as one model),
+        and the same loop runs unchanged under every other layout."""
+        loss = loss_fn((forward or _inputs_first)(model, batch), batch)
         check(loss)
         weight = self.batch_weight
         (loss * weight if weight != 1.0 else loss).backward()
@@ -387,3 +391,8 @@ def zero_grads(params: list[nn.Parameter], set_to_none: bool) -> None:
             p.grad = None
         elif p.grad is not None:
             p.grad.zero_()
+
+
+def _inputs_first(model: nn.Module, batch: Any) -> Any:
+    """The default forward of ``forward_backward``: the model on the batch's first item."""
+    return model(batch[0] if isinstance(batch, (tuple, list)) else batch)

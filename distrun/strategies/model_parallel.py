@@ -218,15 +218,15 @@ class ModelParallelStrategy(ShardedStrategy):
             self.pipeline.set_batch_rows(rows)
         return distributed
 
-    def forward_backward(self, model: nn.Module, batch: Any, forward: Callable[[nn.Module, Any], Any],
-                         loss_fn: Callable[[Any, Any], torch.Tensor],
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+                         forward: Callable[[nn.Module, Any], Any] | None = None,
                          check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
         if self.pipeline is None and self._loss_parallel:
             with loss_parallel():  # the loss and its backward on each rank's slice of the logits
-                loss = super().forward_backward(model, batch, forward, loss_fn, check)
+                loss = super().forward_backward(model, batch, loss_fn, forward=forward, check=check)
             loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
         elif self.pipeline is None:
-            loss = super().forward_backward(model, batch, forward, loss_fn, check)
+            loss = super().forward_backward(model, batch, loss_fn, forward=forward, check=check)
         else:
             self._check_chain(batch)
             loss = self.pipeline.train_step(batch, loss_fn, self.batch_weight, check)

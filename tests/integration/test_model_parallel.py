@@ -251,6 +251,56 @@ def test_activation_checkpointing_changes_no_parameter(transformer, one_device, 
     assert len(said) == 1 and "2 Block block(s) of blocks" in said[0], said
 
 
+# A custom loop that trains through strategy.forward_backward: the one call that runs under --pp
+# too (a rank holds stages, which model(inputs) cannot run), and unchanged everywhere else.
+CUSTOM_LOOP_PP = """import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def _points(seed, n):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=gen)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long())
+
+
+def main(strategy):
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = strategy.prepare(model, optimizer)
+    data = strategy.distribute_dataset(_points(42, 60), global_batch_size=8)
+
+    def loss_fn(outputs, batch):
+        return nn.functional.cross_entropy(outputs, batch[1])
+
+    def step(batch):
+        optimizer.zero_grad()
+        loss = strategy.forward_backward(model, batch, loss_fn)
+        optimizer.step()
+        return loss
+
+    for epoch in range(2):
+        for batch in data:
+            strategy.run(step, batch)
+"""
+
+
+def test_a_custom_loop_trains_a_pipeline_through_forward_backward(tmp_path):
+    """Issue 31: a custom loop under --pp, its step `strategy.forward_backward(model, batch, loss_fn)`:
+    every step's loss is one-device's, under 1f1b and the V-shaped zbv."""
+    recipe = tmp_path / "loop.py"
+    recipe.write_text(CUSTOM_LOOP_PP)
+    losses = {}
+    for name, flags in (("one", ("-s", "one-device")), ("zbv", ("-s", "mirrored", "--pp", "2", "--pp-schedule", "zbv"))):
+        result = run_cli("train", str(recipe), *flags, "--json", "--log-interval-s", "0")
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name] = [line["loss"] for line in result.json_lines() if line["type"] == "step" and line["rank"] == 0]
+    assert len(losses["one"]) == 16
+    assert losses["zbv"] == pytest.approx(losses["one"], abs=TOLERANCE)
+
+
 def test_a_custom_loop_prepares_its_part(tmp_path):
     """recipes/custom_loop.py unchanged: its MLP split over 2 ranks per replica, the losses mirrored's."""
     runs = {tp: run_cli("train", str(REPO / "recipes" / "custom_loop.py"), "-s", "mirrored", "--replicas", "2",
