@@ -374,11 +374,16 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
     def close(self) -> None:
         """Leave the process group together: nobody tears down while a peer still talks."""
         self._finish_checkpoint()
+        if self._elastic is not None:
+            # Before the barrier, while every member is here: after it, the chief's host may end, and
+            # the store with it, while a member on another host still writes (seen as a joiner's
+            # "failed at step 301: DistNetworkError: Connection reset by peer" on a 300-step job).
+            self._elastic.mark_finished()  # a joiner still waiting for a round leaves
         if self._distributed:
             dist.barrier()
             dist.destroy_process_group()
         if self._elastic is not None:
-            self._elastic.close(finished=True)  # a joiner still waiting for a round leaves
+            self._elastic.close()
 
     def __iter__(self) -> Iterator[Any]:  # pragma: no cover - guard against a common mistake
         raise TypeError("a Strategy is not iterable; iterate strategy.distribute_dataset(...)")

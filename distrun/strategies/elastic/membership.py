@@ -305,11 +305,15 @@ class Membership:
                 pass
         dist.destroy_process_group()
 
+    def mark_finished(self) -> None:
+        """The job's last step is done; a joiner still waiting for a round leaves quietly
+        (:class:`JobFinished`)."""
+        self._store.set("finished", "1")
+
     def close(self, *, finished: bool = False) -> None:
-        """Stop beating. ``finished``: the job's last step is done; a joiner still waiting
-        for a round leaves quietly (:class:`JobFinished`)."""
+        """Stop beating (``finished``: ``mark_finished`` first)."""
         if finished:
-            self._store.set("finished", "1")
+            self.mark_finished()
         self._stop.set()
         self._watcher.join(timeout=2.0)
 

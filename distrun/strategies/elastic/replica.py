@@ -161,7 +161,11 @@ class Elastic:
             steps_lost=lost,
         )
 
-    def close(self, *, finished: bool) -> None:
+    def mark_finished(self) -> None:
+        """The job's last step is done: a joiner still waiting for a round leaves (``JobFinished``)."""
+        self.membership.mark_finished()
+
+    def close(self, *, finished: bool = False) -> None:
         self.membership.close(finished=finished)
 
 
