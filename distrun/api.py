@@ -53,9 +53,9 @@ def train(recipe: str | Path, *, progress: bool = True, **options: Any) -> JobSu
     ``compile=True``, ``tracker=["mlflow"]``), sections as dicts (``training={"steps": 30}``), and
     ``args=[...]`` for the recipe's own arguments (``-- ARGS``). ``progress=False``: print nothing.
     """
-    argv, given = _argv(options)
-    mode = QUIET if not progress else NOTEBOOK if _in_notebook() else TERMINAL
     command = typer.main.get_command(app)  # not app(): that would set sys.excepthook for the process
+    argv, given = _argv(options, command.commands["train"])  # type: ignore[attr-defined]
+    mode = QUIET if not progress else NOTEBOOK if _in_notebook() else TERMINAL
     token = GIVEN.set(given | _DECIDED)
     try:
         with rendered_as(mode):
@@ -107,10 +107,12 @@ def _checked(report: ClusterReport, wanted: str) -> ClusterReport:
     return report
 
 
-def _argv(options: Mapping[str, Any]) -> tuple[list[str], frozenset[str]]:
-    """The command line these options mean (sections spread into their flags), and the train
-    parameters they name (given outright: over any file, a False or [] too)."""
-    params = _train_options()
+def _argv(options: Mapping[str, Any], train: Any) -> tuple[list[str], frozenset[str]]:
+    """The command line these options mean to ``train`` (the click command; sections spread into
+    their flags), and the train parameters they name (given outright: over any file, a False or
+    [] too). Options go by the flag's long name with underscores (``--cluster``: cluster)."""
+    params = {_name(param): param for param in train.params if param.param_type_name == "option"}
+    flag_of = {param.name: name for name, param in params.items()}  # the train parameter -> its flag's name
     flat: dict[str, Any] = {}
     recipe_args: Sequence[Any] = ()
     for name, value in options.items():
@@ -124,7 +126,7 @@ def _argv(options: Mapping[str, Any]) -> tuple[list[str], frozenset[str]]:
                 if param == "recipe_args":
                     recipe_args = item
                     continue
-                flat[next(flag for flag, p in params.items() if p.name == param)] = item
+                flat[flag_of[param]] = item
         elif name == "args":
             recipe_args = value
         elif name in params and name not in _NOT_OPTIONS:
@@ -168,12 +170,6 @@ def _tokens(param: Any, value: Any) -> list[str]:
 
 def _name(param: Any) -> str:
     return max(param.opts, key=len).lstrip("-").replace("-", "_")
-
-
-def _train_options() -> dict[str, Any]:
-    """`distrun train`'s options by the flag's long name with underscores (``--cluster``: cluster)."""
-    command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
-    return {_name(param): param for param in command.params if param.param_type_name == "option"}
 
 
 def _in_notebook() -> bool:

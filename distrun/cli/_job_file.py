@@ -83,11 +83,8 @@ def _apply_files(ctx: typer.Context, params: dict[str, Any], hints: dict[str, An
                  came_from: dict[str, JobOption]) -> None:
     given = {name for name in params if name != "ctx" and _source(ctx, name) in _GIVEN} | GIVEN.get()
     by_name = {param.name: param for param in ctx.command.params}
-    layers: list[tuple[JobOption, ...]] = []
     if params.get("config") is not None:
-        layers.append(read_job_file(Path(params["config"])))
-    for layer in layers:
-        _set(layer, ctx, params, hints, by_name, given, came_from)
+        _set(read_job_file(Path(params["config"])), ctx, params, hints, by_name, given, came_from)
     cluster_file = params.get("cluster_file")
     if cluster_file is not None:  # after --config, which may name it
         section = load_cluster(Path(cluster_file)).job

@@ -11,6 +11,7 @@ from distrun.config import (
     DEFAULT_CPU_REPLICAS,
     DILOCO_DEFAULTS,
     JobSpec,
+    RecipeInfo,
     RecipeKind,
     StrategyName,
     inspect_recipe,
@@ -18,7 +19,7 @@ from distrun.config import (
 from distrun.errors import UsageError
 from distrun.launch import visible_gpu_count
 
-__all__ = ["DEFAULT_GLOBAL_BATCH_SIZE", "build_spec", "diloco_alone", "local_layout", "replicas_of"]
+__all__ = ["DEFAULT_GLOBAL_BATCH_SIZE", "build_spec", "diloco_alone", "local_layout", "recipe_defaults", "replicas_of"]
 
 #: Samples per step over all replicas when neither the flag nor the recipe says.
 DEFAULT_GLOBAL_BATCH_SIZE = 64
@@ -69,6 +70,23 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
     whole = all(isinstance(v, int) and v >= 1 for v in (tp, pp))
     device, replicas = local_layout(device, replicas, visible_gpu_count() if gpus is None else gpus,
                                     ranks_per_replica=tp * pp if whole else 1)
+    filled = recipe_defaults(info, steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed,
+                             checkpoint_every=rest.pop("checkpoint_every"))
+    return JobSpec(
+        recipe=str(path),
+        strategy=name,
+        replicas=replicas,
+        device=device,
+        checkpoint_dir=str(checkpoint_dir.expanduser().resolve()) if checkpoint_dir else None,
+        **filled,
+        **rest,
+    )
+
+
+def recipe_defaults(info: RecipeInfo, *, steps: int | None, epochs: int | None, global_batch_size: int | None,
+                    seed: int | None, checkpoint_every: int | None) -> dict[str, Any]:
+    """The values the flags leave unset, from the recipe's ``defaults`` (flags win), else
+    distrun's: ``build_spec`` uses them, and ``--print-config`` prints them."""
     defaults = dict(info.defaults)
     if steps is None and epochs is None:
         steps, epochs = defaults.get("steps"), defaults.get("epochs")
@@ -76,19 +94,9 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
             epochs = None
     if info.kind is RecipeKind.FIT and global_batch_size is None:  # a custom loop batches its own data
         global_batch_size = defaults.get("global_batch_size", DEFAULT_GLOBAL_BATCH_SIZE)
-    return JobSpec(
-        recipe=str(path),
-        strategy=name,
-        replicas=replicas,
-        device=device,
-        steps=steps,
-        epochs=epochs,
-        global_batch_size=global_batch_size,
-        seed=seed if seed is not None else defaults.get("seed", 0),
-        checkpoint_dir=str(checkpoint_dir.expanduser().resolve()) if checkpoint_dir else None,
-        checkpoint_every=rest.pop("checkpoint_every") or defaults.get("checkpoint_every"),
-        **rest,
-    )
+    return {"steps": steps, "epochs": epochs, "global_batch_size": global_batch_size,
+            "seed": seed if seed is not None else defaults.get("seed", 0),
+            "checkpoint_every": checkpoint_every or defaults.get("checkpoint_every")}
 
 
 def local_layout(device: str, replicas: int | None, gpus: int, *, ranks_per_replica: int = 1) -> tuple[str, int]:

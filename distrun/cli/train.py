@@ -12,7 +12,14 @@ import typer
 from distrun.cli._app import app, stderr
 from distrun.cli._job_file import job_from_files
 from distrun.cli._run import JsonStream, print_json, run_job
-from distrun.cli._spec import DEFAULT_GLOBAL_BATCH_SIZE, build_spec, diloco_alone, local_layout, replicas_of
+from distrun.cli._spec import (
+    DEFAULT_GLOBAL_BATCH_SIZE,
+    build_spec,
+    diloco_alone,
+    local_layout,
+    recipe_defaults,
+    replicas_of,
+)
 from distrun.cli.cluster import resolve_cluster
 from distrun.client import ClusterJob, LocalJob, pack
 from distrun.client.warm import WarmStart, find_warm_start
@@ -44,17 +51,12 @@ def _filled(params: dict[str, Any]) -> dict[str, Any]:
     if out.get("strategy") is None:
         out["strategy"] = default_strategy(out.get("cluster_file") is not None)
     try:
-        defaults = dict(inspect_recipe(str(Path(out["recipe"]).expanduser())).defaults)
-    except DistrunError:
-        defaults = {}
-    if out.get("steps") is None and out.get("epochs") is None:
-        out["steps"] = defaults.get("steps")
-        out["epochs"] = None if out["steps"] is not None else defaults.get("epochs")
-    for key in ("global_batch_size", "seed", "checkpoint_every"):
-        if out.get(key) is None and key in defaults:
-            out[key] = defaults[key]
-    if out.get("seed") is None:
-        out["seed"] = 0
+        info = inspect_recipe(str(Path(out["recipe"]).expanduser()))
+    except DistrunError:  # its own error comes when it runs
+        info = None
+    if info is not None:
+        out.update(recipe_defaults(info, **{key: out.get(key) for key in (
+            "steps", "epochs", "global_batch_size", "seed", "checkpoint_every")}))
     out["recipe_args"] = list(out.get("recipe_args") or ())
     return out
 

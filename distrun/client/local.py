@@ -36,7 +36,7 @@ from distrun.errors import (
     TrainingError,
 )
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary, event_to_dict
+from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
@@ -140,13 +140,10 @@ class LocalJob:
         self._launcher.stop(reason)
 
     def _diagnose_for_server(self, native: bool, flight_recorder: bool) -> dict[str, object]:
-        """`distrun stacks` from another terminal, answered as a host's ``diagnose``: this
-        process runs py-spy on its ranks (the tracer they allow)."""
-        dumps = self._launcher.dump_flight_recorder() if flight_recorder else {}
+        """`distrun stacks` from another terminal: this process runs py-spy on its ranks (the
+        tracer they allow), as a worker server does for a cluster job's."""
         host = self.listing.host if self.listing is not None else "localhost"
-        stacks = self._launcher.stacks(native=native, host=host)
-        return {"stacks": [dataclasses.asdict(stack) for stack in stacks],
-                "dumps": {str(rank): path for rank, path in dumps.items()}}
+        return self._launcher.diagnosis(native=native, flight_recorder=flight_recorder, host=host)
 
     def __exit__(self, *exc: object) -> None:
         self.cancel("client exiting")
@@ -167,11 +164,7 @@ class LocalJob:
         result = self._result
         if result is None:
             return {"state": "failed", "failure": None, "error": f"the launcher failed: {self._error}"}
-        stopped = result.state is ProcessState.STOPPED or self._interrupted
-        return {"state": result.state.value, "failure": event_to_dict(result.failure) if result.failure else None,
-                "returncodes": {str(rank): code for rank, code in result.returncodes.items()},
-                "warm": self._launcher.warm,
-                "reason": (self._stop_reason or by_whom("interrupted")) if stopped else None}
+        return result.record(warm=self._launcher.warm, reason=self._stop_reason or by_whom("interrupted"))
 
     def events(self, poll_s: float = 0.25) -> Iterator[Event | None]:
         """Yield events as they come; ``None`` every ``poll_s`` without one (for redraws)."""

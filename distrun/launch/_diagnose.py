@@ -8,10 +8,12 @@ exits, so the pipes are written and closed under one lock.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from distrun.launch._proc import Proc
 from distrun.launch._pyspy import StackUnavailable, read_stack
@@ -65,6 +67,14 @@ class RankDiagnosis:
         while time.monotonic() < deadline and not all(os.path.exists(p) for p in asked.values()):
             time.sleep(0.05)
         return {rank: path for rank, path in asked.items() if os.path.exists(path)}
+
+    def answer(self, *, native: bool, flight_recorder: bool, host: str = "") -> dict[str, Any]:
+        """``distrun stacks``' answer for these ranks, as a worker server sends it: every stack, and
+        with ``flight_recorder`` the paths of the dumps ({rank: path}, dumped first: the ring as it
+        was when asked), which the client reads."""
+        dumps = self.dump_flight_recorder() if flight_recorder else {}
+        return {"stacks": [dataclasses.asdict(stack) for stack in self.stacks(native=native, host=host)],
+                "dumps": {str(rank): path for rank, path in dumps.items()}}
 
     def close(self, proc: Proc) -> None:
         """Its rank exited: no one asks it again."""

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import Any
 
 from distrun.errors import ConfigError
-from distrun.protocol import PEER_LOST, Failed
+from distrun.protocol import PEER_LOST, Failed, event_to_dict
 
 __all__ = ["WorkerSpec", "ProcessState", "RunResult", "PEER_LOST"]
 
@@ -99,3 +100,10 @@ class RunResult:
     state: ProcessState
     returncodes: Mapping[int, int]
     failure: Failed | None = None
+
+    def record(self, *, warm: bool, reason: str | None) -> dict[str, Any]:
+        """The run as a worker server keeps a job's result (``result.json``, ``distrun jobs``);
+        ``reason``: why it was stopped, kept only when it was."""
+        return {"state": self.state.value, "failure": event_to_dict(self.failure) if self.failure else None,
+                "returncodes": {str(rank): code for rank, code in self.returncodes.items()}, "warm": warm,
+                "reason": reason if self.state is ProcessState.STOPPED else None}

@@ -44,6 +44,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from distrun.launch._agent import ElasticAgent
 from distrun.launch._diagnose import RankDiagnosis
@@ -192,6 +193,10 @@ class LocalLauncher:
     def stacks(self, *, native: bool = False, host: str = "") -> list[RankStack]:
         """Every running rank's main-thread stack now (py-spy; ``launch/_diagnose``). Thread-safe."""
         return self._diagnose.stacks(native=native, host=host)
+
+    def diagnosis(self, *, native: bool = False, flight_recorder: bool = False, host: str = "") -> dict[str, Any]:
+        """``distrun stacks``' answer for this launcher's ranks, in the wire's shape (``launch/_diagnose``)."""
+        return self._diagnose.answer(native=native, flight_recorder=flight_recorder, host=host)
 
     def dump_flight_recorder(self, timeout_s: float = 10.0) -> dict[int, str]:
         """Every running rank's Flight Recorder, {rank: the dump's path} (``launch/_diagnose``). Thread-safe."""

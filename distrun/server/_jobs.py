@@ -36,7 +36,6 @@ from typing import Any
 
 from distrun.config import DILOCO_DEFAULTS, JobSpec, StrategyName
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import event_to_dict
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
 from distrun.server._job_args import (
@@ -378,12 +377,8 @@ class JobManager:
         launcher = job.launcher  # read once: the job's thread clears it when the launcher ends
         if launcher is None:
             return {"stacks": [], "dumps": {}}
-        if isinstance(launcher, LocalJobChannel):  # a local job: its own `distrun train` reads its ranks
-            return launcher.diagnose(native=bool(args.get("native")), flight_recorder=bool(args.get("flight_recorder")))
-        dumps = launcher.dump_flight_recorder() if args.get("flight_recorder") else {}
-        stacks = launcher.stacks(native=bool(args.get("native")))
-        return {"stacks": [dataclasses.asdict(stack) for stack in stacks],
-                "dumps": {str(rank): path for rank, path in dumps.items()}}
+        # A local job's channel asks its own `distrun train`, which reads its ranks.
+        return launcher.diagnosis(native=bool(args.get("native")), flight_recorder=bool(args.get("flight_recorder")))
 
     def artifacts(self, args: dict[str, Any]) -> dict[str, Any]:
         """What the job left here for the client to fetch (``JobRecord.artifacts``)."""
@@ -463,11 +458,7 @@ class JobManager:
         assert job.launcher is not None
         try:
             result: RunResult = job.launcher.run()
-            failure = event_to_dict(result.failure) if result.failure is not None else None
-            stopped = result.state is ProcessState.STOPPED
-            job.finish(result.state.value, {"state": result.state.value, "failure": failure,
-                                            "returncodes": {str(k): v for k, v in result.returncodes.items()},
-                                            "warm": job.launcher.warm, "reason": job.reason if stopped else None})
+            job.finish(result.state.value, result.record(warm=job.launcher.warm, reason=job.reason))
         except Exception as exc:  # the launcher itself broke: the job fails, the server lives
             log.exception("job %s", job.id)
             job.finish(ProcessState.FAILED.value, {"state": "failed", "failure": None, "error": str(exc)})

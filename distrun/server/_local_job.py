@@ -97,8 +97,8 @@ class LocalJobChannel:
     def lose_rank(self, rank: int, why: str) -> None:
         """``--elastic``'s hang handling is the client's own for a local job."""
 
-    def diagnose(self, *, native: bool, flight_recorder: bool) -> dict[str, Any]:
-        """``distrun stacks``: the client's answer ({"stacks", "dumps"}), as a host's ``diagnose``."""
+    def diagnosis(self, *, native: bool = False, flight_recorder: bool = False) -> dict[str, Any]:
+        """``distrun stacks``: the client's answer ({"stacks", "dumps"}), as ``LocalLauncher.diagnosis``'s."""
         request_id = next(self._ids)
         with self._answered:
             self._replies[request_id] = None
