@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -65,58 +66,63 @@ def node(
     addresses = [host for host in node_hosts.split(",") if host] if node_hosts else []
     if node_hosts and len(addresses) != nnodes:
         raise UsageError(f"--node-hosts: expected {nnodes} addresses (--nnodes). Received: {len(addresses)}")
-    data = bundle.read_bytes()
-    root = unpack(bundle, hashlib.sha256(data).hexdigest(), Path(tempfile.mkdtemp(prefix="distrun-node-")) / "b")
-    path = (root / recipe).resolve()
-    if root.resolve() not in path.parents or not path.is_file():
-        raise UsageError(f"--recipe {recipe!r} is not in the bundle")
-    spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
-    if checkpoint_dir is not None:
-        spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
-    if resume_if_any and spec.checkpoint_dir and _has_checkpoint(Path(spec.checkpoint_dir)):
-        spec = dataclasses.replace(spec, resume=True)
-    hosts = tuple((addresses[i] if addresses else node_host.format(index=i) if node_host else master_addr)
-                  for i in range(nnodes) for _ in range(nproc_per_node))
-    secret = os.environ.get(JOB_SECRET_VAR, "")
-    parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
-    listener = None
-    if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does, on its own address
-        address = address_to_bind(master_addr)
-        if address is None:
-            raise UsageError(f"--master-addr {master_addr!r}: not an address of this node, nor one it can route to")
-        listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((address, master_port))
-        listener.listen(1024)
-    worker = WorkerSpec(
-        argv=(sys.executable, "-m", "distrun.runtime"), local_world_size=nproc_per_node,
-        world_size=nnodes * nproc_per_node, rank_offset=index * nproc_per_node, node_rank=index,
-        master_addr=master_addr, master_port=None if index == 0 else master_port,
-        env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}, cwd=str(root), rank_hosts=hosts, run_id=run_id,
-        elastic=spec.elastic, respawns=3 if spec.elastic else 0, job_secret=secret,
-    )
+    work = Path(tempfile.mkdtemp(prefix="distrun-node-"))  # the bundle, the ranks' error files: removed at the end
+    try:
+        data = bundle.read_bytes()
+        root = unpack(bundle, hashlib.sha256(data).hexdigest(), work / "b")
+        path = (root / recipe).resolve()
+        if root.resolve() not in path.parents or not path.is_file():
+            raise UsageError(f"--recipe {recipe!r} is not in the bundle")
+        spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
+        if checkpoint_dir is not None:
+            spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
+        if resume_if_any and spec.checkpoint_dir and _has_checkpoint(Path(spec.checkpoint_dir)):
+            spec = dataclasses.replace(spec, resume=True)
+        hosts = tuple((addresses[i] if addresses else node_host.format(index=i) if node_host else master_addr)
+                      for i in range(nnodes) for _ in range(nproc_per_node))
+        secret = os.environ.get(JOB_SECRET_VAR, "")
+        parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
+        listener = None
+        if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does, on its own address
+            address = address_to_bind(master_addr)
+            if address is None:
+                raise UsageError(f"--master-addr {master_addr!r}: not an address of this node, nor one it can route to")
+            listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((address, master_port))
+            listener.listen(1024)
+        worker = WorkerSpec(
+            argv=(sys.executable, "-m", "distrun.runtime"), local_world_size=nproc_per_node,
+            world_size=nnodes * nproc_per_node, rank_offset=index * nproc_per_node, node_rank=index,
+            master_addr=master_addr, master_port=None if index == 0 else master_port,
+            env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}, cwd=str(root), rank_hosts=hosts, run_id=run_id,
+            elastic=spec.elastic, respawns=3 if spec.elastic else 0, job_secret=secret,
+            debug_dir=str(work / "debug"),
+        )
 
-    def emit(event: Event) -> None:
-        sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
-        sys.stdout.flush()
+        def emit(event: Event) -> None:
+            sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
+            sys.stdout.flush()
 
-    launcher = LocalLauncher(worker, emit, listener=listener)
-    # Slurm's warning that the job will end (srun hands the batch script's SIGUSR1 on to us).
-    signal.signal(signal.SIGUSR1, lambda *_: launcher.preempt())
-    if warned:
-        launcher.preempt()
-    result = launcher.run()
-    if result.state is ProcessState.SUCCEEDED:
-        return
-    if result.state is ProcessState.PREEMPTED:
-        if preempted_file is not None:
-            preempted_file.write_text(f"node {index}\n")
-        stderr.print(f"node {index}: told the job would end; every rank wrote its checkpoint and stopped "
-                     f"(exit {PREEMPTED_EXIT_CODE}: requeue it to resume)", markup=False)
-        raise typer.Exit(PREEMPTED_EXIT_CODE)
-    message = failure_message(result.failure)
-    stderr.print(f"error: node {index}: {message}", markup=False)
-    raise typer.Exit(TrainingError.exit_code)
+        launcher = LocalLauncher(worker, emit, listener=listener)
+        # Slurm's warning that the job will end (srun hands the batch script's SIGUSR1 on to us).
+        signal.signal(signal.SIGUSR1, lambda *_: launcher.preempt())
+        if warned:
+            launcher.preempt()
+        result = launcher.run()
+        if result.state is ProcessState.SUCCEEDED:
+            return
+        if result.state is ProcessState.PREEMPTED:
+            if preempted_file is not None:
+                preempted_file.write_text(f"node {index}\n")
+            stderr.print(f"node {index}: told the job would end; every rank wrote its checkpoint and stopped "
+                         f"(exit {PREEMPTED_EXIT_CODE}: requeue it to resume)", markup=False)
+            raise typer.Exit(PREEMPTED_EXIT_CODE)
+        message = failure_message(result.failure)
+        stderr.print(f"error: node {index}: {message}", markup=False)
+        raise typer.Exit(TrainingError.exit_code)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 

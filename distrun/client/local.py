@@ -11,13 +11,13 @@ import dataclasses
 import itertools
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from distrun.client._debug_dir import debug_dir_of, sweep_stale_debug_dirs
 from distrun.client._feed import EventFeed
 from distrun.client._job_state import failure_message
 from distrun.client._listing import Listing, list_on_local_server
@@ -80,6 +80,7 @@ class LocalJob:
             require_checkpoint(spec.checkpoint_dir)  # before any rank starts, not as "rank 1 failed at step 1"
         self.spec = spec
         self._t0 = time.time()
+        sweep_stale_debug_dirs()  # what a killed `distrun train` of this user left
         run_id = (f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
                   f"-{next(_RUNS)}")  # unique in this process: a sweep's jobs may start in one second
         worker = WorkerSpec(
@@ -92,8 +93,8 @@ class LocalJob:
             elastic=spec.elastic,
             respawns=ELASTIC_RESPAWNS if spec.elastic else 0,
             run_id=run_id,
-            # Flight Recorder dumps of a hang; removed at the end when nothing was dumped.
-            debug_dir=os.path.join(tempfile.gettempdir(), f"distrun-debug-{run_id}"),
+            # The ranks' error files and a hang's Flight Recorder dumps; removed at the end when nothing was dumped.
+            debug_dir=debug_dir_of(run_id),
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=self._t0,
                                           ps_tasks=spec.ps_tasks, **tracker_settings(spec)),

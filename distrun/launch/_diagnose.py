@@ -8,6 +8,7 @@ exits, so the pipes are written and closed under one lock.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -18,6 +19,7 @@ from typing import Any
 from distrun.launch._proc import Proc
 from distrun.launch._pyspy import StackUnavailable, read_stack
 from distrun.protocol.diagnosis import RankStack, flight_recorder_file
+from distrun.protocol.environment import ERROR_FILE_PREFIX
 
 __all__ = ["RankDiagnosis"]
 
@@ -89,7 +91,9 @@ class RankDiagnosis:
             self.close(proc)
         folder = self._debug_dir
         if folder:
-            try:
+            with contextlib.suppress(OSError):  # the ranks' error files: read by each rank as it failed
+                for name in os.listdir(folder):
+                    if name.startswith(ERROR_FILE_PREFIX):
+                        os.remove(os.path.join(folder, name))
+            with contextlib.suppress(OSError):
                 os.rmdir(folder)  # only if nothing was dumped: an empty folder tells nobody anything
-            except OSError:
-                pass

@@ -16,6 +16,8 @@ from distrun.launch.api import WorkerSpec
 from distrun.protocol.environment import (
     CHIEF_ADDR_VAR,
     DEBUG_DIR_VAR,
+    ERROR_FILE_PREFIX,
+    ERROR_FILE_VAR,
     FLIGHT_RECORDER_ENTRIES,
     FLIGHT_RECORDER_VAR,
     JOB_SECRET_VAR,
@@ -49,6 +51,8 @@ def process_env(spec: WorkerSpec, local_rank: int, master_port: int, store_port:
     if spec.debug_dir:
         env[DEBUG_DIR_VAR] = spec.debug_dir
         env.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(spec.debug_dir, "nccl-trace-rank-"))
+        # torchrun's agent names one per worker too; here it lives where the launcher clears it.
+        env[ERROR_FILE_VAR] = os.path.join(spec.debug_dir, f"{ERROR_FILE_PREFIX}{env['RANK']}.json")
     if spec.master_addr in _LOOPBACK and "GLOO_SOCKET_IFNAME" not in env and _LOOPBACK_IFNAME:
         env["GLOO_SOCKET_IFNAME"] = _LOOPBACK_IFNAME  # gloo's listeners stay on loopback too
     return env
@@ -77,7 +81,7 @@ def rank_env(spec: WorkerSpec, local_rank: int, master_port: int, store_port: in
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         # The rest of torchrun's contract. TORCHELASTIC_RUN_ID is how torch
         # (is_torchelastic_launched) and Lightning (TorchElasticEnvironment) know a launcher
-        # set all this; the runtime adds TORCHELASTIC_ERROR_FILE, one per rank.
+        # set all this; process_env adds TORCHELASTIC_ERROR_FILE, one per rank.
         "ROLE_NAME": "default",
         "GROUP_WORLD_SIZE": str(len(set(spec.rank_hosts)) if spec.rank_hosts else 1),
         "TORCHELASTIC_RUN_ID": spec.run_id,

@@ -12,6 +12,7 @@ included.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -21,17 +22,22 @@ import time
 from typing import Any
 
 from distrun.protocol import Failed
+from distrun.protocol.environment import ERROR_FILE_VAR
 
 __all__ = ["ERROR_FILE_VAR", "prepare_error_file", "recorded_failure", "remove_error_file"]
 
-ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 
 
 def prepare_error_file(rank: int) -> str:
-    """Name a fresh, empty error file for this rank (unless the launcher named one) and export it."""
+    """Name a fresh, empty error file for this rank and export it. A launcher that names one (distrun's:
+    in its debug folder, which it clears when the job ends, however its ranks ended) keeps it; a
+    stale file there, from a rank that held the place before (an elastic respawn), is removed."""
     if os.environ.get(ERROR_FILE_VAR):
-        return os.environ[ERROR_FILE_VAR]
+        path = os.environ[ERROR_FILE_VAR]
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        return path
     folder = tempfile.mkdtemp(prefix=f"distrun-rank{rank}-")
     path = os.path.join(folder, "error.json")
     os.environ[ERROR_FILE_VAR] = path

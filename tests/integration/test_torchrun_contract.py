@@ -54,7 +54,7 @@ def test_a_plain_script_sees_every_variable_torchrun_sets(write_recipe):
         assert env["GROUP_RANK"] == "0" and env["GROUP_WORLD_SIZE"] == "1" and env["ROLE_NAME"] == "default"
         assert env["TORCHELASTIC_RESTART_COUNT"] == env["TORCHELASTIC_MAX_RESTARTS"] == "0"
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-        assert env["TORCHELASTIC_ERROR_FILE"].endswith("/error.json")
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"/error-rank{rank}.json")  # in the job's debug folder
     assert seen[0]["TORCHELASTIC_RUN_ID"] == seen[1]["TORCHELASTIC_RUN_ID"].strip() != ""
     assert seen[0]["TORCHELASTIC_ERROR_FILE"] != seen[1]["TORCHELASTIC_ERROR_FILE"]  # one per rank
 
@@ -69,3 +69,25 @@ def test_an_error_file_written_by_record_names_the_failure(write_recipe, tmp_pat
     assert (failed[0]["file"], failed[0]["line"]) == ("<string>", 6)  # the child's raise, from its traceback
     assert "shard 7 is missing" in result.stderr and "SystemExit" not in result.stderr
     assert_no_processes(str(tmp_path))
+
+
+KILLED = """
+import os, signal
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finally: what the OOM killer does
+dist.barrier()
+"""
+
+
+def test_a_killed_rank_leaves_nothing_in_the_temporary_folder(write_recipe, tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = run_cli("train", str(write_recipe(KILLED)), "-s", "mirrored", "--replicas", "2", "--json",
+                     env={"TMPDIR": str(temp)})
+    assert result.returncode == 4, result.stderr[-2000:]
+    assert "rank 1" in result.stderr and "SIGKILL" in result.stderr
+    left = [p.name for p in temp.iterdir() if p.name.startswith("distrun-")]
+    assert left == []  # no error-file folder per rank, no debug folder
