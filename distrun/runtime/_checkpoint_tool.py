@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from distrun.strategies.checkpoint import layout, list_checkpoints, load_checkpoint, shards
+from distrun.strategies.checkpoint import layout, list_checkpoints, load_checkpoint, shard_reader, shards
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -25,7 +25,7 @@ def _load(path: Path) -> dict[str, Any]:
 
 def _row(step: int, path: Path) -> dict[str, Any]:
     if shards.is_sharded(path):
-        sidecar, index = shards.read_sidecar(path), shards.read_index(path)
+        sidecar, index = shards.read_sidecar(path), shard_reader.read_index(path)
         return {"path": str(path), "step": step, "strategy": sidecar.get("strategy"), "format": "sharded",
                 "world_size": sidecar.get("num_replicas"), "mesh": _mesh(sidecar), "bytes": shards.size_bytes(path),
                 "parameters": sum(entry.size.numel() for key, entry in index.state_dict_metadata.items()

@@ -54,8 +54,10 @@ def load_checkpoint(path: str | os.PathLike[str], *, model_only: bool = False) -
     state is not read, and ``optimizer`` is empty)."""
     if not shards.is_sharded(path):
         return files.load_file(path)
+    from distrun.strategies.checkpoint import shard_reader  # DCP, imported by a job that reads a sharded checkpoint
+
     sidecar = shards.read_sidecar(path)
-    model, optimizer = layout.join(shards.read_tensors(path, layout.MODEL if model_only else ""), sidecar)
+    model, optimizer = layout.join(shard_reader.read_tensors(path, layout.MODEL if model_only else ""), sidecar)
     if model_only:
         optimizer = None
     return {**read_entries(path, sidecar), "model": model, "optimizer": layout.indexed(optimizer) if optimizer else {}}

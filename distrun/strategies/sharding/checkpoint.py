@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from distrun.strategies.checkpoint import layout, shards
+from distrun.strategies.checkpoint import layout, shard_reader
 
 __all__ = ["sharded_state", "load_sharded"]
 
@@ -36,7 +36,7 @@ def load_sharded(path: str | os.PathLike[str], model: nn.Module, optimizer: Any,
     every rank together. The optimizer's groups come back as saved (a schedule's learning rate
     lives there), as a plain checkpoint's ``load_state_dict`` restores them."""
     tensors, _ = sharded_state(model, optimizer)  # the targets: this rank's pieces, as the model is sharded now
-    loaded = shards.load_into(path, tensors)
+    loaded = shard_reader.load_into(path, tensors)
     model_state, optimizer_state = layout.join({key: tensors[key] for key in loaded}, sidecar)
     set_model_state_dict(model, model_state)
     if optimizer is not None and optimizer_state is not None and optimizer_state["param_groups"]:

@@ -25,6 +25,7 @@ reaching into it.
 
 from __future__ import annotations
 
+import sys
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -33,7 +34,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["PRECISION_DTYPES", "autocast", "LossScaler", "ScaledOptimizer", "attach_output_scaling"]
 
@@ -72,8 +72,9 @@ class LossScaler:
         found = torch.zeros(1, dtype=torch.float32, device=grads[0].device if grads else "cpu")
         inv = torch.full((1,), 1.0 / self.scale, dtype=torch.float32, device=found.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        dtensor = _dtensor_type()
         for g in grads:
-            g = g.to_local() if isinstance(g, DTensor) else g  # a shard's gradient: this rank's rows, in place
+            g = g.to_local() if dtensor is not None and isinstance(g, dtensor) else g  # a shard's gradient: its rows
             groups[(g.device, g.dtype)].append(g)
         for (device, _), group in groups.items():
             found_here = torch.zeros(1, dtype=torch.float32, device=device)
@@ -172,3 +173,10 @@ def all_reduce_max(process_group_ready: Callable[[], bool], device: Callable[[],
         return verdict
 
     return agree
+
+
+def _dtensor_type() -> type | None:
+    """torch's DTensor if anything imported it (sharded, --tp): a job that never did holds none, and
+    importing it costs a rank about 0.6 s."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
