@@ -149,7 +149,7 @@ def _results_home(after: Callable[[JobSummary], dict[str, Any]], summary: JobSum
 
 def _profile_note(job: LocalJob | ClusterJob, summary: JobSummary, *, on_cluster: bool) -> None:
     """``--profile``: where the traces are, or that no step of the window ran."""
-    window = job.spec.profile_steps if job.spec is not None else None
+    window = job.spec.observe.profile_steps if job.spec is not None else None
     if summary.profile_traces and not on_cluster:
         stderr.print(profile_line(summary.profile_traces, str(summary.profile_dir)), markup=False)
     elif summary.profile_traces:  # attached, or --no-fetch: they are on the hosts

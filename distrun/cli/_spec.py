@@ -3,7 +3,6 @@ or a cluster gives a job (one per GPU, ``--tp`` x ``--pp`` ranks to a replica)."
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +71,8 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
                                     ranks_per_replica=tp * pp if whole else 1)
     filled = recipe_defaults(info, steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed,
                              checkpoint_every=rest.pop("checkpoint_every"))
-    return JobSpec(
-        recipe=str(path),
+    return JobSpec.of(
+        str(path),
         strategy=name,
         replicas=replicas,
         device=device,
@@ -134,8 +133,8 @@ def replicas_of(slots: int, per_replica: int, source: Any) -> int:
 def diloco_alone(spec: JobSpec) -> tuple[JobSpec, str | None]:
     """``--strategy diloco`` with one replica is one-device (its outer step would only rescale its
     own steps): the spec it runs as, and the note that says so (None for any other job)."""
-    if spec.strategy is not StrategyName.DILOCO or spec.replicas != 1 or spec.elastic:
+    if spec.strategy.name is not StrategyName.DILOCO or spec.strategy.replicas != 1 or spec.strategy.elastic:
         return spec, None  # --elastic: the one replica may be joined by others; it stays diloco
-    plain = dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, **DILOCO_DEFAULTS)
+    plain = spec.replace(strategy=StrategyName.ONE_DEVICE, **DILOCO_DEFAULTS)
     return plain, ("note: --strategy diloco with one replica is one-device training (no other replica to "
                    "sync with): running --strategy one-device")

@@ -3,7 +3,6 @@ or as an sbatch script (docs/slurm.md), for users who submit jobs themselves."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 
@@ -110,7 +109,7 @@ def slurm(
     if not 10 <= grace_s <= 65535:
         raise UsageError(f"--grace-s: expected 10 to 65535 seconds. Received: {grace_s}")
     if checkpoint_dir is not None:  # the script resolves it on the cluster, not here
-        spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir))
+        spec = spec.replace(checkpoint_dir=str(checkpoint_dir))
     bundle = pack(Path(spec.recipe), include)
     name_of_job = f"distrun-{cluster.name}-{recipe.stem}"[:64]
     script = sbatch_script(SlurmBatch(cluster=cluster, spec=spec, bundle=bundle, nodes=nodes, slots=per_node,

@@ -11,7 +11,6 @@ docs/cli.md: 0, or the code of the first failure's error.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -73,11 +72,11 @@ def node(
         path = (root / recipe).resolve()
         if root.resolve() not in path.parents or not path.is_file():
             raise UsageError(f"--recipe {recipe!r} is not in the bundle")
-        spec = dataclasses.replace(JobSpec.from_json(spec_file.read_text()), recipe=str(path))
+        spec = JobSpec.from_json(spec_file.read_text()).replace(recipe=str(path))
         if checkpoint_dir is not None:
-            spec = dataclasses.replace(spec, checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
-        if resume_if_any and spec.checkpoint_dir and _has_checkpoint(Path(spec.checkpoint_dir)):
-            spec = dataclasses.replace(spec, resume=True)
+            spec = spec.replace(checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
+        if resume_if_any and spec.checkpoint.dir and _has_checkpoint(Path(spec.checkpoint.dir)):
+            spec = spec.replace(resume=True)
         hosts = tuple((addresses[i] if addresses else node_host.format(index=i) if node_host else master_addr)
                       for i in range(nnodes) for _ in range(nproc_per_node))
         secret = os.environ.get(JOB_SECRET_VAR, "")
@@ -96,7 +95,7 @@ def node(
             world_size=nnodes * nproc_per_node, rank_offset=index * nproc_per_node, node_rank=index,
             master_addr=master_addr, master_port=None if index == 0 else master_port,
             env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env}, cwd=str(root), rank_hosts=hosts, run_id=run_id,
-            elastic=spec.elastic, respawns=3 if spec.elastic else 0, job_secret=secret,
+            elastic=spec.strategy.elastic, respawns=3 if spec.strategy.elastic else 0, job_secret=secret,
             debug_dir=str(work / "debug"),
         )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -172,11 +171,11 @@ def train(
                 ps_tasks = 1
             spec = alone(build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags))
             if elastic is not None:
-                low, high = parse_elastic(elastic, spec.replicas)
-                spec = dataclasses.replace(spec, elastic_min=low, elastic_max=high)
-            if spec.allreduce == "hierarchical":
-                raise UsageError(f"--allreduce {spec.allreduce}: arranges the all-reduce across hosts; it needs "
-                                 "--cluster with two or more worker hosts (this machine is one)")
+                low, high = parse_elastic(elastic, spec.strategy.replicas)
+                spec = spec.replace(elastic_min=low, elastic_max=high)
+            if spec.communication.allreduce == "hierarchical":
+                raise UsageError(f"--allreduce {spec.communication.allreduce}: arranges the all-reduce across hosts; "
+                                 "it needs --cluster with two or more worker hosts (this machine is one)")
             here = resolve_cluster(None)
             start = WarmStart(None, "--cold") if cold else find_warm_start(here)
             if start.noteworthy:
@@ -226,14 +225,15 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         spec = alone(build_spec(replicas=replicas_of(job.replicas, per_replica, cluster.source),
                                 ps_tasks=job.ps_tasks, device=device, gpus=job.replicas if job.gpus_everywhere else 0,
                                 **flags))
-        if spec.allreduce == "hierarchical" and len(job.placements) < 2:
-            raise UsageError(f"--allreduce {spec.allreduce}: {cluster.source} trains on one host; it arranges the "
-                             "all-reduce across two or more worker hosts")
+        if spec.communication.allreduce == "hierarchical" and len(job.placements) < 2:
+            raise UsageError(f"--allreduce {spec.communication.allreduce}: {cluster.source} trains on one host; it "
+                             "arranges the all-reduce across two or more worker hosts")
         if elastic is not None:
-            spec = dataclasses.replace(spec, **job.elastic.elastic_range(elastic))
-        if cluster.slurm is not None and spec.checkpoint_dir and spec.strategy.collective and not spec.elastic:
+            spec = spec.replace(**job.elastic.elastic_range(elastic))
+        if (cluster.slurm is not None and spec.checkpoint.dir and spec.strategy.name.collective
+                and not spec.strategy.elastic):
             # The allocation's warning before its time limit: checkpoint at an agreed step, stop (exit 75).
-            spec = dataclasses.replace(spec, preemptible=True)
+            spec = spec.replace(preemptible=True)
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s,
                   debug_dir=((results_dir or Path("distrun-results")) / job.job_id / "debug").resolve())
@@ -271,7 +271,8 @@ def _job_line(job: ClusterJob) -> dict[str, Any]:
 def observe_flags(*, profile: str | None, trackers: list[str], tracker_uris: list[str], run_name: str | None,
                   experiment: str | None, tracker_checkpoint: bool, tensorboard: Path | None,
                   checkpoint_dir: Path | None, results_dir: Path, local: bool) -> dict[str, Any]:
-    """The JobSpec fields of ``--profile``, ``--tracker*`` and ``--tensorboard``.
+    """The JobSpec fields of ``--profile``, ``--tracker*`` and ``--tensorboard``, by their flat names
+    (``JobSpec.of``'s; they live in its ``observe`` section).
 
     ``--tracker tensorboard`` is ``--tensorboard`` (its URI the folder, default ``./runs``; with
     ``--run-name``, the run's folder under it, as TensorBoard lays runs out), so

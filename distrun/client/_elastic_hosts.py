@@ -138,7 +138,7 @@ class ElasticHosts:
         """Start the thread that lets added worker hosts join (only while below MAX hosts)."""
         assert self._job.spec is not None
         slots = self._job.placements[0].slots
-        if self._job.cluster.source is None or self._job.spec.elastic_max <= self._job.replicas or slots < 1:
+        if self._job.cluster.source is None or self._job.spec.strategy.elastic_max <= self._job.replicas or slots < 1:
             return
         threading.Thread(target=self._add_hosts, name="elastic-hosts", daemon=True).start()
 
@@ -146,7 +146,7 @@ class ElasticHosts:
         assert self._job.spec is not None and self._job.cluster.source is not None
         while not self.attempt_over():
             time.sleep(WATCH_S)
-            if self._job.replicas >= self._job.spec.elastic_max:
+            if self._job.replicas >= self._job.spec.strategy.elastic_max:
                 continue
             try:
                 cluster = load_cluster(Path(self._job.cluster.source))
@@ -154,7 +154,8 @@ class ElasticHosts:
                 continue  # being edited: read it at the next turn
             known = {link.label for link in self._job._links} | self._refused_hosts
             for host in cluster.hosts:
-                if Role.WORKER in host.roles and host.label not in known and self._job.replicas < self._job.spec.elastic_max:
+                if (Role.WORKER in host.roles and host.label not in known
+                        and self._job.replicas < self._job.spec.strategy.elastic_max):
                     self._add_host(cluster, host)
 
     def _add_host(self, cluster: Any, host: Any) -> None:

@@ -78,7 +78,7 @@ class EvaluatorRelay:
     def _evaluate(self, source: HostLink, path: str, step: int) -> None:
         eval_id = f"{self.job_id}-eval-{step}"
         relative = self._relay(source, path, eval_id)
-        spec = dataclasses.replace(self.spec, resume=False)
+        spec = self.spec.replace(resume=False)
         self.evaluator.call("submit", job=eval_id, bundle=self.bundle.sha256, recipe=self.bundle.recipe,
                             spec=spec.to_json(), eval_checkpoint=relative, detach=True,
                             rank_hosts=self.rank_hosts, evaluator_hosts=[self.evaluator.host.address],

@@ -117,12 +117,12 @@ def fetch_job_results(links: list[HostLink], job_id: str, attempts: list[str], c
     found = artifacts(links[0], current)  # one call for the checkpoint and the board
     checkpoint = fetch_newest_checkpoint(links[0], current, dest, found)
     board = None
-    if spec is not None and spec.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
-        board = Path(spec.tensorboard_dir)
+    if spec is not None and spec.observe.tensorboard_dir:  # --tensorboard DIR: the chief's files, home
+        board = Path(spec.observe.tensorboard_dir)
         fetch_tensorboard(links[0], current, board, found)
     traces: list[Path] = []
     missed: list[str] = []
-    if spec is not None and spec.profile_steps:  # a restart may have run the window: every attempt
+    if spec is not None and spec.observe.profile_steps:  # a restart may have run the window: every attempt
         for link in links:
             for attempt in attempts:
                 try:

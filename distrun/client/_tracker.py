@@ -41,9 +41,10 @@ from distrun.protocol import (
 
 def tracker_settings(spec: JobSpec) -> dict[str, Any]:
     """The step settings a summary reports, from the job's spec (JobTracker's keywords)."""
-    return {"precision": spec.precision, "compile_mode": spec.compile_mode if spec.compile else None,
-            "compression": str(spec.compression_spec), "allreduce": spec.allreduce,
-            "mesh": spec.mesh if spec.ranks_per_replica > 1 else None}
+    precision = spec.precision
+    return {"precision": precision.name, "compile_mode": precision.compile_mode if precision.compile else None,
+            "compression": str(spec.communication.compression_spec), "allreduce": spec.communication.allreduce,
+            "mesh": spec.mesh if spec.parallel.ranks_per_replica > 1 else None}
 
 
 class JobTracker:

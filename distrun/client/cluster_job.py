@@ -197,28 +197,28 @@ class ClusterJob:
         self._bundle = bundle
         self._detach = detach
         self._debug_dir = debug_dir
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=time.time(),
-                                          host_of_rank=self.host_of_rank, ps_tasks=spec.ps_tasks,
-                                          **tracker_settings(spec)),
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.name.value, spec.trainer_ranks,
+                                          started_at=time.time(), host_of_rank=self.host_of_rank,
+                                          ps_tasks=spec.ps.tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         everyone = self._links + self._evaluators
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(everyone, sent) if was_sent)
-        if self._evaluators and spec.checkpoint_dir and "eval_data" in inspect_recipe(spec.recipe).functions:
+        if self._evaluators and spec.checkpoint.dir and "eval_data" in inspect_recipe(spec.recipe).functions:
             self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle, spec, self._events,
                                          self.rank_hosts)
         self._submit(self.job_id, spec)
         if not detach:
             self._start_following()
-            if spec.elastic:
+            if spec.strategy.elastic:
                 self.elastic.watch_for_hosts()
 
     def _on_hang(self, hang: Hung) -> None:
         """Every host's stacks and Flight Recorders first; then ``--elastic`` loses the stuck host."""
         assert self._feed is not None
         self._feed.put(self.diagnose("hang", dest=self._debug_dir))
-        if self.spec is not None and self.spec.elastic:
+        if self.spec is not None and self.spec.strategy.elastic:
             self.elastic.lose_hung(hang)
 
     def diagnose(self, reason: str = "asked", *, native: bool = False, dest: Path | None = None) -> Diagnosed:
@@ -244,8 +244,9 @@ class ClusterJob:
                   master_addr=self.rank_hosts[0], master_port=self._port, interface=self.cluster.network.interface,
                   rank_hosts=self.rank_hosts, detach=self._detach,
                   evaluator_hosts=[link.host.address for link in self._evaluators],
-                  num_ps=spec.ps_tasks, independent_ranks=sorted(independent_ranks(spec)),
-                  respawns=ELASTIC_RESPAWNS if spec.elastic else self.max_restarts, join=join, secret=self._secret)
+                  num_ps=spec.ps.tasks, independent_ranks=sorted(independent_ranks(spec)),
+                  respawns=ELASTIC_RESPAWNS if spec.strategy.elastic else self.max_restarts, join=join,
+                  secret=self._secret)
 
     def _start_following(self) -> None:
         if self.cluster.allocation is not None:
@@ -278,7 +279,8 @@ class ClusterJob:
                                              f"{how}{why}"))
                 self._results = {}
                 self._cancelled.clear()
-                spec = dataclasses.replace(self.spec, resume=self._saw_checkpoint)
+                assert self.spec is not None  # start() set it before the first attempt
+                spec = self.spec.replace(resume=self._saw_checkpoint)
                 try:
                     self._submit(f"{self.job_id}-r{self.restarts}", spec)
                 except HostError as exc:
@@ -319,7 +321,7 @@ class ClusterJob:
 
     def _succeeded(self, states: list[Any]) -> bool:
         """Every host succeeded; under ``--elastic`` a host lost for good may be missing (the others went on)."""
-        ok = {"succeeded", "lost"} if self.spec is not None and self.spec.elastic else {"succeeded"}
+        ok = {"succeeded", "lost"} if self.spec is not None and self.spec.strategy.elastic else {"succeeded"}
         return bool(states) and all(state in ok for state in states) and "succeeded" in states
 
     def _ship(self, link: HostLink, bundle: Bundle) -> bool:
@@ -354,7 +356,7 @@ class ClusterJob:
         except HostError as exc:
             if self._detaching:
                 return
-            if self.spec is not None and self.spec.elastic:
+            if self.spec is not None and self.spec.strategy.elastic:
                 if link is not self._links[0]:
                     self.elastic.lost_host(link, attempt_id, exc.reason)
                     return

@@ -76,8 +76,8 @@ class LocalJob:
         passes the embedded server's zygote (``client.warm``); nothing else differs.
         ``list_on``: the embedded local cluster, whose server (if `distrun up` runs here) lists
         the job for `distrun jobs`, `logs`, `stacks` and `cancel` (``client/_listing``)."""
-        if spec.resume and spec.checkpoint_dir:
-            require_checkpoint(spec.checkpoint_dir)  # before any rank starts, not as "rank 1 failed at step 1"
+        if spec.checkpoint.resume and spec.checkpoint.dir:
+            require_checkpoint(spec.checkpoint.dir)  # before any rank starts, not as "rank 1 failed at step 1"
         self.spec = spec
         self._t0 = time.time()
         sweep_stale_debug_dirs()  # what a killed `distrun train` of this user left
@@ -88,24 +88,24 @@ class LocalJob:
             local_world_size=spec.world_size,
             env={JOB_SPEC_VAR: spec.to_json(), **spec.extra_env},
             stop_grace_s=stop_grace_s,
-            num_ps=spec.ps_tasks,
+            num_ps=spec.ps.tasks,
             independent_ranks=independent_ranks(spec),
-            elastic=spec.elastic,
-            respawns=ELASTIC_RESPAWNS if spec.elastic else 0,
+            elastic=spec.strategy.elastic,
+            respawns=ELASTIC_RESPAWNS if spec.strategy.elastic else 0,
             run_id=run_id,
             # The ranks' error files and a hang's Flight Recorder dumps; removed at the end when nothing was dumped.
             debug_dir=debug_dir_of(run_id),
         )
-        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.value, spec.trainer_ranks, started_at=self._t0,
-                                          ps_tasks=spec.ps_tasks, **tracker_settings(spec)),
+        self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.name.value, spec.trainer_ranks,
+                                          started_at=self._t0, ps_tasks=spec.ps.tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         self.job_id = run_id
         self.listing: Listing | None = None
         self._launcher = LocalLauncher(worker, self._sink, starter=starter)
         if list_on is not None:  # last: nothing after it can fail and leave the listing open
             self.listing = list_on_local_server(list_on, run_id, {
-                "recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": spec.world_size,
-                "ps_tasks": spec.ps_tasks, "warm": starter is not None})
+                "recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value, "world_size": spec.world_size,
+                "ps_tasks": spec.ps.tasks, "warm": starter is not None})
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="distrun-launcher", daemon=True)
@@ -122,7 +122,7 @@ class LocalJob:
         """Every rank's stack and Flight Recorder, then (``--elastic``) the stuck rank is
         treated as lost (killed, the others go on, it rejoins)."""
         self._sink(self.diagnose("hang"))
-        if self.spec.elastic and hang.rank >= 0:
+        if self.spec.strategy.elastic and hang.rank >= 0:
             self._launcher.lose_rank(hang.rank, f"hung for {hang.stalled_s:.0f} s {hang.where}")
 
     def diagnose(self, reason: str = "asked", *, native: bool = False) -> Diagnosed:
@@ -195,8 +195,8 @@ class LocalJob:
         if result.state is ProcessState.SUCCEEDED:
             return JobOutcome(self.summary("succeeded"), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
-            what = (f"{self.spec.trainer_ranks} rank(s)" if self.spec.ranks_per_replica > 1
-                    else f"{self.spec.replicas} replica(s)")
+            what = (f"{self.spec.trainer_ranks} rank(s)" if self.spec.parallel.ranks_per_replica > 1
+                    else f"{self.spec.strategy.replicas} replica(s)")
             why = f" ({self._stop_reason})" if self._stop_reason else ""
             raise Interrupted(f"interrupted: stopped {what}{why}")
         failure = result.failure
@@ -215,9 +215,9 @@ def independent_ranks(spec: JobSpec) -> frozenset[int]:
     The chief hosts the rendezvous store and writes checkpoints, and the ps tasks
     hold the only copy of the parameters: their failure ends (or restarts) the job.
     """
-    if spec.strategy is not StrategyName.PARAMETER_SERVER:
+    if spec.strategy.name is not StrategyName.PARAMETER_SERVER:
         return frozenset()
-    return frozenset(range(1, spec.replicas))
+    return frozenset(range(1, spec.strategy.replicas))
 
 
 #: Failed.kind -> the error (and exit code) it means; anything else is a TrainingError.

@@ -68,7 +68,7 @@ def sbatch_script(batch: SlurmBatch) -> str:
     python = shlex.quote(slurm.python)
     setup = "\n".join(f"srun --ntasks-per-node=1 sh -c {shlex.quote(command)}" for command in cluster.setup)
     env = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(cluster.env.items()))
-    checkpoint = ["--checkpoint-dir", spec.checkpoint_dir] if spec.checkpoint_dir else []
+    checkpoint = ["--checkpoint-dir", spec.checkpoint.dir] if spec.checkpoint.dir else []
     requeue = ["--preempted-file", _Var("job_dir", "/preempted")] if batch.requeue else []
     node: list[str | _Var] = [
         slurm.python, "-m", "distrun", "node", "--bundle", _Var("job_dir", "/bundle.tar.gz"),
@@ -83,7 +83,7 @@ def sbatch_script(batch: SlurmBatch) -> str:
         "#!/bin/bash",
         *directives,
         f"# Written by `distrun export slurm` (distrun {__version__}): {bundle.recipe!r} under --strategy "
-        f"{spec.strategy.value}, {batch.slots} rank(s) per node. Submit with `sbatch FILE`.",
+        f"{spec.strategy.name.value}, {batch.slots} rank(s) per node. Submit with `sbatch FILE`.",
         "set -euo pipefail",
         "umask 077",
         *(_WARNED if batch.requeue else []),

@@ -80,40 +80,41 @@ _WHY_NOT = {
 #: Flags of DDP's all-reduce: under --tp the data-parallel dimension is FSDP2's (replicated for
 #: mirrored), where DDP's hooks and SyncBatchNorm do not go.
 _DDP_ONLY = (
-    ("--compression", lambda spec: spec.compression_spec.active),
-    ("--allreduce", lambda spec: spec.allreduce != "flat"),
-    ("--sync-batch-norm", lambda spec: spec.sync_batch_norm),
+    ("--compression", lambda spec: spec.communication.compression_spec.active),
+    ("--allreduce", lambda spec: spec.communication.allreduce != "flat"),
+    ("--sync-batch-norm", lambda spec: spec.strategy.sync_batch_norm),
 )
 
 
 def validate_parallel(spec: Any) -> None:
     """Refuse, in one line naming the flag, what ``--tp``/``--pp``/``--activation-checkpointing`` cannot do."""
-    for flag, value in (("--tp", spec.tp), ("--pp", spec.pp)):
+    parallel = spec.parallel
+    for flag, value in (("--tp", parallel.tp), ("--pp", parallel.pp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{flag}: expected a positive whole number of ranks. Received: {value!r}")
     _validate_pipeline(spec)
-    tp = spec.tp
-    if spec.loss_parallel and tp < 2:
+    tp = parallel.tp
+    if parallel.loss_parallel and tp < 2:
         raise ConfigError("--loss-parallel computes the loss on each tensor-parallel rank's slice of the logits: it "
                           "needs --tp 2 or more")
-    if spec.loss_parallel and spec.pp > 1:
+    if parallel.loss_parallel and parallel.pp > 1:
         raise ConfigError("--loss-parallel with --pp: not yet (the last stage gathers its logits); drop one of them")
-    if spec.sequence_parallel and tp < 2:
+    if parallel.sequence_parallel and tp < 2:
         raise ConfigError("--sequence-parallel splits the activations between tensor-parallel layers by sequence "
                           "position over the --tp ranks: it needs --tp 2 or more")
-    if spec.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+    if parallel.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
         raise ConfigError(f"--activation-checkpointing: expected {', '.join(ACTIVATION_CHECKPOINTING)}. "
-                          f"Received: {spec.activation_checkpointing!r}")
-    name = spec.strategy.value
-    if spec.activation_checkpointing != "none" and name == "parameter-server":
+                          f"Received: {parallel.activation_checkpointing!r}")
+    name = spec.strategy.name.value
+    if parallel.activation_checkpointing != "none" and name == "parameter-server":
         raise ConfigError("--activation-checkpointing with --strategy parameter-server: its workers pull parameters "
                           "in forward hooks, which a recomputed forward would run again; use a synchronous strategy")
-    if tp == 1 and spec.pp == 1:
+    if tp == 1 and parallel.pp == 1:
         return
     flag = "--tp" if tp > 1 else "--pp"
     if name not in MODEL_PARALLEL_STRATEGIES:
         raise ConfigError(f"{flag} with --strategy {name}: {_WHY_NOT[name].replace('--tp N', flag + ' N')}")
-    if spec.elastic:
+    if spec.strategy.elastic:
         raise ConfigError(f"{flag} with --elastic: a lost rank takes a piece of every layer (or a stage) of its "
                           f"replica with it, so no replica could go on; run {flag} without --elastic (with "
                           "--max-restarts on a cluster)")
@@ -125,30 +126,32 @@ def validate_parallel(spec: Any) -> None:
 
 def _validate_pipeline(spec: Any) -> None:
     """``--pp-schedule`` and ``--microbatches``: known, and what the schedule and the batch allow."""
-    if spec.pp_schedule not in PP_SCHEDULES:
-        raise ConfigError(f"--pp-schedule: expected {', '.join(PP_SCHEDULES)}. Received: {spec.pp_schedule!r}")
-    microbatches = spec.microbatches
+    parallel = spec.parallel
+    if parallel.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError(f"--pp-schedule: expected {', '.join(PP_SCHEDULES)}. Received: {parallel.pp_schedule!r}")
+    microbatches = parallel.microbatches
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 0:
         raise ConfigError(f"--microbatches: expected a positive whole number. Received: {microbatches!r}")
-    if spec.pp == 1:
-        used = [flag for flag, on in (("--pp-schedule", spec.pp_schedule != "1f1b"),
+    if parallel.pp == 1:
+        used = [flag for flag, on in (("--pp-schedule", parallel.pp_schedule != "1f1b"),
                                       ("--microbatches", microbatches != 0)) if on]
         if used:
             raise ConfigError(f"{used[0]} is for pipeline parallel: it needs --pp 2 or more")
         return
-    count = spec.pipeline_microbatches
-    problem = _microbatch_problem(spec.pp_schedule, count, spec.pp)
+    count = parallel.pipeline_microbatches
+    problem = _microbatch_problem(parallel.pp_schedule, count, parallel.pp)
     if problem:
         raise ConfigError(f"--microbatches {count}: {problem}")
-    if spec.compile and spec.pp_schedule in _SPLIT_BACKWARD:
-        raise ConfigError(f"--compile with --pp-schedule {spec.pp_schedule}: its backward is split in two (inputs, "
+    if spec.precision.compile and parallel.pp_schedule in _SPLIT_BACKWARD:
+        raise ConfigError(f"--compile with --pp-schedule {parallel.pp_schedule}: its backward is split in two (inputs, "
                           "then weights), which torch does not run on compiled stages; use 1f1b, gpipe or "
                           "interleaved-1f1b")
-    if spec.precision == "fp16":
+    if spec.precision.name == "fp16":
         raise ConfigError("--precision fp16 with --pp: the loss scaler scales one model's output, and a pipeline's "
                           "output is on its last stage only; use --precision bf16 (no scaler needed)")
-    if spec.global_batch_size is not None and (spec.global_batch_size // spec.replicas) % count:
-        per = spec.global_batch_size // spec.replicas
+    batch, replicas = spec.training.global_batch_size, spec.strategy.replicas
+    if batch is not None and (batch // replicas) % count:
+        per = batch // replicas
         raise ConfigError(f"--microbatches {count}: a replica's batch of {per} (--global-batch-size "
-                          f"{spec.global_batch_size} over {spec.replicas} replica(s)) does not split into {count} "
+                          f"{batch} over {replicas} replica(s)) does not split into {count} "
                           "equal microbatches")

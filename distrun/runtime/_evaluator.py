@@ -27,9 +27,9 @@ def evaluate_checkpoint(recipe: ModuleType, strategy: Strategy, spec: JobSpec, p
         raise RecipeError(f"{spec.recipe}: the evaluator needs eval_data(ctx) in the recipe")
     from distrun.runtime._metrics import evaluate
 
-    global_batch_size = spec.global_batch_size or 32
-    ctx = InputContext(1, 0, global_batch_size, spec.seed)
-    torch.manual_seed(spec.seed)
+    global_batch_size = spec.training.global_batch_size or 32
+    ctx = InputContext(1, 0, global_batch_size, spec.training.seed)
+    torch.manual_seed(spec.training.seed)
     with strategy.scope():
         model = recipe.model()
         optimizer = recipe.optimizer(model.parameters())

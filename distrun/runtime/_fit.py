@@ -48,8 +48,8 @@ def _report_workload(recipe: ModuleType, model: torch.nn.Module, strategy: Strat
     count = getattr(recipe, "flops_per_token", None)
     flops = float(count(model)) if callable(count) else None
     # Every rank's device counts: a replica of --tp x --pp ranks computes on that many.
-    reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision),
-                      strategy.num_replicas * spec.ranks_per_replica)
+    reporter.workload(tokens, flops, peak_flops(strategy.device, spec.precision.name),
+                      strategy.num_replicas * spec.parallel.ranks_per_replica)
 
 
 def _not_one_number(loss_fn: Any, loss: Any) -> RecipeError:
@@ -65,10 +65,10 @@ def _not_one_number(loss_fn: Any, loss: Any) -> RecipeError:
 
 
 def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventReporter, emit_eval: Any) -> FitResult:
-    global_batch_size = spec.global_batch_size
+    global_batch_size = spec.training.global_batch_size
     if global_batch_size is None:  # the CLI fills it from flags or recipe defaults
         global_batch_size = 32 * strategy.num_replicas
-    torch.manual_seed(spec.seed)  # identical initial parameters on every replica
+    torch.manual_seed(spec.training.seed)  # identical initial parameters on every replica
     reporter.during = "building the model"  # a failure here is not "at step 1"
     with strategy.scope():
         model = recipe.model()
@@ -80,27 +80,28 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     model, optimizer = strategy.prepare(model, optimizer)
     reporter.during = "loading the data"
     # After prepare: an elastic joiner learns its place in the job there.
-    ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.seed)
+    ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.training.seed)
     forward = getattr(recipe, "forward", _default_forward)
-    if spec.pp > 1 and forward is not _default_forward:
+    if spec.parallel.pp > 1 and forward is not _default_forward:
         raise RecipeError(f"{spec.recipe}: --pp runs the model as a chain of stages fed batch[0]; a recipe "
                           "forward(model, batch) cannot be split into them: drop it, or put its work in pp_chain")
     loss_fn = recipe.loss
     # On a GPU the batches come in page-locked memory, so to_device's non-blocking copy overlaps compute.
-    train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size, num_workers=spec.data_workers,
+    workers = spec.training.data_workers
+    train = strategy.distribute_dataset(recipe.train_data(ctx), global_batch_size, num_workers=workers,
                                         pin_memory=strategy.device.type == "cuda")
-    if spec.data_workers and train.plan is None:
-        raise RecipeError(f"--data-workers {spec.data_workers}: {spec.recipe}'s train_data is an iterable, which "
+    if workers and train.plan is None:
+        raise RecipeError(f"--data-workers {workers}: {spec.recipe}'s train_data is an iterable, which "
                           "distrun reads as given; give it a map-style Dataset, or set num_workers on its own DataLoader")
-    if spec.checkpoint_dir:
+    if spec.checkpoint.dir:
         reporter.during = "checking --checkpoint-dir"
-        strategy.check_checkpoint_dir(spec.checkpoint_dir)
-    if spec.resume and spec.checkpoint_dir and not strategy.joined:  # a joiner was healed by a peer
+        strategy.check_checkpoint_dir(spec.checkpoint.dir)
+    if spec.checkpoint.resume and spec.checkpoint.dir and not strategy.joined:  # a joiner was healed by a peer
         reporter.during = "restoring the checkpoint"
-        strategy.restore(spec.checkpoint_dir)
+        strategy.restore(spec.checkpoint.dir)
 
-    epochs = spec.epochs
-    total_steps = spec.steps
+    epochs = spec.training.epochs
+    total_steps = spec.training.steps
     if total_steps is None:
         epochs = epochs or 1
         if train.plan is not None:
@@ -117,7 +118,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     metrics = make_metrics() if make_metrics is not None else {}
     device = strategy.device
 
-    guard = NonFiniteGuard(spec.on_nonfinite, strategy)
+    guard = NonFiniteGuard(spec.training.on_nonfinite, strategy)
     preempt = PreemptWatch(spec.preemptible)
     reporter.learning_rate = lambda: optimizer.param_groups[0]["lr"]  # --tensorboard's train/learning_rate
 
@@ -135,9 +136,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     last_eval: dict[str, float] = {}
     last_loss: torch.Tensor | None = None
-    checkpoint_every = spec.checkpoint_every
-    ckpt_dir = spec.checkpoint_dir
-    last_saved = strategy.step if spec.resume else -1
+    checkpoint_every = spec.checkpoint.every
+    ckpt_dir = spec.checkpoint.dir
+    last_saved = strategy.step if spec.checkpoint.resume else -1
     # Steps may advance by more than one (asynchronous workers see every update), so a
     # checkpoint is due when the step crosses a multiple of checkpoint_every.
     last_mark = strategy.step // checkpoint_every if checkpoint_every else 0
@@ -150,7 +151,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     evaluated_at: int | None = None  # the step of the newest evaluation
     evaluating = eval_source is not None and strategy.evaluates
-    eval_mark = strategy.step // spec.eval_every if spec.eval_every else 0
+    eval_every = spec.training.eval_every
+    eval_mark = strategy.step // eval_every if eval_every else 0
 
     def run_eval(epoch: int) -> dict[str, float]:
         nonlocal evaluated_at
@@ -196,17 +198,17 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             for batch in train:
                 last_loss = strategy.run(train_step, batch)
                 if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
-                    strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+                    strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
                     last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
                 if finished():
                     break
                 # --eval-every: due when the step crosses a multiple (asynchronous steps may skip one).
-                if evaluating and spec.eval_every and strategy.step // spec.eval_every > eval_mark:
-                    eval_mark, eval_due = strategy.step // spec.eval_every, train.position[0]
+                if evaluating and eval_every and strategy.step // eval_every > eval_mark:
+                    eval_mark, eval_due = strategy.step // eval_every, train.position[0]
                     last_eval, eval_due = run_eval(eval_due), None
                 if preempt.agreed(strategy):  # the job will end: checkpoint this step, stop to be requeued
                     if ckpt_dir and last_saved != strategy.step:
-                        strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+                        strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
                     strategy.wait_for_checkpoint()
                     strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
@@ -227,7 +229,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     strategy.settle()  # the run ends on one set of weights (diloco: a sync, unless one just landed)
     if ckpt_dir and last_saved != strategy.step:
-        strategy.save(ckpt_dir, keep=spec.keep_checkpoints)
+        strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
     strategy.wait_for_checkpoint()  # --async-checkpoint: the last one is written before the summary
     final = None
     if last_loss is not None:  # weighted like the gradients: the global batch's mean loss

@@ -54,18 +54,18 @@ def main() -> None:
     start_dump_listener(launch.rank)  # --hang-timeout-s: the Flight Recorder, dumped on the launcher's word
     try:
         info = inspect_recipe(spec.recipe)
-        ps_task = spec.strategy is StrategyName.PARAMETER_SERVER and launch.rank >= spec.replicas
+        ps_task = spec.strategy.name is StrategyName.PARAMETER_SERVER and launch.rank >= spec.strategy.replicas
         device = _device(spec, launch) if not ps_task else _cpu()  # a ps task applies updates on its CPU
-        if spec.tensorboard_dir and (launch.rank == 0 or ps_task) and not os.environ.get(EVAL_CHECKPOINT_VAR):
+        if spec.observe.tensorboard_dir and (launch.rank == 0 or ps_task) and not os.environ.get(EVAL_CHECKPOINT_VAR):
             writer = _tensorboard(writer, spec, launch, ps_task)
-        if spec.trackers and launch.rank == 0 and not ps_task and not os.environ.get(EVAL_CHECKPOINT_VAR):
+        if spec.observe.trackers and launch.rank == 0 and not ps_task and not os.environ.get(EVAL_CHECKPOINT_VAR):
             writer = _trackers(writer, spec, launch)
         writer.emit(
             Started(rank=launch.rank, time=time.time(), pid=os.getpid(), device=str(device),
                     world_size=launch.world_size, recipe_kind=info.kind.value)
         )
         start_heartbeat(writer, launch.rank, spec.recipe)
-        prepare_sys_path(spec.recipe, spec.recipe_args)
+        prepare_sys_path(spec.recipe, spec.training.args)
         store = _rendezvous_store(launch)
         if info.kind is RecipeKind.SCRIPT:
             phase = "train"
@@ -75,7 +75,7 @@ def main() -> None:
                 keep_destroyed_process_groups()
             from distrun.runtime._script_progress import ScriptProgress  # steps, loss, samples/s: watched
 
-            reporter = EventReporter(writer, launch.rank, launch.world_size, spec.log_interval_s, device.type)
+            reporter = EventReporter(writer, launch.rank, launch.world_size, spec.observe.log_interval_s, device.type)
             reporter.profile = _profile_window(spec, launch, device, writer)
             ScriptProgress(reporter)
             if reporter.profile is not None:
@@ -96,10 +96,10 @@ def main() -> None:
 
             serve_ps(module, spec, launch, writer, _store_client(launch))
             _exit(0)
-        if spec.elastic and info.kind is not RecipeKind.FIT:
+        if spec.strategy.elastic and info.kind is not RecipeKind.FIT:
             raise RecipeError(f"--elastic trains fit-style recipes (distrun's loop redoes a step after a change of "
                               f"membership); {spec.recipe} is a {info.kind.value}")
-        reporter = EventReporter(writer, launch.rank, spec.trainer_ranks, spec.log_interval_s, device.type)
+        reporter = EventReporter(writer, launch.rank, spec.trainer_ranks, spec.observe.log_interval_s, device.type)
         if not os.environ.get(EVAL_CHECKPOINT_VAR):
             reporter.profile = _profile_window(spec, launch, device, writer)
         strategy = _make_strategy(spec, launch, device, reporter, store)
@@ -137,7 +137,7 @@ def main() -> None:
                  peak_mem_mb=reporter.peak_mem_mb(), net_bytes_sent=reporter.net_bytes_sent())
         )
         strategy.close()
-        if spec.strategy.collective:
+        if spec.strategy.name.collective:
             _leave_together(launch, store)
         _exit(0)
     except BaseException as exc:  # noqa: BLE001 - every failure becomes an event, then exit 1
@@ -152,7 +152,7 @@ def main() -> None:
         if isinstance(exc, Preempted):  # every replica agreed on the step; its checkpoint is written
             writer.emit(Output(rank=launch.rank, time=time.time(), stream="stderr",
                                line=f"[distrun] told the job will end: {exc}, exit {PREEMPTED_EXIT_CODE}"))
-            if spec.strategy.collective:
+            if spec.strategy.name.collective:
                 _leave_together(launch, store)
             _exit(PREEMPTED_EXIT_CODE)
         if reporter is not None and reporter.profile is not None:
@@ -215,8 +215,9 @@ def _tensorboard(writer: EventWriter, spec: JobSpec, launch: LaunchEnv, ps_task:
     """``--tensorboard``: rank 0 writes into the folder, each ps task into ps<N> under it."""
     from distrun.runtime._tensorboard import TensorBoardTap
 
-    assert spec.tensorboard_dir is not None
-    logdir = f"{spec.tensorboard_dir}/ps{launch.rank - spec.replicas}" if ps_task else spec.tensorboard_dir
+    board = spec.observe.tensorboard_dir
+    assert board is not None
+    logdir = f"{board}/ps{launch.rank - spec.strategy.replicas}" if ps_task else board
     tap = TensorBoardTap(writer, logdir)
     atexit.register(tap.close)  # _exit runs atexit handlers: the last figures reach the file
     return tap
@@ -224,12 +225,12 @@ def _tensorboard(writer: EventWriter, spec: JobSpec, launch: LaunchEnv, ps_task:
 
 def _profile_window(spec: JobSpec, launch: LaunchEnv, device: Any, writer: Any) -> Any:
     """``--profile``: this rank's window of steps (None without the flag)."""
-    if spec.profile_steps is None:
+    if spec.observe.profile_steps is None:
         return None
     from distrun.runtime._profile import ProfileWindow
 
-    folder = spec.profile_dir or os.path.join(os.getcwd(), "distrun-profile")
-    window = ProfileWindow(spec.profile_steps, folder, launch.rank, device.type, writer)
+    folder = spec.observe.profile_dir or os.path.join(os.getcwd(), "distrun-profile")
+    window = ProfileWindow(spec.observe.profile_steps, folder, launch.rank, device.type, writer)
     atexit.register(window.close)  # _exit runs atexit handlers: a job that stops inside the window keeps its trace
     return window
 
@@ -247,7 +248,7 @@ def _trackers(writer: Any, spec: JobSpec, launch: LaunchEnv) -> Any:
 def _device(spec: JobSpec, launch: LaunchEnv) -> Any:
     import torch
 
-    if spec.device == "cuda":
+    if spec.strategy.device == "cuda":
         if not torch.cuda.is_available():
             raise RecipeError("device cuda asked for, but torch sees no GPU on this host")
         torch.cuda.set_device(launch.local_rank)
@@ -282,50 +283,55 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
 
     from distrun.strategies import ReplicaInfo, StepSettings, make_strategy
 
-    if spec.compile:
+    if spec.precision.compile:
         from distrun.strategies.step.compile import use_cache_dir
 
         use_cache_dir(os.environ.get(CACHE_DIR_VAR))
     options: dict[str, Any] = {}
     rank, world_size = launch.rank, launch.world_size
-    if spec.elastic:  # the first round's group is the default group; rank and size are the round's
+    if spec.strategy.elastic:  # the first round's group is the default group; rank and size are the round's
         elastic = _join_elastic(spec, launch, device)
         if elastic.round is not None:  # a joiner joins in prepare(), once its model is built
             rank, world_size = elastic.round.rank, elastic.round.world_size
         options["elastic"] = elastic
-    elif spec.strategy.collective:
+    elif spec.strategy.name.collective:
         client = _store_client(launch)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
                                 device_id=device if device.type == "cuda" else None)
-    model_parallel = spec.ranks_per_replica > 1
-    if spec.strategy.value in ("mirrored", "multi-worker") and not model_parallel:
-        options |= {"sync_batch_norm": spec.sync_batch_norm, "compression": spec.compression_spec,
-                   "powersgd_warmup": spec.powersgd_warmup, "allreduce": spec.allreduce}
-    if spec.strategy is StrategyName.SHARDED or model_parallel:  # model parallel is built on sharded's FSDP2
-        sharded = spec.strategy is StrategyName.SHARDED
-        options |= {"reshard_after_forward": spec.reshard_after_forward and sharded, "shard_within": spec.shard_within,
-                    "offload": spec.offload == "cpu", "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
-                    "async_checkpoint": spec.async_checkpoint}
+    name, parallel, communication = spec.strategy.name, spec.parallel, spec.communication
+    model_parallel = parallel.ranks_per_replica > 1
+    if name.value in ("mirrored", "multi-worker") and not model_parallel:
+        options |= {"sync_batch_norm": spec.strategy.sync_batch_norm, "compression": communication.compression_spec,
+                   "powersgd_warmup": communication.powersgd_warmup, "allreduce": communication.allreduce}
+    if name is StrategyName.SHARDED or model_parallel:  # model parallel is built on sharded's FSDP2
+        sharded = name is StrategyName.SHARDED
+        options |= {"reshard_after_forward": spec.sharding.reshard_after_forward and sharded,
+                    "shard_within": spec.sharding.within, "offload": spec.sharding.offload == "cpu",
+                    "hosts": int(os.environ.get("GROUP_WORLD_SIZE", "1")),
+                    "async_checkpoint": spec.checkpoint.asynchronous}
         if model_parallel:
-            options |= {"tp": spec.tp, "pp": spec.pp, "pp_schedule": spec.pp_schedule,
-                        "microbatches": spec.pipeline_microbatches, "sequence_parallel": spec.sequence_parallel,
-                        "loss_parallel": spec.loss_parallel}
-    if spec.strategy is StrategyName.DILOCO:
-        options |= {"sync_every": spec.sync_every, "outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum,
-                    "sync_dtype": spec.sync_dtype, "fragments": spec.fragments}
-    if spec.strategy is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
-        world_size = spec.replicas
+            options |= {"tp": parallel.tp, "pp": parallel.pp, "pp_schedule": parallel.pp_schedule,
+                        "microbatches": parallel.pipeline_microbatches, "sequence_parallel": parallel.sequence_parallel,
+                        "loss_parallel": parallel.loss_parallel}
+    if name is StrategyName.DILOCO:
+        diloco = spec.diloco
+        options |= {"sync_every": diloco.sync_every, "outer_lr": diloco.outer_lr,
+                    "outer_momentum": diloco.outer_momentum, "sync_dtype": diloco.sync_dtype,
+                    "fragments": diloco.fragments}
+    if name is StrategyName.PARAMETER_SERVER:  # the workers are the replicas; ps tasks are not
+        world_size = spec.strategy.replicas
         from distrun.runtime._ps_task import ps_wire_dtype
 
-        options = {"store": _store_client(launch), "num_ps": spec.ps_tasks, "sync": spec.ps_sync,
+        options = {"store": _store_client(launch), "num_ps": spec.ps.tasks, "sync": spec.ps.sync,
                    "secret": job_secret_from(os.environ),
-                   "partition_bytes": spec.ps_partition_bytes, "wire": ps_wire_dtype(spec)}
+                   "partition_bytes": spec.ps.partition_bytes, "wire": ps_wire_dtype(spec)}
     replica = ReplicaInfo(rank=rank, world_size=world_size, local_rank=launch.local_rank,
-                          device=device, seed=spec.seed, node_rank=launch.node_rank)
-    step = StepSettings(precision=spec.precision, compile=spec.compile, compile_mode=spec.compile_mode,
-                        clip_grad_norm=spec.clip_grad_norm, activation_checkpointing=spec.activation_checkpointing)
-    return make_strategy(spec.strategy.value, replica, reporter, step=step, **options)
+                          device=device, seed=spec.training.seed, node_rank=launch.node_rank)
+    step = StepSettings(precision=spec.precision.name, compile=spec.precision.compile,
+                        compile_mode=spec.precision.compile_mode, clip_grad_norm=spec.training.clip_grad_norm,
+                        activation_checkpointing=parallel.activation_checkpointing)
+    return make_strategy(name.value, replica, reporter, step=step, **options)
 
 
 def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
@@ -341,7 +347,7 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
                             backend="nccl" if device.type == "cuda" else "gloo",
                             device=device if device.type == "cuda" else None, who=_who(launch),
                             launch_rank=launch.rank, incarnation=int(os.environ.get(INCARNATION_VAR, "0")))
-    elastic = Elastic(membership, min_members=spec.elastic_min, max_members=spec.elastic_max,
+    elastic = Elastic(membership, min_members=spec.strategy.elastic_min, max_members=spec.strategy.elastic_max,
                       expect=launch.world_size)
     if not joiner:
         elastic.first_round()

@@ -29,18 +29,18 @@ _STATS_INTERVAL_S = 1.0
 
 def ps_wire_dtype(spec: JobSpec) -> torch.dtype | None:
     """What a parameter-server job's pushes and pulls cross in (``--compression fp16|bf16``)."""
-    return PRECISION_DTYPES.get(spec.compression_spec.kind)
+    return PRECISION_DTYPES.get(spec.communication.compression_spec.kind)
 
 
 def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: EventWriter, store: Any) -> None:
     """``store``: a client of the job's TCPStore, where worker connections are numbered."""
-    task = launch.rank - spec.replicas
-    torch.manual_seed(spec.seed)  # the same initial parameters as every other strategy
+    task = launch.rank - spec.strategy.replicas
+    torch.manual_seed(spec.training.seed)  # the same initial parameters as every other strategy
     model = recipe.model()
-    layout = Layout(model, spec.ps_tasks, spec.ps_partition_bytes)
-    server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps_sync,
-                             max_staleness=spec.max_staleness, wait_for_load=spec.resume,
-                             expected_workers=spec.replicas, wire=ps_wire_dtype(spec))
+    layout = Layout(model, spec.ps.tasks, spec.ps.partition_bytes)
+    server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps.sync,
+                             max_staleness=spec.ps.max_staleness, wait_for_load=spec.checkpoint.resume,
+                             expected_workers=spec.strategy.replicas, wire=ps_wire_dtype(spec))
     del model  # only the shards stay
 
     def report() -> None:

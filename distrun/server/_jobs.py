@@ -22,7 +22,6 @@ logs``, ``attach``) reads it from there. A rendezvous that no ``submit`` follows
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import logging
 import os
@@ -160,11 +159,11 @@ class JobManager:
         recipe = (root / str(args["recipe"])).resolve()
         if root.resolve() not in recipe.parents or not recipe.is_file():
             raise JobError(f"recipe {args['recipe']!r} is not in the bundle")
-        spec = dataclasses.replace(JobSpec.from_json(str(args["spec"])), recipe=str(recipe))
-        if spec.tensorboard_dir:  # --tensorboard: written here, in the job's folder; the client fetches it
-            spec = dataclasses.replace(spec, tensorboard_dir=str(job.folder / "tensorboard"))
-        if spec.profile_steps:  # --profile: each rank's trace here too; the client fetches every host's
-            spec = dataclasses.replace(spec, profile_dir=str(job.folder / "profile"))
+        spec = JobSpec.from_json(str(args["spec"])).replace(recipe=str(recipe))
+        if spec.observe.tensorboard_dir:  # --tensorboard: written here, in the job's folder; the client fetches it
+            spec = spec.replace(tensorboard_dir=str(job.folder / "tensorboard"))
+        if spec.observe.profile_steps:  # --profile: each rank's trace here too; the client fetches every host's
+            spec = spec.replace(profile_dir=str(job.folder / "profile"))
         evaluating = None
         if args.get("eval_checkpoint"):  # uploaded by the client into this server's folder
             evaluating = (self.state_dir / str(args["eval_checkpoint"])).resolve()
@@ -198,8 +197,8 @@ class JobManager:
             num_ps=0 if evaluating else int(args.get("num_ps", 0)),
             independent_ranks=frozenset(int(rank) for rank in args.get("independent_ranks", ())),
             respawns=int(args.get("respawns", 0)),
-            elastic=spec.elastic,
-            join=bool(args.get("join", False)) and spec.elastic,
+            elastic=spec.strategy.elastic,
+            join=bool(args.get("join", False)) and spec.strategy.elastic,
             **torchelastic_ids(job_id, int(args.get("respawns", 0))),
             job_secret=secret,
             debug_dir=str(job.folder / "debug"),
@@ -217,8 +216,8 @@ class JobManager:
             job.rendezvous_lease.cancel()
             job.rendezvous_lease = None
         job.detached = bool(args.get("detach", False))
-        job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.value, "world_size": worker.world_size,
-                    "ps_tasks": worker.num_ps,
+        job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value,
+                    "world_size": worker.world_size, "ps_tasks": worker.num_ps,
                     "ranks": [worker.rank_offset, worker.rank_offset + worker.local_world_size - 1]}
         threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
         self._watch_lease(job)
@@ -485,7 +484,7 @@ def _kill(job: JobRecord, launcher: LocalLauncher | LocalJobChannel, reason: str
 def evaluator_spec(spec: JobSpec) -> JobSpec:
     """The training job's spec for its evaluator host: one process, one device, no process group,
     whatever the job's layout (--tp/--pp, diloco's and the parameter-server's settings go)."""
-    return dataclasses.replace(spec, strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
-                               checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
-                               pp_schedule="1f1b", microbatches=0, sequence_parallel=False, loss_parallel=False, elastic_min=0,
-                               elastic_max=0, **DILOCO_DEFAULTS)
+    return spec.replace(strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
+                        checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
+                        pp_schedule="1f1b", microbatches=0, sequence_parallel=False, loss_parallel=False, elastic_min=0,
+                        elastic_max=0, **DILOCO_DEFAULTS)

@@ -1,13 +1,15 @@
+from typing import Any
+
 import pytest
 
 from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import ConfigError, RecipeError
 
 
-def spec(**kw):
-    base = dict(recipe="/r.py", strategy=StrategyName.MIRRORED, replicas=2, global_batch_size=8)
+def spec(**kw) -> JobSpec:
+    base: dict[str, Any] = dict(recipe="/r.py", strategy=StrategyName.MIRRORED, replicas=2, global_batch_size=8)
     base.update(kw)
-    return JobSpec(**base)
+    return JobSpec.of(**base)
 
 
 def test_round_trips_through_json():

@@ -17,8 +17,8 @@ from distrun.strategies.local_sgd.fragments import split_fragments
 from distrun.strategies.local_sgd.outer import GlobalWeights
 
 
-def _spec(**fields):
-    return JobSpec(recipe="/r.py", strategy=StrategyName.DILOCO, replicas=2, **fields)
+def _spec(**fields) -> JobSpec:
+    return JobSpec.of(recipe="/r.py", strategy=StrategyName.DILOCO, replicas=2, **fields)
 
 
 @pytest.mark.parametrize("fields, says", [
@@ -40,7 +40,7 @@ def test_diloco_flags_are_refused_in_one_line(fields, says):
 
 def test_diloco_flags_belong_to_diloco():
     with pytest.raises(ConfigError, match="--sync-every is for --strategy diloco"):
-        JobSpec(recipe="/r.py", strategy=StrategyName.MIRRORED, replicas=2, sync_every=10)
+        JobSpec.of(recipe="/r.py", strategy=StrategyName.MIRRORED, replicas=2, sync_every=10)
     spec = _spec(sync_every=10, checkpoint_every=30, checkpoint_dir="/c")
     assert JobSpec.from_json(spec.to_json()) == spec
 

@@ -35,13 +35,13 @@ def test_bad_elastic_ranges_name_the_flag(text, message):
     assert message in str(info.value)
 
 
-def _spec(**changes):
+def _spec(**changes) -> JobSpec:
     base = dict(recipe="/r.py", strategy=StrategyName.MIRRORED, replicas=3, elastic_min=2, elastic_max=3)
-    return JobSpec(**{**base, **changes})
+    return JobSpec.of(**{**base, **changes})
 
 
 def test_elastic_is_for_replicas_that_hold_the_whole_state():
-    assert _spec().elastic and not _spec(elastic_min=0, elastic_max=0).elastic
+    assert _spec().strategy.elastic and not _spec(elastic_min=0, elastic_max=0).strategy.elastic
     with pytest.raises(ConfigError, match="--elastic: for --strategy mirrored, multi-worker or diloco"):
         _spec(strategy=StrategyName.CENTRAL_STORAGE)
     with pytest.raises(ConfigError, match="--elastic with --compile: not supported yet"):

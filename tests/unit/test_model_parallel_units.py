@@ -18,7 +18,7 @@ from distrun.strategies.parallel.plan import resolve_plan
 
 
 def _spec(strategy: str, **kwargs) -> JobSpec:
-    return JobSpec(recipe="/r.py", strategy=StrategyName.parse(strategy), **kwargs)
+    return JobSpec.of(recipe="/r.py", strategy=StrategyName.parse(strategy), **kwargs)
 
 
 def test_a_replica_spans_tp_ranks():
@@ -188,7 +188,8 @@ def test_what_pp_cannot_do_is_refused_in_one_line(extra, says):
 
 def test_a_pipelined_replica_spans_tp_x_pp_ranks():
     spec = _spec("sharded", replicas=2, tp=2, pp=2, global_batch_size=8)
-    assert spec.world_size == 8 and spec.mesh == {"dp": 2, "tp": 2, "pp": 2} and spec.pipeline_microbatches == 4
+    assert spec.world_size == 8 and spec.mesh == {"dp": 2, "tp": 2, "pp": 2}
+    assert spec.parallel.pipeline_microbatches == 4
     # Stages outermost: ranks 0-3 (one host's, with 4 slots) hold stage 0, ranks 4-7 stage 1.
     assert [mesh_place(rank, spec.mesh)["pp"] for rank in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert mesh_place(5, spec.mesh) == {"dp": 0, "tp": 1, "pp": 1}
@@ -228,12 +229,12 @@ def test_a_tracked_run_records_its_layout(tmp_path):
 
     recipe = tmp_path / "r.py"
     recipe.write_text("")
-    spec = JobSpec(recipe=str(recipe), strategy=StrategyName.SHARDED, replicas=2, tp=2, pp=2,
+    spec = JobSpec.of(recipe=str(recipe), strategy=StrategyName.SHARDED, replicas=2, tp=2, pp=2,
                    pp_schedule="gpipe", global_batch_size=8, activation_checkpointing="full")
     params = RunParams.from_spec(spec, world_size=8, tf_config=None).as_dict()
     assert (params["tp"], params["pp"], params["pp_schedule"], params["microbatches"]) == (2, 2, "gpipe", 4)
     assert params["activation_checkpointing"] == "full"
-    plain = RunParams.from_spec(JobSpec(recipe=str(recipe)), world_size=1, tf_config=None).as_dict()
+    plain = RunParams.from_spec(JobSpec.of(recipe=str(recipe)), world_size=1, tf_config=None).as_dict()
     assert "pp_schedule" not in plain and plain["tp"] == 1
 
 
@@ -241,7 +242,7 @@ def test_the_evaluator_role_runs_one_device_whatever_the_layout():
     from distrun.server._jobs import evaluator_spec
 
     evaluator = evaluator_spec(_spec("sharded", replicas=2, tp=2, pp=2, pp_schedule="gpipe", global_batch_size=8))
-    assert evaluator.world_size == 1 and evaluator.strategy is StrategyName.ONE_DEVICE and evaluator.mesh == {
+    assert evaluator.world_size == 1 and evaluator.strategy.name is StrategyName.ONE_DEVICE and evaluator.mesh == {
         "dp": 1, "tp": 1}
 
 

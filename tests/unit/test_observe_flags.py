@@ -103,11 +103,11 @@ def test_bad_tracker_flags(kwargs, message):
 
 
 def test_the_job_spec_checks_the_trackers_and_carries_them_through_json():
-    spec = JobSpec(recipe="/r.py", trackers=("mlflow", "wandb"), tracker_uris={"mlflow": "sqlite:////m.db"},
+    spec = JobSpec.of(recipe="/r.py", trackers=("mlflow", "wandb"), tracker_uris={"mlflow": "sqlite:////m.db"},
                    run_name="r", experiment="e", tracker_checkpoint=True, checkpoint_dir="/c")
     assert JobSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ConfigError, match="--tracker-uri wandb=...: needs --tracker wandb"):
-        JobSpec(recipe="/r.py", trackers=("mlflow",), tracker_uris={"wandb": "/w"})
+        JobSpec.of(recipe="/r.py", trackers=("mlflow",), tracker_uris={"wandb": "/w"})
 
 
 def _observe(tmp_path: Path, **flags):
@@ -141,8 +141,8 @@ def test_tensorboard_alone_takes_a_run_name_and_refuses_a_checkpoint(tmp_path, m
     monkeypatch.chdir(tmp_path)
     fields = _observe(tmp_path, trackers=["tensorboard"], run_name="lr-0.1", experiment="e")
     assert fields["tensorboard_dir"] == str(tmp_path / "runs" / "lr-0.1") and fields["trackers"] == ()
-    spec = JobSpec(recipe="/r.py", **{k: v for k, v in fields.items() if k not in ("profile_steps", "profile_dir")})
-    assert spec.run_name == "lr-0.1"  # a spec with TensorBoard only still carries the run's name
+    spec = JobSpec.of(recipe="/r.py", **{k: v for k, v in fields.items() if k not in ("profile_steps", "profile_dir")})
+    assert spec.observe.run_name == "lr-0.1"  # a spec with TensorBoard only still carries the run's name
     with pytest.raises(ConfigError) as caught:
         _observe(tmp_path, trackers=["tensorboard"], tracker_checkpoint=True, checkpoint_dir=tmp_path / "c")
     assert caught.value.message == "--tracker-checkpoint: TensorBoard keeps no artifacts; use --tracker mlflow or wandb"
@@ -153,9 +153,9 @@ def test_tensorboard_alone_takes_a_run_name_and_refuses_a_checkpoint(tmp_path, m
 
 def test_a_profile_window_past_the_last_step_is_refused():
     with pytest.raises(ConfigError) as caught:
-        JobSpec(recipe="/r.py", steps=50, profile_steps=(100, 110))
+        JobSpec.of(recipe="/r.py", steps=50, profile_steps=(100, 110))
     assert caught.value.message == "--profile 100:110: the job takes 50 step(s), so the window would never open"
-    assert JobSpec(recipe="/r.py", steps=50, profile_steps=(50, 60)).profile_steps == (50, 60)
+    assert JobSpec.of(recipe="/r.py", steps=50, profile_steps=(50, 60)).observe.profile_steps == (50, 60)
 
 
 def test_tensorboard_and_tracker_tensorboard_must_name_one_folder(tmp_path):

@@ -46,11 +46,11 @@ def test_pack_groups_by_dtype_and_unpacks_exactly():
 
 def test_ps_spec_fields_and_the_alias(tmp_path):
     recipe = str(tmp_path / "r.py")
-    spec = JobSpec(recipe=recipe, strategy=StrategyName.parse("ps"), replicas=3, ps_tasks=2)
-    assert spec.strategy is StrategyName.PARAMETER_SERVER and spec.world_size == 5
-    assert not spec.strategy.collective and StrategyName.MIRRORED.collective
+    spec = JobSpec.of(recipe=recipe, strategy=StrategyName.parse("ps"), replicas=3, ps_tasks=2)
+    assert spec.strategy.name is StrategyName.PARAMETER_SERVER and spec.world_size == 5
+    assert not spec.strategy.name.collective and StrategyName.MIRRORED.collective
     assert JobSpec.from_json(spec.to_json()) == spec
     with pytest.raises(ConfigError, match="needs at least one ps task"):
-        JobSpec(recipe=recipe, strategy=StrategyName.PARAMETER_SERVER, replicas=2)
+        JobSpec.of(recipe=recipe, strategy=StrategyName.PARAMETER_SERVER, replicas=2)
     with pytest.raises(ConfigError, match="--ps-tasks is for --strategy parameter-server"):
-        JobSpec(recipe=recipe, strategy=StrategyName.MIRRORED, replicas=2, ps_tasks=1)
+        JobSpec.of(recipe=recipe, strategy=StrategyName.MIRRORED, replicas=2, ps_tasks=1)

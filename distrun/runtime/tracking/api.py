@@ -80,14 +80,15 @@ class RunParams:
         import torch  # already imported by the training process: only its version is read
 
         recipe = Path(spec.recipe)
+        training, parallel = spec.training, spec.parallel
         return cls(
-            strategy=spec.strategy.value, replicas=spec.replicas, world_size=world_size,
-            hosts=",".join(worker_hosts(tf_config)), global_batch_size=spec.global_batch_size,
-            precision=spec.precision, compile=spec.compile, compression=spec.compression, seed=spec.seed,
-            steps=spec.steps, epochs=spec.epochs, recipe=recipe.name, tp=spec.tp, pp=spec.pp,
-            pp_schedule=spec.pp_schedule if spec.pp > 1 else None,
-            microbatches=spec.pipeline_microbatches if spec.pp > 1 else None,
-            activation_checkpointing=spec.activation_checkpointing,
+            strategy=spec.strategy.name.value, replicas=spec.strategy.replicas, world_size=world_size,
+            hosts=",".join(worker_hosts(tf_config)), global_batch_size=training.global_batch_size,
+            precision=spec.precision.name, compile=spec.precision.compile, compression=spec.communication.compression,
+            seed=training.seed, steps=training.steps, epochs=training.epochs, recipe=recipe.name, tp=parallel.tp,
+            pp=parallel.pp, pp_schedule=parallel.pp_schedule if parallel.pp > 1 else None,
+            microbatches=parallel.pipeline_microbatches if parallel.pp > 1 else None,
+            activation_checkpointing=parallel.activation_checkpointing,
             recipe_sha256=hashlib.sha256(recipe.read_bytes()).hexdigest(),
             distrun_version=distrun_version, torch_version=str(torch.__version__),
             python_version=platform.python_version(),

@@ -184,6 +184,8 @@ def tracker_tap(writer: Any, spec: JobSpec, *, world_size: int, tf_config: str |
     from distrun.runtime.tracking._wandb import WandbTracker
 
     makers = {"mlflow": MlflowTracker, "wandb": WandbTracker}
-    trackers = [makers[name](spec.tracker_uris.get(name), spec.experiment, spec.run_name) for name in spec.trackers]
+    observe = spec.observe
+    trackers = [makers[name](observe.tracker_uris.get(name), observe.experiment, observe.run_name)
+                for name in observe.trackers]
     params = RunParams.from_spec(spec, world_size=world_size, tf_config=tf_config)
-    return TrackerTap(writer, trackers, params, log_checkpoint=spec.tracker_checkpoint)
+    return TrackerTap(writer, trackers, params, log_checkpoint=observe.tracker_checkpoint)
