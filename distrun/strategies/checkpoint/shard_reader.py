@@ -20,13 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from distrun.errors import CheckpointError
-from distrun.strategies.checkpoint.shards import INDEX
 
 __all__ = ["read_index", "read_tensors", "load_into", "SafeReader"]
 
+_INDEX = ".metadata"  # DCP's index of a checkpoint folder
+
 #: What DCP's index may name (module, attribute): its metadata classes, torch's dtypes and
 #: sizes, paths. Anything else in a ``.metadata`` file is refused.
-INDEX_GLOBALS = {
+_INDEX_GLOBALS = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -47,7 +48,7 @@ class _IndexUnpickler(pickle._Unpickler):  # noqa: SLF001 - the Python unpickler
     dispatch = dict(pickle._Unpickler.dispatch)  # noqa: SLF001
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+        if (module, name) in _INDEX_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                   torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
@@ -62,12 +63,12 @@ class _IndexUnpickler(pickle._Unpickler):  # noqa: SLF001 - the Python unpickler
 
 def read_index(path: str | os.PathLike[str]) -> Metadata:
     """DCP's ``.metadata``, through the restricted unpickler; only tensor entries are accepted."""
-    where = Path(path) / INDEX
+    where = Path(path) / _INDEX
     try:
         with open(where, "rb") as fh:
             index = _IndexUnpickler(fh).load()
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a sharded checkpoint (no {INDEX})") from None
+        raise CheckpointError(f"{path}: not a sharded checkpoint (no {_INDEX})") from None
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError,
             KeyError, TypeError) as exc:
         raise CheckpointError(f"{where}: refused: {exc}") from None

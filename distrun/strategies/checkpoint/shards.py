@@ -44,7 +44,6 @@ __all__ = ["FORMAT", "SIDECAR", "folder_path", "temporary_path", "is_sharded", "
 FORMAT = "distrun.checkpoint.dcp.v1"
 SIDECAR = "distrun.json"
 _TMP_PREFIX = ".tmp-ckpt-"
-INDEX = ".metadata"
 
 def folder_path(directory: str | os.PathLike[str], step: int) -> Path:
     return Path(directory) / f"ckpt-{step:09d}"
