@@ -192,11 +192,24 @@ def brought_up(lab: Lab, roles: dict[str, dict[str, str]], name: str, extra: str
         lab_cli(lab, "down", str(path))
 
 
+#: The `cluster` fixture's hosts: h1 chief and worker, h2 worker.
+TWO_HOSTS = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
+
+
 @pytest.fixture
 def cluster(lab: Lab) -> Iterator[Path]:
     """The lab's two hosts as a cluster file (h1 chief+worker, h2 worker), brought up and, after, down."""
-    with brought_up(lab, {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}, "lab") as path:
+    with brought_up(lab, TWO_HOSTS, "lab") as path:
         yield path
+
+
+@contextlib.contextmanager
+def module_lab(factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Lab, Path]]:
+    """A lab and its `cluster`, for a module whose tests leave hosts and servers as they found them
+    (``lab``/``cluster`` fixtures of module scope): `distrun up` and `down` cost 3-5 s a test."""
+    with shaped_lab(factory.mktemp(name), ("h1", "h2")) as made:
+        with brought_up(made, TWO_HOSTS, "lab") as path:
+            yield made, path
 
 
 def bench_on_two_hosts(tmp_path: Path, workload: str, default_steps: str,

@@ -18,7 +18,7 @@ import pytest
 
 from distrun.client.jobs import collapse_ranks
 from distrun.ui import fmt_ranks
-from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, training_pids
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, module_lab, training_pids
 
 SLOW = """
 import time
@@ -44,6 +44,23 @@ def train_data(ctx):
 """
 
 
+
+@pytest.fixture(scope="module")
+def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Path]]:
+    with module_lab(tmp_path_factory, "job-control") as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
+def lab(_shared: tuple[Lab, Path]) -> Lab:
+    """One lab for the module: a test that kills a server or drops a link restores it before it ends."""
+    return _shared[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(_shared: tuple[Lab, Path]) -> Path:
+    return _shared[1]
+
 def _wait_until(predicate, within_s: float, what: str) -> float:
     t0 = time.monotonic()
     while not predicate():
@@ -58,11 +75,15 @@ def _start(lab: Lab, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
 
 
-def _wait_for_steps(proc: subprocess.Popen) -> None:
+def _wait_for_steps(proc: subprocess.Popen) -> str:
+    """The job's id (its first --json line), once a step was reported."""
     assert proc.stdout is not None
+    job_id = ""
     for line in proc.stdout:
+        if line.startswith('{"type":"job"'):
+            job_id = json.loads(line)["job"]
         if line.startswith('{"type":"step"'):
-            return
+            return job_id
     raise AssertionError(f"the job never stepped: {proc.stderr.read() if proc.stderr else ''}")
 
 
@@ -121,9 +142,9 @@ def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Pa
     assert final[0]["state"] == "stopped"
 
 
-def _host_log(lab: Lab, host: str, job_id: str) -> list[dict]:
+def _host_log(lab: Lab, host: str, job_id: str, cluster: str = "lab") -> list[dict]:
     """The job's event log on one host, as its server wrote it."""
-    path = lab.workdir / "lab" / lab.hosts[host][1] / "jobs" / job_id / "events.ndjson"
+    path = lab.workdir / cluster / lab.hosts[host][1] / "jobs" / job_id / "events.ndjson"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -137,8 +158,12 @@ def _job_row(lab: Lab, cluster: Path, job_id: str) -> dict:
 def hooked(lab: Lab) -> Iterator[Path]:
     """The lab's two hosts as `cluster` has them, with the servers' test hooks on (DR_TEST_HOOKS)."""
     roles = {"h1": {"roles": "[chief, worker]"}, "h2": {"roles": "[worker]"}}
-    with brought_up(lab, roles, "lab", extra="env: {DR_TEST_HOOKS: '1'}") as path:
-        yield path
+    delay = lab.workdir / "hooked" / lab.hosts["h2"][1] / "test-hook-kill-delay-s"  # set by the test
+    with brought_up(lab, roles, "hooked", extra="env: {DR_TEST_HOOKS: '1'}") as path:
+        try:
+            yield path
+        finally:
+            delay.unlink(missing_ok=True)  # the module's next test starts without it
 
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
@@ -153,26 +178,26 @@ def test_a_cancel_reads_stopped_even_when_a_host_is_killed_late(lab: Lab, hooked
                       "--detach", "--json", *(["--elastic", "1:2"] if elastic else []))
     assert started.returncode == 0, started.stderr
     job_id = json_lines(started)[0]["job"]
-    _wait_until(lambda: any(e.get("type") == "step" for e in _host_log(lab, "h2", job_id)), 60, "rank 1 stepping")
-    (lab.workdir / "lab" / lab.hosts["h2"][1] / "test-hook-kill-delay-s").write_text("6")
+    _wait_until(lambda: any(e.get("type") == "step" for e in _host_log(lab, "h2", job_id, "hooked")), 60, "rank 1 stepping")
+    (lab.workdir / "hooked" / lab.hosts["h2"][1] / "test-hook-kill-delay-s").write_text("6")
 
     asked = time.monotonic()  # before the cancel reaches any host: h2's delayed stop is 6 s from here at least
     cancelled = lab_cli(lab, "cancel", job_id, "--cluster", str(hooked))
     assert cancelled.returncode == 0, cancelled.stderr
     _wait_until(lambda: not training_pids(lab), 20, "every training process ending after cancel")
     took = time.monotonic() - asked
-    h2 = _host_log(lab, "h2", job_id)
+    h2 = _host_log(lab, "h2", job_id, "hooked")
     # The forced interleaving happened: rank 1 raised on its own (its peer vanished) before its kill came.
     assert [e["kind"] for e in h2 if e.get("type") == "error" and e["rank"] == 1] == ["peer-lost"], h2[-5:]
     assert took < 6, "rank 1 ended only at its (delayed) kill: the interleaving was not forced"
-    lines = [e.get("line") or "" for host in ("h1", "h2") for e in _host_log(lab, host, job_id)]
+    lines = [e.get("line") or "" for host in ("h1", "h2") for e in _host_log(lab, host, job_id, "hooked")]
     assert not [line for line in lines if "starting it again" in line or "goes on without it" in line]
 
     row = _job_row(lab, hooked, job_id)
     who = f"cancelled by {getpass.getuser()} from {socket.gethostname()}"
     assert (row["state"], row["reason"], row["failure"]) == ("stopped", who, None)
     for host in ("h1", "h2"):
-        result = json.loads((lab.workdir / "lab" / lab.hosts[host][1] / "jobs" / job_id / "result.json").read_text())
+        result = json.loads((lab.workdir / "hooked" / lab.hosts[host][1] / "jobs" / job_id / "result.json").read_text())
         assert (result["state"], result["reason"], result["failure"]) == ("stopped", who, None), host
     table = lab_cli(lab, "jobs", "--cluster", str(hooked))
     assert who in table.stdout, table.stdout
@@ -221,7 +246,7 @@ def test_a_rank_that_failed_before_the_cancel_still_reads_failed(lab: Lab, clust
 
 def test_a_killed_client_loses_its_lease(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
     proc = _start(lab, "train", str(slow_recipe), "--cluster", str(cluster), "--strategy", "multi-worker", "--json")
-    _wait_for_steps(proc)
+    job_id = _wait_for_steps(proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     killed_at = time.monotonic()
@@ -231,10 +256,10 @@ def test_a_killed_client_loses_its_lease(lab: Lab, cluster: Path, slow_recipe: P
     # The server whose lease ran out first says why, in the job's own log. (The other's ranks
     # may then end on their own, having lost their peer, a moment before its own lease runs out.)
     logs = [log for _ns, address in lab.hosts.values()
-            for log in (lab.workdir / "lab" / address / "jobs").glob("*/events.ndjson")]
+            for log in (lab.workdir / "lab" / address / "jobs").glob(f"{job_id}/events.ndjson")]
     assert any("lease expired" in log.read_text() for log in logs)
     def every_host_has_a_result() -> bool:  # and every host's job has ended, with a result
-        return all(list((lab.workdir / "lab" / address / "jobs").glob("*/result.json"))
+        return all((lab.workdir / "lab" / address / "jobs" / job_id / "result.json").exists()
                    for _ns, address in lab.hosts.values())
 
     _wait_until(every_host_has_a_result, 10, "every host recording the job's end")
@@ -246,12 +271,16 @@ def test_a_killed_worker_server_is_noticed(lab: Lab, cluster: Path, slow_recipe:
     h2_server = json.loads((lab.workdir / "lab" / lab.hosts["h2"][1] / "server.json").read_text())["pid"]
     t0 = time.monotonic()
     os.kill(h2_server, signal.SIGKILL)
-    _out, err = proc.communicate(timeout=60)
-    assert time.monotonic() - t0 < 15
-    assert proc.returncode == 6, err[-2000:]  # a host error: the host, not a rank, was lost
-    assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
-    _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
-    assert not psutil.pid_exists(h2_server) or psutil.Process(h2_server).status() == psutil.STATUS_ZOMBIE
+    try:
+        _out, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 15
+        assert proc.returncode == 6, err[-2000:]  # a host error: the host, not a rank, was lost
+        assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
+        _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
+        assert not psutil.pid_exists(h2_server) or psutil.Process(h2_server).status() == psutil.STATUS_ZOMBIE
+    finally:
+        restored = lab_cli(lab, "up", str(cluster))  # the module's next tests use the same servers
+        assert restored.returncode == 0, restored.stderr
 
 
 def test_a_dropped_link_is_a_host_error_named_within_15_s(lab: Lab, cluster: Path, slow_recipe: Path) -> None:
@@ -272,6 +301,8 @@ def test_a_dropped_link_is_a_host_error_named_within_15_s(lab: Lab, cluster: Pat
     assert proc.returncode == 6, err[-2000:]
     assert err.strip().splitlines()[-1].startswith(f"error: {h2}: the worker server went silent"), err[-2000:]
     assert took_s < 15, f"{took_s:.1f} s"
+    # h2's server, back on the link, lets go of the job when its lease runs out (the client is gone).
+    _wait_until(lambda: not training_pids(lab), 30, "h2's rank ending after the lease")
 
 
 def test_identical_lines_collapse_per_occurrence() -> None:

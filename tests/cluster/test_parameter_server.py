@@ -19,12 +19,19 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, training_pids
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab, training_pids
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import PS_RECIPE
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """One lab for the module's two-host tests: they kill ranks, never servers."""
+    with shaped_lab(tmp_path_factory.mktemp("ps-lab"), ("h1", "h2")) as made:
+        yield made
+
+
+@pytest.fixture(scope="module")
 def ps_cluster(lab: Lab) -> Iterator[Path]:
     with brought_up(lab, {"h1": {"roles": "[chief, worker]", "slots": "2"}, "h2": {"roles": "[ps]"}}, "ps") as path:
         yield path
