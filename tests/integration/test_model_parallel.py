@@ -194,6 +194,22 @@ def test_tensor_parallel_ends_with_one_devices_parameters(transformer, one_devic
     assert 0.5 < summary["samples_per_s"] / measured < 1.5, (summary["samples_per_s"], measured)
 
 
+def test_a_derived_plan_splits_attention_and_mlp_and_ends_with_one_devices_parameters(transformer, one_device,
+                                                                                      tmp_path):
+    """Without tp_plan: q, k, v and o by their shapes, the MLP pair in its nn.Sequential; the first
+    batch confirms the split (the forward reads its heads off shapes), and training is one-device's."""
+    recipe = tmp_path / "derived.py"
+    recipe.write_text(transformer.read_text().replace("def tp_plan(net):", "def _no_plan(net):"))
+    reference, one, _ = one_device
+    result, data = _train(recipe, tmp_path / "ck", "-s", "mirrored", "--tp", "2", *STEPS)
+    _close(data["model"], one["model"], "a derived plan vs one-device")
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and line["rank"] == 0]
+    assert any("derived (the MLP pairs of nn.Sequential and each module's projections, checked on the first batch"
+               in line and "blocks.*.q colwise (2), blocks.*.k colwise (2), blocks.*.v colwise (2), "
+               "blocks.*.o rowwise (2)" in line for line in said), said
+    assert any(line.startswith("[mirrored] the derived plan holds on the first batch") for line in said), said
+
+
 def test_ranks_of_a_replica_draw_alike_and_keep_rank_0s_buffers(transformer, tmp_path):
     """Dropout outside the split layers must draw one mask on every rank of a replica, as one
     device would (each rank but 0 built its model on the meta device, drawing nothing), and a
@@ -315,17 +331,18 @@ def test_a_custom_loop_prepares_its_part(tmp_path):
 @pytest.mark.parametrize("plan, says", [
     ('{"blocks.*.qq": "colwise"}', "tp_plan['blocks.*.qq']: matches no module of the model"),
     ('{"blocks.*.norm1": "colwise"}', "tp_plan['blocks.*.norm1']: colwise splits nn.Linear and nn.Embedding"),
-    (None, "--tp: distrun found no layer it can split safely"),
+    (None, "--tp: the derived plan does not hold: its outputs differ from the whole model's by"),
 ])
 def test_a_plan_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path, plan, says):
-    """A pattern that matches nothing, a style for a module it cannot split, and no plan where
-    none can be derived (a norm between the MLP's layers is not elementwise)."""
+    """A pattern that matches nothing, a style for a module it cannot split, and a derived plan the
+    forward does not follow: attention that fixes its head count (view(b, t, HEADS, -1)) would
+    compute heads of half the size on each of two ranks, and train another model, silently."""
     source = transformer.read_text()
     if plan:
         source = source.replace("def tp_plan(net):", f"def tp_plan(net):\n    return {plan}\n\n\ndef _old(net):")
     else:
         source = source.replace("def tp_plan(net):", "def _no_plan(net):").replace(
-            "nn.GELU()", "nn.LayerNorm(4 * WIDTH)")
+            "layer(h).view(b, t, -1, self.head_dim)", "layer(h).view(b, t, HEADS, -1)")
     recipe = tmp_path / "bad.py"
     recipe.write_text(source)
     result = run_cli("train", str(recipe), "-s", "mirrored", "--tp", "2", "--steps", "2", "--json")

@@ -15,6 +15,7 @@ from distrun.protocol import describe_mesh, mesh_place
 from distrun.strategies.parallel.activation import checkpoint_units
 from distrun.strategies.parallel.mesh import MeshShape, mesh_shape
 from distrun.strategies.parallel.plan import resolve_plan
+from distrun.strategies.parallel.plan_check import agree
 
 
 def _spec(strategy: str, **kwargs) -> JobSpec:
@@ -77,11 +78,59 @@ class _Attention(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 8))
 
 
-def test_a_derived_plan_splits_only_what_is_sure():
-    """The MLP pair through elementwise modules; attention (a plain module) stays whole."""
+class _Grouped(nn.Module):
+    """Attention with fewer k/v heads, SwiGLU in LLaMA's order (w1, w2, w3), and two modules whose
+    Linears are no projection group (a classifier's stack; two readers of different widths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.q, self.attn.k, self.attn.v, self.attn.o = (nn.Linear(16, 16), nn.Linear(16, 4),
+                                                               nn.Linear(16, 4), nn.Linear(16, 16))
+        self.ffn = nn.Module()
+        self.ffn.w1, self.ffn.w2, self.ffn.w3 = nn.Linear(16, 48), nn.Linear(48, 16), nn.Linear(16, 48)
+        self.norm = nn.LayerNorm(16)
+        self.stack = nn.Module()
+        self.stack.fc1, self.stack.fc2, self.stack.fc3 = nn.Linear(784, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+        self.mixed = nn.Module()
+        self.mixed.a, self.mixed.b, self.mixed.c = nn.Linear(16, 8), nn.Linear(12, 8), nn.Linear(8, 16)
+
+
+def test_a_derived_plan_splits_mlp_pairs_and_projection_groups_and_says_it_checks_the_second():
     plan = resolve_plan(_Attention(), None, 2)
-    assert dict(plan.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise"}
-    assert "derived" in plan.description and "tp_plan(model) splits more" in plan.description
+    assert dict(plan.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise", "q": "colwise", "o": "rowwise"}
+    assert plan.checked and "checked on the first batch" in plan.description
+    grouped = resolve_plan(_Grouped(), None, 2)
+    assert dict(grouped.styles) == {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+                                    "attn.o": "rowwise", "ffn.w1": "colwise", "ffn.w3": "colwise",
+                                    "ffn.w2": "rowwise"}
+    # Under --pp no whole model stays to check against: only the nn.Sequential pairs, which are sure.
+    piped = resolve_plan(_Attention(), None, 2, can_check=False)
+    assert dict(piped.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise"} and not piped.checked
+    assert resolve_plan(_Attention(), lambda model: {"q": "colwise"}, 2).checked is False  # the recipe's own
+    # A group whose splits --tp does not divide (k and v write 4 features) is left whole.
+    assert "attn.q" not in resolve_plan(_Grouped(), None, 8).styles
+
+
+def test_the_plan_line_names_alike_layers_once_with_their_count():
+    blocks = nn.ModuleList(_Attention() for _ in range(3))
+    plan = resolve_plan(nn.Sequential(*blocks), None, 2)
+    assert "*.mlp.0 colwise (3), *.mlp.3 rowwise (3), *.q colwise (3), *.o rowwise (3)" in plan.description
+
+
+def test_nothing_to_split_is_refused_naming_tp_plan():
+    with pytest.raises(RecipeError, match=r"--tp: distrun found no layer it can split safely .* define tp_plan"):
+        resolve_plan(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)), None, 2)
+
+
+def test_outputs_agree_within_the_tolerance_of_their_precision():
+    whole = [torch.randn(4, 8), torch.randn(3)]
+    assert agree([t + 1e-6 for t in whole], whole)[0] is None
+    problem, worst = agree([whole[0] * 1.05, whole[1]], whole)  # a head of the wrong size: ~5% off
+    assert problem and "differ from the whole model's by 0.05" in problem and worst == pytest.approx(0.05)
+    half = [t.bfloat16() for t in whole]
+    assert agree(half, whole)[0] is None  # bf16 rounding is allowed for
+    assert "shapes [(4, 4), (3,)]" in agree([whole[0][:, :4], whole[1]], whole)[0]
 
 
 @pytest.mark.parametrize("plan, says", [
