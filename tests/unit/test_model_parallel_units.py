@@ -288,11 +288,18 @@ def test_a_tracked_run_records_its_layout(tmp_path):
 
 
 def test_the_evaluator_role_runs_one_device_whatever_the_layout():
-    from distrun.server._jobs import evaluator_spec
+    from distrun.config import evaluator_spec
 
     evaluator = evaluator_spec(_spec("sharded", replicas=2, tp=2, pp=2, pp_schedule="gpipe", global_batch_size=8))
     assert evaluator.world_size == 1 and evaluator.strategy.name is StrategyName.ONE_DEVICE and evaluator.mesh == {
         "dp": 1, "tp": 1}
+    # What one-device refuses goes too: each of these made the evaluator host's spec invalid.
+    for strategy, flat in (("multi-worker", {"compression": "fp16"}), ("multi-worker", {"allreduce": "hierarchical"}),
+                           ("sharded", {"shard_within": "host", "async_checkpoint": True, "checkpoint_dir": "/c"}),
+                           ("mirrored", {"checkpoint_dir": "/c", "preemptible": True, "precision": "bf16"})):
+        evaluator = evaluator_spec(_spec(strategy, replicas=2, global_batch_size=8, **flat))
+        assert evaluator.strategy.name is StrategyName.ONE_DEVICE and evaluator.training.global_batch_size == 8
+        assert evaluator.precision.name == flat.get("precision", "fp32")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v"])
