@@ -98,8 +98,7 @@ class JobSpec:
     @property
     def mesh(self) -> dict[str, int]:
         """The job's degrees as the summary and the live view show them."""
-        pp = self.parallel.pp
-        return {"dp": self.strategy.replicas, "tp": self.parallel.tp, **({"pp": pp} if pp > 1 else {})}
+        return {"dp": self.strategy.replicas, "tp": self.parallel.tp, "pp": self.parallel.pp}
 
     @property
     def world_size(self) -> int:

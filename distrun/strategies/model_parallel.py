@@ -292,8 +292,7 @@ class ModelParallelStrategy(ShardedStrategy):
     # -- checkpoints: each stage's pieces under the whole model's names ---------------
 
     def _checkpoint_meta(self) -> dict[str, Any]:
-        return {**super()._checkpoint_meta(), "mesh": {"dp": self.shape.dp, "tp": self.shape.tp,
-                                                       **({"pp": self.shape.pp} if self.pipelined else {})}}
+        return {**super()._checkpoint_meta(), "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp}}
 
     def _part_optimizers(self) -> list[Any]:
         optimizer = self._torch_optimizer

@@ -167,9 +167,9 @@ def test_sequence_and_loss_parallel_end_with_one_devices_parameters_and_a_missed
 
 
 @pytest.mark.parametrize("strategy, flags, mesh", [
-    ("mirrored", ("--tp", "2"), {"dp": 1, "tp": 2}),
-    ("sharded", ("--tp", "2", "--replicas", "2"), {"dp": 2, "tp": 2}),
-    ("mirrored", ("--tp", "2", "--replicas", "2", "--activation-checkpointing", "selective"), {"dp": 2, "tp": 2}),
+    ("mirrored", ("--tp", "2"), {"dp": 1, "tp": 2, "pp": 1}),
+    ("sharded", ("--tp", "2", "--replicas", "2"), {"dp": 2, "tp": 2, "pp": 1}),
+    ("mirrored", ("--tp", "2", "--replicas", "2", "--activation-checkpointing", "selective"), {"dp": 2, "tp": 2, "pp": 1}),
 ])
 def test_tensor_parallel_ends_with_one_devices_parameters(transformer, one_device, tmp_path, strategy, flags, mesh):
     reference, one, _ = one_device
@@ -243,7 +243,7 @@ def test_a_tp_checkpoint_resumes_under_one_device_and_exports_whole(transformer,
     _train(transformer, tmp_path / "tp", "-s", "sharded", "--tp", "2", "--replicas", "2", "--steps", "4",
            "--clip-grad-norm", "0.5")
     rows = run_cli("checkpoint", "ls", str(tmp_path / "tp"), "--json")
-    assert rows.returncode == 0 and '"mesh": {"dp": 2, "tp": 2}' in rows.stdout, rows.stdout
+    assert rows.returncode == 0 and '"mesh": {"dp": 2, "tp": 2, "pp": 1}' in rows.stdout, rows.stdout
     exported = tmp_path / "export.pt"
     result = run_cli("checkpoint", "export", str(tmp_path / "tp"), "-o", str(exported))
     assert result.returncode == 0, result.stderr
@@ -256,15 +256,18 @@ def test_a_tp_checkpoint_resumes_under_one_device_and_exports_whole(transformer,
     _close(resumed["model"], one["model"], "tp 2 x dp 2 -> one-device")
 
 
-@pytest.mark.parametrize("strategy, mode", [("mirrored", "selective"), ("sharded", "full")])
-def test_activation_checkpointing_changes_no_parameter(transformer, one_device, tmp_path, strategy, mode):
+@pytest.mark.parametrize("layout, mode, blocks", [
+    (("-s", "mirrored", "--replicas", "2"), "selective", "2 Block block(s) of blocks"),
+    (("-s", "sharded", "--replicas", "2"), "full", "2 Block block(s) of blocks"),
+    (("-s", "mirrored", "--pp", "2"), "full", "Block"),  # each stage's blocks
+])
+def test_activation_checkpointing_changes_no_parameter(transformer, one_device, tmp_path, layout, mode, blocks):
     _, one, _ = one_device
-    result, data = _train(transformer, tmp_path / "ck", "-s", strategy, "--replicas", "2", "--activation-checkpointing",
-                          mode, *STEPS)
-    _close(data["model"], one["model"], f"{strategy} --activation-checkpointing {mode}")
+    result, data = _train(transformer, tmp_path / "ck", *layout, "--activation-checkpointing", mode, *STEPS)
+    _close(data["model"], one["model"], f"{' '.join(layout)} --activation-checkpointing {mode}")
     said = [line["line"] for line in result.json_lines() if line["type"] == "output"
             and f"activation checkpointing ({mode})" in line["line"]]
-    assert len(said) == 1 and "2 Block block(s) of blocks" in said[0], said
+    assert len(said) == 1 and blocks in said[0], said
 
 
 # A custom loop that trains through strategy.forward_backward: the one call that runs under --pp
@@ -323,7 +326,7 @@ def test_a_custom_loop_prepares_its_part(tmp_path):
                         "--tp", tp, "--json") for tp in ("1", "2")}
     for tp, result in runs.items():
         assert result.returncode == 0, f"--tp {tp}: {result.stderr[-3000:]}"
-    assert runs["2"].summary["mesh"] == {"dp": 2, "tp": 2}
+    assert runs["2"].summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
     assert runs["2"].summary["steps"] == runs["1"].summary["steps"] == 24
     assert runs["2"].summary["final_loss"] == pytest.approx(runs["1"].summary["final_loss"], abs=TOLERANCE)
 
