@@ -355,6 +355,23 @@ def test_a_plan_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path,
     assert not steps, steps  # stopped before the first step
 
 
+@pytest.mark.parametrize("edit, flags, says", [
+    (("        self.o = nn.Linear(WIDTH, WIDTH)\n",
+      "        self.o = nn.Linear(WIDTH, WIDTH)\n        self.gain = nn.Parameter(torch.ones(WIDTH))\n"), (),
+     "--tp: blocks.0 holds parameters of its own (gain) beside submodules that hold more"),
+    (("", ""), ("--loss-parallel",), '--loss-parallel: tp_plan names no "output" layer'),
+])
+def test_a_model_tensor_parallel_cannot_split_is_refused_before_step_1(transformer, tmp_path, edit, flags, says):
+    """A module with a parameter of its own beside children (distrun replicates whole leaf
+    modules), and --loss-parallel with no layer marked output (no logits to keep split)."""
+    recipe = tmp_path / "model.py"
+    recipe.write_text(transformer.read_text().replace(*edit))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--tp", "2", "--steps", "2", "--json", *flags)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert says in result.summary["error"], result.summary["error"]
+    assert not [line for line in result.json_lines() if line["type"] == "step"]
+
+
 #: An nn.Sequential of 7 modules whose 60 samples make a short last batch (4 of 8): the pipeline
 #: pads it, and the padding must carry no weight.
 SEQUENTIAL = """
@@ -531,9 +548,13 @@ def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_devic
     under --pp 2 --tp 2."""
     _, one, one_dir = one_device
     result, data = _train(transformer, tmp_path / "both", "-s", "sharded", "--pp", "2", "--tp", "2",
-                          "--microbatches", "2", *STEPS, "--checkpoint-every", "4")
+                          "--microbatches", "2", *STEPS, "--checkpoint-every", "4", "--tensorboard",
+                          str(tmp_path / "board"), "--profile", "2:3")
     _close(data["model"], one["model"], "sharded --pp 2 --tp 2")
     assert result.summary["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
+    # The observability flags hold under the 3-D layout too: rank 0's event file, every rank's trace.
+    assert list((tmp_path / "board").glob("events.out.tfevents.*")), list((tmp_path / "board").iterdir())
+    assert result.summary["profile_traces"] == 4, result.summary  # one trace per rank
     said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "pipeline:" in line["line"]]
     assert said and "the recipe's pp_chain: stage 0 = embed..blocks.0" in said[0], said
 
@@ -573,6 +594,11 @@ def test_a_pipelined_checkpoint_resumes_pipelined_and_whole(sequential, tmp_path
     recipe, _, one = sequential
     layout = ("-s", "mirrored", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--clip-grad-norm", "0.5")
     _train(recipe, tmp_path / "pp", *layout, "--steps", "8")
+    rows = run_cli("checkpoint", "ls", str(tmp_path / "pp"))  # the table names the layout that wrote it
+    assert rows.returncode == 0 and "dp 1 x tp 1 x pp 2" in rows.stdout, rows.stdout
+    exported = tmp_path / "export.pt"
+    assert run_cli("checkpoint", "export", str(tmp_path / "pp"), "-o", str(exported)).returncode == 0
+    assert sorted(torch.load(exported, weights_only=True)) == sorted(one["model"])  # every stage's, whole
     shutil.copytree(tmp_path / "pp", tmp_path / "whole")
     _, resumed = _train(recipe, tmp_path / "pp", *layout, "--epochs", "2", "--resume")
     _close(resumed["model"], one["model"], "interleaved pp 2 -> itself")

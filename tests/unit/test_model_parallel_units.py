@@ -36,11 +36,25 @@ def test_a_replica_spans_tp_ranks():
     ("mirrored", {"replicas": 2, "compression": "bf16"}, "--compression with --tp"),
     ("mirrored", {"replicas": 2, "sync_batch_norm": True}, "--sync-batch-norm with --tp"),
     ("mirrored", {"tp": 0}, "--tp: expected a positive whole number"),
+    ("multi-worker", {"replicas": 2, "allreduce": "hierarchical"}, "--allreduce with --tp: it configures DDP's"),
+    ("central-storage", {"replicas": 2, "tp": 1, "pp": 2}, "--pp with --strategy central-storage: its replicas hold"),
+    ("parameter-server", {"replicas": 2, "ps_tasks": 1, "tp": 1, "pp": 2}, "--pp with --strategy parameter-server"),
+    ("diloco", {"replicas": 2, "tp": 1, "pp": 2}, "--pp with --strategy diloco: each replica steps alone"),
 ])
 def test_what_tp_cannot_do_is_refused_in_one_line(strategy, extra, says):
     with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace("*", r"\*")) as caught:
         _spec(strategy, **{"tp": 2, **extra})
     assert "\n" not in str(caught.value)
+
+
+def test_a_clusters_slots_that_do_not_split_into_replicas_are_refused_naming_the_file():
+    from distrun.cli._spec import replicas_of
+    from distrun.errors import UsageError
+
+    assert replicas_of(4, 2, "lab.yaml") == 2 and replicas_of(3, 1, "lab.yaml") == 3
+    with pytest.raises(UsageError, match=r"^--tp x --pp = 2: lab.yaml has 3 worker slot\(s\), which do not split "
+                                         r"into replicas of 2 ranks; give the workers a multiple of 2 slots$"):
+        replicas_of(3, 2, "lab.yaml")
 
 
 def test_activation_checkpointing_values_are_checked():
