@@ -18,6 +18,7 @@ from rich.table import Table
 
 from distrun.cli._app import app, stderr
 from distrun.errors import CheckpointError
+from distrun.protocol import describe_mesh
 
 checkpoint_app = typer.Typer(help="List checkpoints, or export a model's plain state_dict.", no_args_is_help=True)
 app.add_typer(checkpoint_app, name="checkpoint")
@@ -60,7 +61,7 @@ def ls(
                          no_wrap=whole, min_width=max(map(len, names), default=4) if name == "file" else None)
     for row in rows:
         mesh = row.get("mesh") or {}
-        table.add_row(str(row["step"]), str(row["strategy"]), " x ".join(f"{k} {v}" for k, v in mesh.items()) or "-",
+        table.add_row(str(row["step"]), str(row["strategy"]), describe_mesh(mesh) or "-",
                       f"{row['parameters']:,}",
                       f"{row['bytes'] / 1e6:.1f}", Path(row["path"]).name + ("/" if row["format"] == "sharded" else ""))
     Console(highlight=False).print(table)

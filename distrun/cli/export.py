@@ -23,11 +23,13 @@ app.add_typer(export_app, name="export")
 # The flags every export shares, as `distrun train` spells them.
 _RECIPE_ARGS = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe.",
                               show_default=False)
-_STEPS = typer.Option(None, "--steps", help="Train this many global steps.")
-_EPOCHS = typer.Option(None, "--epochs", help="Train this many epochs.")
-_GLOBAL_BATCH = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas.")
-_INCLUDE = typer.Option([], "--include", help="Also bundle this file or folder (inside the recipe's folder).")
-_DEBUG = typer.Option(False, "--debug", help="Show tracebacks.")
+_STEPS = typer.Option(None, "--steps", help="Train this many global steps.", rich_help_panel="Job")
+_EPOCHS = typer.Option(None, "--epochs", help="Train this many epochs.", rich_help_panel="Job")
+_GLOBAL_BATCH = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas.",
+                             rich_help_panel="Job")
+_INCLUDE = typer.Option([], "--include", help="Also bundle this file or folder (inside the recipe's folder).",
+                        rich_help_panel="Job")
+_DEBUG = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Output")
 
 
 @export_app.command("k8s")
@@ -35,10 +37,10 @@ def k8s(
     cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="The cluster file: one pod per worker host entry."),
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe; its folder is bundled into a ConfigMap."),
     recipe_args: list[str] = _RECIPE_ARGS,
-    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker (every worker host) | mirrored | one-device (the first)."),
-    out: Path = typer.Option(Path("k8s"), "-o", "--out", help="Folder for the manifests (one YAML file each)."),
-    image: str = typer.Option("distrun:latest", "--image", help="A standard image with distrun installed (docs/kubernetes.md)."),
-    namespace: str | None = typer.Option(None, "--namespace", help="metadata.namespace of every object."),
+    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker (every worker host) | mirrored | one-device (the first).", rich_help_panel="Job"),
+    out: Path = typer.Option(Path("k8s"), "-o", "--out", help="Folder for the manifests (one YAML file each).", rich_help_panel="Output"),
+    image: str = typer.Option("distrun:latest", "--image", help="A standard image with distrun installed (docs/kubernetes.md).", rich_help_panel="Kubernetes"),
+    namespace: str | None = typer.Option(None, "--namespace", help="metadata.namespace of every object.", rich_help_panel="Kubernetes"),
     steps: int | None = _STEPS,
     epochs: int | None = _EPOCHS,
     global_batch_size: int | None = _GLOBAL_BATCH,
@@ -74,15 +76,15 @@ def slurm(
     cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="A Slurm cluster file (scheduler: slurm): what to ask for."),
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe; its folder is bundled into the script."),
     recipe_args: list[str] = _RECIPE_ARGS,
-    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker | sharded (every node) | mirrored | one-device (the first node)."),
-    out: Path = typer.Option(Path("job.sbatch"), "-o", "--out", help="The sbatch script to write."),
+    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker | sharded (every node) | mirrored | one-device (the first node).", rich_help_panel="Job"),
+    out: Path = typer.Option(Path("job.sbatch"), "-o", "--out", help="The sbatch script to write.", rich_help_panel="Output"),
     steps: int | None = _STEPS,
     epochs: int | None = _EPOCHS,
     global_batch_size: int | None = _GLOBAL_BATCH,
-    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Checkpoints go here, on storage every node shares (relative: to the submit directory)."),
-    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps."),
-    requeue: bool = typer.Option(False, "--requeue", help="At Slurm's warning (time limit, preemption) checkpoint, stop and requeue; the requeued job resumes. Needs --checkpoint-dir."),
-    grace_s: int = typer.Option(120, "--grace-s", help="With --requeue: Slurm warns this many seconds before the time limit (--signal=B:USR1@N)."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Checkpoints go here, on storage every node shares (relative: to the submit directory).", rich_help_panel="Checkpoints and requeue"),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps.", rich_help_panel="Checkpoints and requeue"),
+    requeue: bool = typer.Option(False, "--requeue", help="At Slurm's warning (time limit, preemption) checkpoint, stop and requeue; the requeued job resumes. Needs --checkpoint-dir.", rich_help_panel="Checkpoints and requeue"),
+    grace_s: int = typer.Option(120, "--grace-s", help="With --requeue: Slurm warns this many seconds before the time limit (--signal=B:USR1@N).", rich_help_panel="Checkpoints and requeue"),
     include: list[Path] = _INCLUDE,
     debug: bool = _DEBUG,
 ) -> None:

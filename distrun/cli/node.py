@@ -38,21 +38,21 @@ from distrun.server._net import address_to_bind
 
 @app.command(hidden=False)
 def node(
-    bundle: Path = typer.Option(..., "--bundle", help="The recipe's bundle (.tar.gz, as `distrun train` ships it)."),
-    spec_file: Path = typer.Option(..., "--spec", help="The job spec (JSON)."),
-    recipe: str = typer.Option(..., "--recipe", help="The recipe's path inside the bundle."),
-    nnodes: int = typer.Option(..., "--nnodes", help="Nodes in the job."),
-    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node."),
-    node_rank: int | None = typer.Option(None, "--node-rank", help="This node's index (default: $JOB_COMPLETION_INDEX, Kubernetes' Indexed Job; else $SLURM_NODEID)."),
-    master_addr: str = typer.Option(..., "--master-addr", help="Node 0's address."),
-    master_port: int = typer.Option(29500, "--master-port", help="The rendezvous port node 0 listens on."),
-    node_host: str = typer.Option("", "--node-host", help="Each node's address, with {index} for its index (TF_CONFIG); default: --master-addr."),
-    node_hosts: str = typer.Option("", "--node-hosts", help="Every node's address, comma-separated, in node order (instead of --node-host)."),
-    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Override the spec's checkpoint folder (relative: to where this runs)."),
-    resume_if_any: bool = typer.Option(False, "--resume-if-any", help="Resume from the newest checkpoint in the checkpoint folder if it has one (a requeued job)."),
-    preempted_file: Path | None = typer.Option(None, "--preempted-file", help="Write this file when every rank checkpointed and stopped on SIGUSR1 (before exiting 75)."),
-    run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    bundle: Path = typer.Option(..., "--bundle", help="The recipe's bundle (.tar.gz, as `distrun train` ships it).", rich_help_panel="Job"),
+    spec_file: Path = typer.Option(..., "--spec", help="The job spec (JSON).", rich_help_panel="Job"),
+    recipe: str = typer.Option(..., "--recipe", help="The recipe's path inside the bundle.", rich_help_panel="Job"),
+    nnodes: int = typer.Option(..., "--nnodes", help="Nodes in the job.", rich_help_panel="Nodes and rendezvous"),
+    nproc_per_node: int = typer.Option(1, "--nproc-per-node", help="Ranks on this node.", rich_help_panel="Nodes and rendezvous"),
+    node_rank: int | None = typer.Option(None, "--node-rank", help="This node's index (default: $JOB_COMPLETION_INDEX, Kubernetes' Indexed Job; else $SLURM_NODEID).", rich_help_panel="Nodes and rendezvous"),
+    master_addr: str = typer.Option(..., "--master-addr", help="Node 0's address.", rich_help_panel="Nodes and rendezvous"),
+    master_port: int = typer.Option(29500, "--master-port", help="The rendezvous port node 0 listens on.", rich_help_panel="Nodes and rendezvous"),
+    node_host: str = typer.Option("", "--node-host", help="Each node's address, with {index} for its index (TF_CONFIG); default: --master-addr.", rich_help_panel="Nodes and rendezvous"),
+    node_hosts: str = typer.Option("", "--node-hosts", help="Every node's address, comma-separated, in node order (instead of --node-host).", rich_help_panel="Nodes and rendezvous"),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Override the spec's checkpoint folder (relative: to where this runs).", rich_help_panel="Checkpoints and requeue"),
+    resume_if_any: bool = typer.Option(False, "--resume-if-any", help="Resume from the newest checkpoint in the checkpoint folder if it has one (a requeued job).", rich_help_panel="Checkpoints and requeue"),
+    preempted_file: Path | None = typer.Option(None, "--preempted-file", help="Write this file when every rank checkpointed and stopped on SIGUSR1 (before exiting 75).", rich_help_panel="Checkpoints and requeue"),
+    run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job.", rich_help_panel="Job"),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Output"),
 ) -> None:
     """Run one node's ranks of a job (the pod entrypoint of `distrun export k8s`, the srun task of `export slurm`)."""
     warned = []  # Slurm's warning may come before the launcher exists: kept, handed on at once

@@ -21,6 +21,7 @@ from distrun.client._debug_dir import debug_dir_of, sweep_stale_debug_dirs
 from distrun.client._feed import EventFeed
 from distrun.client._job_state import failure_message
 from distrun.client._listing import Listing, list_on_local_server
+from distrun.client._network import network_choice
 from distrun.client._results import CHECKPOINT_NAME
 from distrun.client._stop import by_whom
 from distrun.client._tracker import JobTracker, tracker_settings
@@ -36,7 +37,7 @@ from distrun.errors import (
     TrainingError,
 )
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
-from distrun.protocol import Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary
+from distrun.protocol import SERVER_RANK, Diagnosed, Event, Failed, Hung, JobSnapshot, JobSummary, Output
 from distrun.protocol.environment import JOB_SPEC_VAR
 
 __all__ = ["LocalJob", "JobOutcome", "independent_ranks", "ELASTIC_RESPAWNS"]
@@ -83,6 +84,7 @@ class LocalJob:
         sweep_stale_debug_dirs()  # what a killed `distrun train` of this user left
         run_id = (f"local-{time.strftime('%Y%m%d-%H%M%S', time.localtime(self._t0))}-{os.getpid()}"
                   f"-{next(_RUNS)}")  # unique in this process: a sweep's jobs may start in one second
+        private, self._network_note = network_choice(spec)
         worker = WorkerSpec(
             argv=(python or sys.executable, "-m", "distrun.runtime"),
             local_world_size=spec.world_size,
@@ -95,6 +97,7 @@ class LocalJob:
             run_id=run_id,
             # The ranks' error files and a hang's Flight Recorder dumps; removed at the end when nothing was dumped.
             debug_dir=debug_dir_of(run_id),
+            private_network=private,  # its store and gloo pairs out of other users' reach (launch/_netns)
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.name.value, spec.trainer_ranks,
                                           started_at=self._t0, ps_tasks=spec.ps.tasks, **tracker_settings(spec)),
@@ -151,6 +154,8 @@ class LocalJob:
         self._thread.join()
 
     def _run(self) -> None:
+        if self._network_note:
+            self._sink(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun] {self._network_note}"))
         try:
             self._result = self._launcher.run()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread

@@ -17,12 +17,14 @@ from distrun.config.job import (
     DEFAULT_PS_PARTITION_MB,
     JobSpec,
     StrategyName,
+    evaluator_spec,
     parse_elastic,
 )
 from distrun.config._observe import TRACKERS, check_trackers, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
 
 __all__ = [
+    "evaluator_spec",
     "DEFAULT_SSH_PORT",
     "Compression",
     "DEFAULT_POWERSGD_WARMUP",

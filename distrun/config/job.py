@@ -38,7 +38,7 @@ from distrun.config._sections import (
 from distrun.config._suggest import did_you_mean
 from distrun.errors import ConfigError
 
-__all__ = ["StrategyName", "JobSpec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB",
+__all__ = ["StrategyName", "JobSpec", "evaluator_spec", "DEFAULT_CPU_REPLICAS", "DEFAULT_KEEP_CHECKPOINTS", "DEFAULT_PS_PARTITION_MB",
            "PRECISIONS", "COMPILE_MODES", "ALLREDUCE_ALGORITHMS"]
 
 #: Replicas started on a machine without GPUs when --replicas is not given: two is
@@ -98,8 +98,7 @@ class JobSpec:
     @property
     def mesh(self) -> dict[str, int]:
         """The job's degrees as the summary and the live view show them."""
-        pp = self.parallel.pp
-        return {"dp": self.strategy.replicas, "tp": self.parallel.tp, **({"pp": pp} if pp > 1 else {})}
+        return {"dp": self.strategy.replicas, "tp": self.parallel.tp, "pp": self.parallel.pp}
 
     @property
     def world_size(self) -> int:
@@ -386,3 +385,15 @@ def parse_elastic(text: str, start: int, *, unit: str = "replica", scale: int = 
     if not 1 <= low <= start <= high:
         raise ConfigError(f"--elastic {text}: needs 1 <= MIN <= the {start} {unit}(s) the job starts with <= MAX")
     return low * scale, high * scale
+
+
+def evaluator_spec(spec: JobSpec) -> JobSpec:
+    """The training job's spec for its evaluator host: one process, one device, no process group,
+    whatever the job's layout. Every section that says how replicas train together goes back to
+    its defaults (--tp/--pp, diloco's, the parameter server's, sharding's, the gradients'
+    compression and all-reduce, checkpointing), so none is refused under one-device; what a step
+    computes (data, precision) stays."""
+    return dataclasses.replace(
+        spec, strategy=StrategySection(name=StrategyName.ONE_DEVICE, device=spec.strategy.device),
+        checkpoint=CheckpointSection(), communication=CommunicationSection(), diloco=DilocoSection(), ps=PsSection(),
+        sharding=ShardingSection(), parallel=ParallelSection(), preemptible=False)

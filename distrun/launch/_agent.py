@@ -21,7 +21,7 @@ import signal
 import socket
 from collections.abc import Mapping, Sequence
 
-from distrun.launch._starter import Handle, PopenStarter, Starter, ZygoteUnavailable
+from distrun.launch._starter import Handle, Starter, ZygoteUnavailable
 from distrun.protocol.environment import AGENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR, STORE_ROLE_VAR
 
 __all__ = ["ElasticAgent"]
@@ -49,7 +49,7 @@ class ElasticAgent:
             env[PARENT_PID_VAR] = str(starter.parent_pid())
             self._handle: Handle | None = starter.start(argv, env, cwd, stdout=2, stderr=2, pass_fds=passed)
         except ZygoteUnavailable:
-            self.starter = PopenStarter()  # the caller starts cold from now on too
+            self.starter = starter.cold()  # the caller starts cold from now on too
             env[PARENT_PID_VAR] = str(os.getpid())
             self._handle = self.starter.start(argv, env, cwd, stdout=2, stderr=2, pass_fds=passed)
         finally:

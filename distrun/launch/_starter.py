@@ -32,6 +32,9 @@ class Handle(Protocol):
 
 
 class Starter(Protocol):
+    #: forks a warm interpreter (the zygote), rather than starting a fresh one
+    warm: bool
+
     def parent_pid(self) -> int:
         """The pid the process's parent will have (what PR_SET_PDEATHSIG watches)."""
         ...
@@ -39,8 +42,14 @@ class Starter(Protocol):
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *, stdout: int, stderr: int,
               pass_fds: Sequence[int]) -> Handle: ...
 
+    def cold(self) -> Starter:
+        """This starter as it starts processes once the warm interpreter is gone."""
+        ...
+
 
 class PopenStarter:
+    warm = False
+
     def parent_pid(self) -> int:
         return os.getpid()
 
@@ -50,6 +59,9 @@ class PopenStarter:
             list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
             pass_fds=tuple(pass_fds), start_new_session=True,
         )
+
+    def cold(self) -> PopenStarter:
+        return self
 
 
 class ZygoteUnavailable(RuntimeError):
@@ -108,12 +120,17 @@ class _ZygoteHandle:
 class ZygoteStarter:
     """Forks training processes from the zygote listening on ``socket_path``."""
 
+    warm = True
+
     def __init__(self, socket_path: str, zygote_pid: int) -> None:
         self.socket_path = socket_path
         self.zygote_pid = zygote_pid
 
     def parent_pid(self) -> int:
         return self.zygote_pid
+
+    def cold(self) -> PopenStarter:
+        return PopenStarter()
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *, stdout: int, stderr: int,
               pass_fds: Sequence[int]) -> Handle:

@@ -74,6 +74,10 @@ class WorkerSpec:
     #: Where ranks write their Flight Recorder dumps (``--hang-timeout-s``, ``distrun stacks``,
     #: NCCL's own dump on a timeout); None: nowhere (dumps are not asked for).
     debug_dir: str | None = None
+    #: A job of this machine alone: its processes share a network namespace of their own, whose
+    #: loopback no other process reaches (``launch/_netns``); where that cannot be, the machine's
+    #: loopback, said in one line. Ignored on a cluster (its ranks talk across hosts).
+    private_network: bool = False
 
     def __post_init__(self) -> None:
         if self.local_world_size < 1:

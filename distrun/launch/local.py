@@ -1,9 +1,8 @@
 """Starting and supervising the training processes of one machine.
 
-The client runs this for local jobs; the worker server will run the same code
-for the ranks of its host. It never imports torch: it starts processes, turns
-their pipes into events, and tears everything down when any rank fails or a
-stop is requested.
+The client runs this for local jobs, the worker server for its host's ranks. It never
+imports torch: it starts processes, turns their pipes into events, and tears everything
+down when any rank fails or a stop is requested.
 
 Guarantees (each held by a test):
 
@@ -31,7 +30,8 @@ Guarantees (each held by a test):
   signal) stops no one: the agent marks it lost, the others form a new group, and it is
   started again as a joiner while ``respawns`` last; so is a rank stopped by a signal
   (SIGSTOP) for ``STOPPED_LOST_S`` (``launch/_stopped``), which would never come back on its own;
-* a rank the kernel's OOM killer ends is named as such (``launch/_oom``).
+* a rank the kernel's OOM killer ends is named as such (``launch/_oom``);
+* a job of this machine alone (``private_network``) has a loopback of its own (``launch/_netns``).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from distrun.launch._env import process_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._oom import OomWatch
 from distrun.launch._proc import Proc as _Proc, describe_exit as _describe_exit
+from distrun.launch._netns import JoiningStarter, PrivateNetwork, store_socket
 from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
 from distrun.launch._stopped import StoppedWatch
@@ -90,11 +91,8 @@ _DRAIN_S = 2.0
 
 
 class LocalLauncher:
-    """Starts ``spec.local_world_size`` processes and supervises them to the end.
-
-    ``run()`` blocks until every process has exited; ``stop()`` may be called from
-    any thread (or a signal handler's thread) and makes ``run()`` return soon.
-    """
+    """Starts ``spec.local_world_size`` processes and supervises them to the end. ``run()`` blocks
+    until every process has exited; ``stop()``, from any thread, makes it return soon."""
 
     def __init__(self, spec: WorkerSpec, sink: EventSink, *, listener: socket.socket | None = None,
                  starter: Starter | None = None) -> None:
@@ -120,6 +118,7 @@ class LocalLauncher:
         self._relay: StoreRelay | None = None  # other hosts: this host's ranks go out here
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
+        self._network: PrivateNetwork | None = None  # spec.private_network: the job's own (launch/_netns)
         self._agent: ElasticAgent | None = None  # --elastic: hosts the store (or is its client), tells of deaths
         self._lose: list[tuple[int, str]] = []  # --elastic: (rank, why) to kill as lost, from any thread
         self._preempt_requested = threading.Event()
@@ -216,15 +215,16 @@ class LocalLauncher:
             os.makedirs(spec.debug_dir, mode=0o700, exist_ok=True)  # NCCL's own dump on a timeout goes here too
         store_listener: socket.socket | None = None  # the store's own socket, on loopback
         if self._listener is not None or spec.master_port is None:  # this launcher hosts the store
-            store_listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            store_listener.bind(("127.0.0.1", 0))
-            store_listener.listen(1024)
+            store_listener, self._network = store_socket(spec.private_network and self._listener is None,
+                                                         self._note_job)
+            if self._network is not None:  # every process started from now on joins it
+                self._starter = JoiningStarter(self._starter, self._network)
             self._store_port = int(store_listener.getsockname()[1])
             self._port = int(self._listener.getsockname()[1]) if self._listener is not None else self._store_port
             if self._listener is not None:  # other hosts reach it through the front, proving the secret
-                self._front = StoreFront(self._listener, self._secret, self._store_port, self._note_refusal)
+                self._front = StoreFront(self._listener, self._secret, self._store_port, self._note_job)
         else:
-            self._relay = StoreRelay((spec.master_addr, spec.master_port), self._secret, self._note_refusal)
+            self._relay = StoreRelay((spec.master_addr, spec.master_port), self._secret, self._note_job)
             self._store_port, self._port = self._relay.port, spec.master_port
         for_rank0 = store_listener  # who hosts the store on it: rank 0, or (elastic) the agent
         try:
@@ -255,13 +255,14 @@ class LocalLauncher:
             self._agent.stop()
 
     def _close_store_access(self) -> None:
-        for access in (self._front, self._relay):
+        """The store's way in from other hosts, out to the chief, and the job's private network."""
+        for access in (self._front, self._relay, self._network):
             if access is not None:
                 access.close()
+        self._network = None
 
-    def _note_refusal(self, text: str) -> None:
-        """A data-plane peer that could not prove the job secret (named once; from any thread)."""
-        self._sink(Output(rank=SERVER_RANK, time=time.time(), stream="stderr", line=f"[distrun] {text}"))
+    def _note_job(self, text: str) -> None:  # a peer without the secret (once), no private network
+        self._note(SERVER_RANK, text)
 
     def _environment(self, local_rank: int) -> dict[str, str]:
         return process_env(self._spec, local_rank, self._port, self._store_port, self._secret.hex())
@@ -292,10 +293,10 @@ class LocalLauncher:
                 env[PARENT_PID_VAR] = str(self._starter.parent_pid())
                 handle = self._starter.start(spec.argv, env, spec.cwd, stdout=out_w, stderr=err_w, pass_fds=pass_fds)
             except ZygoteUnavailable:
-                self._starter = PopenStarter()  # the warm interpreter is gone: start cold from now on
+                self._starter = self._starter.cold()  # the warm interpreter is gone: start cold from now on
                 env[PARENT_PID_VAR] = str(os.getpid())
                 handle = self._starter.start(spec.argv, env, spec.cwd, stdout=out_w, stderr=err_w, pass_fds=pass_fds)
-            if isinstance(self._starter, PopenStarter):
+            if not self._starter.warm:
                 self._cold_starts += 1
         except BaseException:
             for fd in (event_r, out_r, err_r, diagnose_w):

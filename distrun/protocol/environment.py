@@ -19,6 +19,7 @@ CHIEF_ADDR_VAR = "DISTRUN_CHIEF_ADDR"  # the chief host's cluster address (MASTE
 DEBUG_DIR_VAR = "DISTRUN_DEBUG_DIR"  # where a rank writes its Flight Recorder dump (the job's debug folder)
 DIAGNOSE_FD_VAR = "DISTRUN_DIAGNOSE_FD"  # read end of a pipe: each byte asks for a Flight Recorder dump
 SUPERVISOR_PID_VAR = "DISTRUN_SUPERVISOR_PID"  # the launcher: it (and its py-spy) may ptrace the rank (Yama)
+NETNS_FDS_VAR = "DISTRUN_NETNS_FDS"  # a local job's private network: "NET_FD,USER_FD" to join first (launch/_netns)
 #: torchrun's per-rank error file (torch's ``@record`` writes a failure there). distrun's launcher names
 #: rank R's ``error-rankR.json`` in the job's debug folder, and removes what is left when the job ends.
 ERROR_FILE_VAR = "TORCHELASTIC_ERROR_FILE"

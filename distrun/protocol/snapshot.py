@@ -72,7 +72,7 @@ class JobSnapshot:
     tokens_per_s: float | None = None  # a recipe with tokens_per_sample: samples/s times it
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
-    mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2}); None for one rank a replica
+    mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2, "pp": 1}); None: one rank a replica
     sync_line: str | None = None  # --strategy diloco: outer steps so far and the newest sync's bytes and seconds
 
     @property
@@ -177,11 +177,11 @@ def mesh_place(rank: int, mesh: dict[str, int]) -> dict[str, int]:
     the live view shows (strategies/parallel/mesh.py)."""
     tp, dp = mesh.get("tp", 1), mesh.get("dp", 1)
     place = {"dp": (rank // tp) % dp, "tp": rank % tp}
-    if "pp" in mesh:
+    if mesh.get("pp", 1) > 1:
         place["pp"] = rank // (tp * dp)
     return place
 
 
 def describe_mesh(mesh: dict[str, int]) -> str:
-    """``dp 2 x tp 2``."""
-    return " x ".join(f"{name} {size}" for name, size in mesh.items())
+    """``dp 2 x tp 2`` (``x pp P`` when pipelined: the JSON names every degree, the eye only those in use)."""
+    return " x ".join(f"{name} {size}" for name, size in mesh.items() if name != "pp" or size > 1)

@@ -37,7 +37,7 @@ def _row(step: int, path: Path) -> dict[str, Any]:
 
 
 def _mesh(entries: dict[str, Any]) -> dict[str, int] | None:
-    """The layout that wrote it: ``{"dp": R, "tp": T}`` (a replica of one rank: ``{"dp": R}``)."""
+    """The layout that wrote it: ``{"dp": R, "tp": T, "pp": P}`` (a replica of one rank: ``{"dp": R}``)."""
     mesh = entries.get("mesh")
     if isinstance(mesh, dict):
         return {str(k): int(v) for k, v in mesh.items()}

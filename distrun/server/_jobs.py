@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from distrun.config import DILOCO_DEFAULTS, JobSpec, StrategyName
+from distrun.config import JobSpec, evaluator_spec
 from distrun.launch import LocalLauncher, ProcessState, RunResult, Starter, WorkerSpec
 from distrun.protocol.environment import CACHE_DIR_VAR, EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
 from distrun.server._bundle import BundleError, unpack
@@ -479,12 +479,3 @@ def _kill(job: JobRecord, launcher: LocalLauncher | LocalJobChannel, reason: str
     cancel). ``stop`` decides in the launcher itself before it kills."""
     job.decide_stop(reason)
     launcher.stop(reason)
-
-
-def evaluator_spec(spec: JobSpec) -> JobSpec:
-    """The training job's spec for its evaluator host: one process, one device, no process group,
-    whatever the job's layout (--tp/--pp, diloco's and the parameter-server's settings go)."""
-    return spec.replace(strategy=StrategyName.ONE_DEVICE, replicas=1, resume=False, checkpoint_dir=None,
-                        checkpoint_every=None, ps_tasks=0, ps_sync=False, max_staleness=None, tp=1, pp=1,
-                        pp_schedule="1f1b", microbatches=0, sequence_parallel=False, loss_parallel=False, elastic_min=0,
-                        elastic_max=0, **DILOCO_DEFAULTS)

@@ -48,6 +48,7 @@ from distrun.strategies.parallel.mesh import MeshShape, ParallelMesh, mesh_shape
 from distrun.strategies.parallel.parts import PipelineOptimizer, PipelineParts, merge_rest, restricted
 from distrun.strategies.parallel.pipeline import Chain, chain_of, check_chain, cut_chain, keep_stages, meta_copy
 from distrun.strategies.parallel.plan import TensorPlan, resolve_plan
+from distrun.strategies.parallel.plan_check import PlanCheck
 from distrun.strategies.parallel.schedule import Pipeline
 from distrun.strategies.parallel.tensor import apply_tensor_parallel, check_sequence_gradients
 from distrun.strategies.sharded import ShardedStrategy
@@ -123,7 +124,9 @@ class ModelParallelStrategy(ShardedStrategy):
         names = parameter_names(model)
         if optimizer is not None:
             self._full_order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-        plan = resolve_plan(model, self.tp_plan_from, self.shape.tp) if self.shape.tp > 1 else None
+        plan = (resolve_plan(model, self.tp_plan_from, self.shape.tp, can_check=not self.pipelined)
+                if self.shape.tp > 1 else None)
+        check = PlanCheck(model if self.is_chief else None, self.name) if plan is not None and plan.checked else None
         parts = self._stages(model)
         said = [f"mesh {self.shape.describe()}"]
         for index, (stage, part) in enumerate(parts):
@@ -149,6 +152,8 @@ class ModelParallelStrategy(ShardedStrategy):
         del whole
         same_rng_as_rank0(self._collective_device)
         if not self.pipelined:
+            if check is not None:
+                check.install(self._parts[0])
             rebuilt = rebuild_optimizer(optimizer, self._parts[0], names) if optimizer is not None else None
             if rebuilt is not None:
                 self._wait_for_copies(rebuilt)
@@ -287,8 +292,7 @@ class ModelParallelStrategy(ShardedStrategy):
     # -- checkpoints: each stage's pieces under the whole model's names ---------------
 
     def _checkpoint_meta(self) -> dict[str, Any]:
-        return {**super()._checkpoint_meta(), "mesh": {"dp": self.shape.dp, "tp": self.shape.tp,
-                                                       **({"pp": self.shape.pp} if self.pipelined else {})}}
+        return {**super()._checkpoint_meta(), "mesh": {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp}}
 
     def _part_optimizers(self) -> list[Any]:
         optimizer = self._torch_optimizer

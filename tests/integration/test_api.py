@@ -47,6 +47,11 @@ def test_distrun_train_trains_the_clis_parameters_and_raises_distruns_errors(tmp
         distrun.train(LINEAR, strategy="mirrored", replicas=2, steps=1, global_batch_size=33, progress=False)
     with pytest.raises(distrun.UsageError, match=r"no option 'stepz' \(did you mean 'steps'\?\)"):
         distrun.train(LINEAR, stepz=3)
+    failing = tmp_path / "fails.py"
+    failing.write_text(Path(LINEAR).read_text() + "\n\ndef loss(outputs, batch):\n    raise ValueError('boom')\n")
+    with pytest.raises(distrun.TrainingError, match="rank 0 failed at step 1") as caught:  # exit 4 on the command line
+        distrun.train(failing, steps=2, progress=False)
+    assert caught.value.exit_code == 4 and "ValueError: boom" in str(caught.value)
     # An option given here wins over a file, False too (no command-line token says it); a file's
     # detach never applies (distrun.train waits for the job and returns its summary).
     job = tmp_path / "job.yaml"

@@ -43,6 +43,15 @@ def test_every_synchronous_strategy_trains_it_as_one_device_does(one_device, str
     assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-4)
 
 
+def test_it_trains_under_tensor_and_sequence_parallel_as_one_device_does(one_device):
+    """Its tp_plan splits attention by heads and the MLP, its norms are marked "sequence", and its
+    forward reads the length off q's output: under `--tp 2 --sequence-parallel` (4 ranks) the loss
+    is one-device's."""
+    result = _train("mirrored", "--tp", "2", "--sequence-parallel")
+    assert result.summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-3)
+
+
 def test_data_workers_read_the_same_batches(one_device):
     result = _train("one-device", "--data-workers", "2")
     assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-6)

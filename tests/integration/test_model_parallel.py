@@ -167,9 +167,9 @@ def test_sequence_and_loss_parallel_end_with_one_devices_parameters_and_a_missed
 
 
 @pytest.mark.parametrize("strategy, flags, mesh", [
-    ("mirrored", ("--tp", "2"), {"dp": 1, "tp": 2}),
-    ("sharded", ("--tp", "2", "--replicas", "2"), {"dp": 2, "tp": 2}),
-    ("mirrored", ("--tp", "2", "--replicas", "2", "--activation-checkpointing", "selective"), {"dp": 2, "tp": 2}),
+    ("mirrored", ("--tp", "2"), {"dp": 1, "tp": 2, "pp": 1}),
+    ("sharded", ("--tp", "2", "--replicas", "2"), {"dp": 2, "tp": 2, "pp": 1}),
+    ("mirrored", ("--tp", "2", "--replicas", "2", "--activation-checkpointing", "selective"), {"dp": 2, "tp": 2, "pp": 1}),
 ])
 def test_tensor_parallel_ends_with_one_devices_parameters(transformer, one_device, tmp_path, strategy, flags, mesh):
     reference, one, _ = one_device
@@ -192,6 +192,22 @@ def test_tensor_parallel_ends_with_one_devices_parameters(transformer, one_devic
     assert min(steps) == 1 and max(steps) == 8, sorted(steps)
     measured = 8 * (8 - 1) / (steps[8] - steps[1])
     assert 0.5 < summary["samples_per_s"] / measured < 1.5, (summary["samples_per_s"], measured)
+
+
+def test_a_derived_plan_splits_attention_and_mlp_and_ends_with_one_devices_parameters(transformer, one_device,
+                                                                                      tmp_path):
+    """Without tp_plan: q, k, v and o by their shapes, the MLP pair in its nn.Sequential; the first
+    batch confirms the split (the forward reads its heads off shapes), and training is one-device's."""
+    recipe = tmp_path / "derived.py"
+    recipe.write_text(transformer.read_text().replace("def tp_plan(net):", "def _no_plan(net):"))
+    reference, one, _ = one_device
+    result, data = _train(recipe, tmp_path / "ck", "-s", "mirrored", "--tp", "2", *STEPS)
+    _close(data["model"], one["model"], "a derived plan vs one-device")
+    said = [line["line"] for line in result.json_lines() if line["type"] == "output" and line["rank"] == 0]
+    assert any("derived (the MLP pairs of nn.Sequential and each module's projections, checked on the first batch"
+               in line and "blocks.*.q colwise (2), blocks.*.k colwise (2), blocks.*.v colwise (2), "
+               "blocks.*.o rowwise (2)" in line for line in said), said
+    assert any(line.startswith("[mirrored] the derived plan holds on the first batch") for line in said), said
 
 
 def test_ranks_of_a_replica_draw_alike_and_keep_rank_0s_buffers(transformer, tmp_path):
@@ -227,7 +243,7 @@ def test_a_tp_checkpoint_resumes_under_one_device_and_exports_whole(transformer,
     _train(transformer, tmp_path / "tp", "-s", "sharded", "--tp", "2", "--replicas", "2", "--steps", "4",
            "--clip-grad-norm", "0.5")
     rows = run_cli("checkpoint", "ls", str(tmp_path / "tp"), "--json")
-    assert rows.returncode == 0 and '"mesh": {"dp": 2, "tp": 2}' in rows.stdout, rows.stdout
+    assert rows.returncode == 0 and '"mesh": {"dp": 2, "tp": 2, "pp": 1}' in rows.stdout, rows.stdout
     exported = tmp_path / "export.pt"
     result = run_cli("checkpoint", "export", str(tmp_path / "tp"), "-o", str(exported))
     assert result.returncode == 0, result.stderr
@@ -240,15 +256,18 @@ def test_a_tp_checkpoint_resumes_under_one_device_and_exports_whole(transformer,
     _close(resumed["model"], one["model"], "tp 2 x dp 2 -> one-device")
 
 
-@pytest.mark.parametrize("strategy, mode", [("mirrored", "selective"), ("sharded", "full")])
-def test_activation_checkpointing_changes_no_parameter(transformer, one_device, tmp_path, strategy, mode):
+@pytest.mark.parametrize("layout, mode, blocks", [
+    (("-s", "mirrored", "--replicas", "2"), "selective", "2 Block block(s) of blocks"),
+    (("-s", "sharded", "--replicas", "2"), "full", "2 Block block(s) of blocks"),
+    (("-s", "mirrored", "--pp", "2"), "full", "Block"),  # each stage's blocks
+])
+def test_activation_checkpointing_changes_no_parameter(transformer, one_device, tmp_path, layout, mode, blocks):
     _, one, _ = one_device
-    result, data = _train(transformer, tmp_path / "ck", "-s", strategy, "--replicas", "2", "--activation-checkpointing",
-                          mode, *STEPS)
-    _close(data["model"], one["model"], f"{strategy} --activation-checkpointing {mode}")
+    result, data = _train(transformer, tmp_path / "ck", *layout, "--activation-checkpointing", mode, *STEPS)
+    _close(data["model"], one["model"], f"{' '.join(layout)} --activation-checkpointing {mode}")
     said = [line["line"] for line in result.json_lines() if line["type"] == "output"
             and f"activation checkpointing ({mode})" in line["line"]]
-    assert len(said) == 1 and "2 Block block(s) of blocks" in said[0], said
+    assert len(said) == 1 and blocks in said[0], said
 
 
 # A custom loop that trains through strategy.forward_backward: the one call that runs under --pp
@@ -307,7 +326,7 @@ def test_a_custom_loop_prepares_its_part(tmp_path):
                         "--tp", tp, "--json") for tp in ("1", "2")}
     for tp, result in runs.items():
         assert result.returncode == 0, f"--tp {tp}: {result.stderr[-3000:]}"
-    assert runs["2"].summary["mesh"] == {"dp": 2, "tp": 2}
+    assert runs["2"].summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
     assert runs["2"].summary["steps"] == runs["1"].summary["steps"] == 24
     assert runs["2"].summary["final_loss"] == pytest.approx(runs["1"].summary["final_loss"], abs=TOLERANCE)
 
@@ -315,17 +334,18 @@ def test_a_custom_loop_prepares_its_part(tmp_path):
 @pytest.mark.parametrize("plan, says", [
     ('{"blocks.*.qq": "colwise"}', "tp_plan['blocks.*.qq']: matches no module of the model"),
     ('{"blocks.*.norm1": "colwise"}', "tp_plan['blocks.*.norm1']: colwise splits nn.Linear and nn.Embedding"),
-    (None, "--tp: distrun found no layer it can split safely"),
+    (None, "--tp: the derived plan does not hold: its outputs differ from the whole model's by"),
 ])
 def test_a_plan_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path, plan, says):
-    """A pattern that matches nothing, a style for a module it cannot split, and no plan where
-    none can be derived (a norm between the MLP's layers is not elementwise)."""
+    """A pattern that matches nothing, a style for a module it cannot split, and a derived plan the
+    forward does not follow: attention that fixes its head count (view(b, t, HEADS, -1)) would
+    compute heads of half the size on each of two ranks, and train another model, silently."""
     source = transformer.read_text()
     if plan:
         source = source.replace("def tp_plan(net):", f"def tp_plan(net):\n    return {plan}\n\n\ndef _old(net):")
     else:
         source = source.replace("def tp_plan(net):", "def _no_plan(net):").replace(
-            "nn.GELU()", "nn.LayerNorm(4 * WIDTH)")
+            "layer(h).view(b, t, -1, self.head_dim)", "layer(h).view(b, t, HEADS, -1)")
     recipe = tmp_path / "bad.py"
     recipe.write_text(source)
     result = run_cli("train", str(recipe), "-s", "mirrored", "--tp", "2", "--steps", "2", "--json")
@@ -333,6 +353,23 @@ def test_a_plan_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path,
     assert says in result.summary["error"], result.summary["error"]
     steps = [line for line in result.json_lines() if line["type"] == "step"]
     assert not steps, steps  # stopped before the first step
+
+
+@pytest.mark.parametrize("edit, flags, says", [
+    (("        self.o = nn.Linear(WIDTH, WIDTH)\n",
+      "        self.o = nn.Linear(WIDTH, WIDTH)\n        self.gain = nn.Parameter(torch.ones(WIDTH))\n"), (),
+     "--tp: blocks.0 holds parameters of its own (gain) beside submodules that hold more"),
+    (("", ""), ("--loss-parallel",), '--loss-parallel: tp_plan names no "output" layer'),
+])
+def test_a_model_tensor_parallel_cannot_split_is_refused_before_step_1(transformer, tmp_path, edit, flags, says):
+    """A module with a parameter of its own beside children (distrun replicates whole leaf
+    modules), and --loss-parallel with no layer marked output (no logits to keep split)."""
+    recipe = tmp_path / "model.py"
+    recipe.write_text(transformer.read_text().replace(*edit))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--tp", "2", "--steps", "2", "--json", *flags)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert says in result.summary["error"], result.summary["error"]
+    assert not [line for line in result.json_lines() if line["type"] == "step"]
 
 
 #: An nn.Sequential of 7 modules whose 60 samples make a short last batch (4 of 8): the pipeline
@@ -511,9 +548,13 @@ def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_devic
     under --pp 2 --tp 2."""
     _, one, one_dir = one_device
     result, data = _train(transformer, tmp_path / "both", "-s", "sharded", "--pp", "2", "--tp", "2",
-                          "--microbatches", "2", *STEPS, "--checkpoint-every", "4")
+                          "--microbatches", "2", *STEPS, "--checkpoint-every", "4", "--tensorboard",
+                          str(tmp_path / "board"), "--profile", "2:3")
     _close(data["model"], one["model"], "sharded --pp 2 --tp 2")
     assert result.summary["mesh"] == {"dp": 1, "tp": 2, "pp": 2}
+    # The observability flags hold under the 3-D layout too: rank 0's event file, every rank's trace.
+    assert list((tmp_path / "board").glob("events.out.tfevents.*")), list((tmp_path / "board").iterdir())
+    assert result.summary["profile_traces"] == 4, result.summary  # one trace per rank
     said = [line["line"] for line in result.json_lines() if line["type"] == "output" and "pipeline:" in line["line"]]
     assert said and "the recipe's pp_chain: stage 0 = embed..blocks.0" in said[0], said
 
@@ -553,6 +594,11 @@ def test_a_pipelined_checkpoint_resumes_pipelined_and_whole(sequential, tmp_path
     recipe, _, one = sequential
     layout = ("-s", "mirrored", "--pp", "2", "--pp-schedule", "interleaved-1f1b", "--clip-grad-norm", "0.5")
     _train(recipe, tmp_path / "pp", *layout, "--steps", "8")
+    rows = run_cli("checkpoint", "ls", str(tmp_path / "pp"))  # the table names the layout that wrote it
+    assert rows.returncode == 0 and "dp 1 x tp 1 x pp 2" in rows.stdout, rows.stdout
+    exported = tmp_path / "export.pt"
+    assert run_cli("checkpoint", "export", str(tmp_path / "pp"), "-o", str(exported)).returncode == 0
+    assert sorted(torch.load(exported, weights_only=True)) == sorted(one["model"])  # every stage's, whole
     shutil.copytree(tmp_path / "pp", tmp_path / "whole")
     _, resumed = _train(recipe, tmp_path / "pp", *layout, "--epochs", "2", "--resume")
     _close(resumed["model"], one["model"], "interleaved pp 2 -> itself")

@@ -89,6 +89,28 @@ def test_a_warm_run_matches_a_cold_run_exactly(home: dict[str, str], tmp_path: P
         assert torch.equal(warm["model"][key], tensor), key
 
 
+NET_PROBE = """
+import os
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("NET", os.stat("/proc/self/ns/net").st_ino, flush=True)
+dist.barrier()
+"""
+
+
+def test_a_warm_jobs_ranks_share_a_network_of_their_own(home: dict[str, str], tmp_path: Path) -> None:
+    """Forked by the warm interpreter, the ranks join the job's private network as cold ones do
+    (docs/security.md#co-tenants): one namespace for both, not the machine's."""
+    recipe = tmp_path / "net.py"
+    recipe.write_text(NET_PROBE)
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "2", "--json", env=home)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert _summary(result.stdout)["warm"] is True
+    seen = {int(line["line"].split()[1]) for line in map(json.loads, result.stdout.splitlines())
+            if line["type"] == "output" and line["line"].startswith("NET ")}
+    assert len(seen) == 1 and os.stat("/proc/self/ns/net").st_ino not in seen, seen
+
+
 def test_a_warm_rank_sees_the_interpreter_a_cold_one_would(home: dict[str, str], tmp_path: Path) -> None:
     """Thread pool, folder, sys.path, environment and signal dispositions are a fresh
     interpreter's, from this client, not the server's."""

@@ -64,3 +64,24 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     save_checkpoint(tmp_path, 3, state(3.0))
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp")]
     assert os.path.basename(latest_checkpoint(tmp_path)) == "ckpt-000000003.pt"
+
+
+def test_a_full_disk_is_named_whatever_wraps_it():
+    """DCP gathers each rank's exception into a CheckpointException; a writer's OSError may reach it
+    as itself, or only as its words (a RuntimeError from torch's C++ writer): both read "full"."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from distrun.strategies.checkpoint.write_failure import write_failed
+
+    def wrapped(inner):
+        return CheckpointException("save", {0: (inner, None), 1: (RuntimeError("peer"), None)})
+
+    for inner in (OSError(errno.ENOSPC, "No space left on device"),
+                  RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
+                               "data/3: file write failed: No space left on device")):
+        message = str(write_failed("/ck", 30, wrapped(inner)))
+        assert message == "/ck: cannot write the checkpoint of step 30: the disk is full (No space left on device)"
+    other = str(write_failed("/ck", 30, wrapped(RuntimeError("boom"))))
+    assert other.startswith("/ck: cannot write the checkpoint of step 30: CheckpointException")

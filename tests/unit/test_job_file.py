@@ -74,10 +74,15 @@ def _printed(*args: str) -> dict:
 def test_the_command_line_wins_over_the_file_which_wins_over_the_cluster_and_the_recipe(tmp_path: Path) -> None:
     cluster = tmp_path / "lab.yaml"
     cluster.write_text("hosts:\n  - {address: 10.0.0.1, roles: [chief, worker]}\n"
-                       "job:\n  training: {steps: 7, seed: 5}\n  checkpoint: {every: 3}\n")
+                       "job:\n  training: {steps: 7, seed: 5, global_batch_size: 8}\n  checkpoint: {every: 3}\n")
     job = tmp_path / "job.yaml"
-    job.write_text(f"cluster: {{file: {cluster}}}\ntraining: {{steps: 9}}\nobserve: {{tracker: mlflow}}\n")
+    job.write_text(f"cluster: {{file: {cluster}}}\ntraining: {{steps: 9, global_batch_size: 16}}\n"
+                   "observe: {tracker: mlflow}\n")
+    # One key at every level: the recipe's defaults (32), the cluster's job: (8), the file (16), the flag (4).
+    assert _printed("--config", str(job), "-b", "4")["training"]["global_batch_size"] == 4
+    assert _printed("--cluster", str(cluster))["training"]["global_batch_size"] == 8
     printed = _printed("--config", str(job), "--seed", "11")
+    assert printed["training"]["global_batch_size"] == 16
     assert printed["training"]["steps"] == 9  # --config over the cluster's job:
     assert printed["training"]["seed"] == 11  # the command line over both
     assert printed["checkpoint"]["every"] == 3  # the cluster's job: over the recipe's nothing
@@ -114,6 +119,30 @@ def test_train_help_groups_its_options_by_the_files_sections() -> None:
     assert panels == ["Arguments", "Options", *expected, "Output"], panels
     catch_all = shown.split("╭─ Options")[1].split("╰")[0]
     assert "--help" in catch_all and catch_all.count("--") == 1, catch_all
+
+
+def _commands(group, path=()):
+    for name, command in group.commands.items():
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*path, name))
+        else:
+            yield " ".join((*path, name)), command
+
+
+def test_every_command_of_more_than_ten_options_groups_them_in_panels() -> None:
+    """Issue 34: other commands get panels where they have more than about 10 options (train,
+    bench, node, export slurm); only --help stays in the catch-all panel."""
+    import typer.main
+
+    from distrun.cli import app
+
+    crowded = {}
+    for name, command in _commands(typer.main.get_command(app)):
+        options = [param for param in command.params if param.param_type_name == "option" and param.name != "help"]
+        if len(options) > 10:
+            crowded[name] = [param.opts[0] for param in options if not getattr(param, "rich_help_panel", None)]
+    assert {"train", "bench", "node", "export slurm"} <= set(crowded), sorted(crowded)
+    assert {name: left for name, left in crowded.items() if left} == {}
 
 
 def test_null_means_the_default_and_an_off_form_overrides_a_file(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from distrun.protocol import describe_mesh, mesh_place
 from distrun.strategies.parallel.activation import checkpoint_units
 from distrun.strategies.parallel.mesh import MeshShape, mesh_shape
 from distrun.strategies.parallel.plan import resolve_plan
+from distrun.strategies.parallel.plan_check import agree
 
 
 def _spec(strategy: str, **kwargs) -> JobSpec:
@@ -23,7 +24,7 @@ def _spec(strategy: str, **kwargs) -> JobSpec:
 
 def test_a_replica_spans_tp_ranks():
     spec = _spec("sharded", replicas=2, tp=2)
-    assert spec.world_size == 4 and spec.trainer_ranks == 4 and spec.mesh == {"dp": 2, "tp": 2}
+    assert spec.world_size == 4 and spec.trainer_ranks == 4 and spec.mesh == {"dp": 2, "tp": 2, "pp": 1}
     assert _spec("mirrored", replicas=3).world_size == 3  # one rank a replica, as before
 
 
@@ -35,11 +36,25 @@ def test_a_replica_spans_tp_ranks():
     ("mirrored", {"replicas": 2, "compression": "bf16"}, "--compression with --tp"),
     ("mirrored", {"replicas": 2, "sync_batch_norm": True}, "--sync-batch-norm with --tp"),
     ("mirrored", {"tp": 0}, "--tp: expected a positive whole number"),
+    ("multi-worker", {"replicas": 2, "allreduce": "hierarchical"}, "--allreduce with --tp: it configures DDP's"),
+    ("central-storage", {"replicas": 2, "tp": 1, "pp": 2}, "--pp with --strategy central-storage: its replicas hold"),
+    ("parameter-server", {"replicas": 2, "ps_tasks": 1, "tp": 1, "pp": 2}, "--pp with --strategy parameter-server"),
+    ("diloco", {"replicas": 2, "tp": 1, "pp": 2}, "--pp with --strategy diloco: each replica steps alone"),
 ])
 def test_what_tp_cannot_do_is_refused_in_one_line(strategy, extra, says):
     with pytest.raises(ConfigError, match="^" + says.replace("(", r"\(").replace("*", r"\*")) as caught:
         _spec(strategy, **{"tp": 2, **extra})
     assert "\n" not in str(caught.value)
+
+
+def test_a_clusters_slots_that_do_not_split_into_replicas_are_refused_naming_the_file():
+    from distrun.cli._spec import replicas_of
+    from distrun.errors import UsageError
+
+    assert replicas_of(4, 2, "lab.yaml") == 2 and replicas_of(3, 1, "lab.yaml") == 3
+    with pytest.raises(UsageError, match=r"^--tp x --pp = 2: lab.yaml has 3 worker slot\(s\), which do not split "
+                                         r"into replicas of 2 ranks; give the workers a multiple of 2 slots$"):
+        replicas_of(3, 2, "lab.yaml")
 
 
 def test_activation_checkpointing_values_are_checked():
@@ -77,11 +92,59 @@ class _Attention(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.0), nn.Linear(32, 8))
 
 
-def test_a_derived_plan_splits_only_what_is_sure():
-    """The MLP pair through elementwise modules; attention (a plain module) stays whole."""
+class _Grouped(nn.Module):
+    """Attention with fewer k/v heads, SwiGLU in LLaMA's order (w1, w2, w3), and two modules whose
+    Linears are no projection group (a classifier's stack; two readers of different widths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.q, self.attn.k, self.attn.v, self.attn.o = (nn.Linear(16, 16), nn.Linear(16, 4),
+                                                               nn.Linear(16, 4), nn.Linear(16, 16))
+        self.ffn = nn.Module()
+        self.ffn.w1, self.ffn.w2, self.ffn.w3 = nn.Linear(16, 48), nn.Linear(48, 16), nn.Linear(16, 48)
+        self.norm = nn.LayerNorm(16)
+        self.stack = nn.Module()
+        self.stack.fc1, self.stack.fc2, self.stack.fc3 = nn.Linear(784, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+        self.mixed = nn.Module()
+        self.mixed.a, self.mixed.b, self.mixed.c = nn.Linear(16, 8), nn.Linear(12, 8), nn.Linear(8, 16)
+
+
+def test_a_derived_plan_splits_mlp_pairs_and_projection_groups_and_says_it_checks_the_second():
     plan = resolve_plan(_Attention(), None, 2)
-    assert dict(plan.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise"}
-    assert "derived" in plan.description and "tp_plan(model) splits more" in plan.description
+    assert dict(plan.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise", "q": "colwise", "o": "rowwise"}
+    assert plan.checked and "checked on the first batch" in plan.description
+    grouped = resolve_plan(_Grouped(), None, 2)
+    assert dict(grouped.styles) == {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+                                    "attn.o": "rowwise", "ffn.w1": "colwise", "ffn.w3": "colwise",
+                                    "ffn.w2": "rowwise"}
+    # Under --pp no whole model stays to check against: only the nn.Sequential pairs, which are sure.
+    piped = resolve_plan(_Attention(), None, 2, can_check=False)
+    assert dict(piped.styles) == {"mlp.0": "colwise", "mlp.3": "rowwise"} and not piped.checked
+    assert resolve_plan(_Attention(), lambda model: {"q": "colwise"}, 2).checked is False  # the recipe's own
+    # A group whose splits --tp does not divide (k and v write 4 features) is left whole.
+    assert "attn.q" not in resolve_plan(_Grouped(), None, 8).styles
+
+
+def test_the_plan_line_names_alike_layers_once_with_their_count():
+    blocks = nn.ModuleList(_Attention() for _ in range(3))
+    plan = resolve_plan(nn.Sequential(*blocks), None, 2)
+    assert "*.mlp.0 colwise (3), *.mlp.3 rowwise (3), *.q colwise (3), *.o rowwise (3)" in plan.description
+
+
+def test_nothing_to_split_is_refused_naming_tp_plan():
+    with pytest.raises(RecipeError, match=r"--tp: distrun found no layer it can split safely .* define tp_plan"):
+        resolve_plan(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4)), None, 2)
+
+
+def test_outputs_agree_within_the_tolerance_of_their_precision():
+    whole = [torch.randn(4, 8), torch.randn(3)]
+    assert agree([t + 1e-6 for t in whole], whole)[0] is None
+    problem, worst = agree([whole[0] * 1.05, whole[1]], whole)  # a head of the wrong size: ~5% off
+    assert problem and "differ from the whole model's by 0.05" in problem and worst == pytest.approx(0.05, rel=1e-4)
+    half = [t.bfloat16() for t in whole]
+    assert agree(half, whole)[0] is None  # bf16 rounding is allowed for
+    assert "shapes [(4, 4), (3,)]" in agree([whole[0][:, :4], whole[1]], whole)[0]
 
 
 @pytest.mark.parametrize("plan, says", [
@@ -239,11 +302,18 @@ def test_a_tracked_run_records_its_layout(tmp_path):
 
 
 def test_the_evaluator_role_runs_one_device_whatever_the_layout():
-    from distrun.server._jobs import evaluator_spec
+    from distrun.config import evaluator_spec
 
     evaluator = evaluator_spec(_spec("sharded", replicas=2, tp=2, pp=2, pp_schedule="gpipe", global_batch_size=8))
     assert evaluator.world_size == 1 and evaluator.strategy.name is StrategyName.ONE_DEVICE and evaluator.mesh == {
-        "dp": 1, "tp": 1}
+        "dp": 1, "tp": 1, "pp": 1}
+    # What one-device refuses goes too: each of these made the evaluator host's spec invalid.
+    for strategy, flat in (("multi-worker", {"compression": "fp16"}), ("multi-worker", {"allreduce": "hierarchical"}),
+                           ("sharded", {"shard_within": "host", "async_checkpoint": True, "checkpoint_dir": "/c"}),
+                           ("mirrored", {"checkpoint_dir": "/c", "preemptible": True, "precision": "bf16"})):
+        evaluator = evaluator_spec(_spec(strategy, replicas=2, global_batch_size=8, **flat))
+        assert evaluator.strategy.name is StrategyName.ONE_DEVICE and evaluator.training.global_batch_size == 8
+        assert evaluator.precision.name == flat.get("precision", "fp32")
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipe-v"])

@@ -179,7 +179,7 @@ def _summary(event: Done) -> Mapping[str, float]:
 
 
 def tracker_tap(writer: Any, spec: JobSpec, *, world_size: int, tf_config: str | None) -> TrackerTap:
-    """Rank 0's tap for ``spec.trackers``: each tracker pointed at its ``--tracker-uri``."""
+    """Rank 0's tap for ``spec.observe.trackers``: each tracker pointed at its ``--tracker-uri``."""
     from distrun.runtime.tracking._mlflow import MlflowTracker
     from distrun.runtime.tracking._wandb import WandbTracker
 

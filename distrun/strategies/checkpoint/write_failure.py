@@ -63,7 +63,7 @@ def os_error_in(exc: BaseException | None) -> OSError | None:
 def write_failed(folder: str | os.PathLike[str], step: int, exc: BaseException,
                  recorded: OSError | None = None) -> CheckpointError:
     """One line for a checkpoint write that raised ``exc`` (``recorded``: what a RecordingFile kept)."""
-    cause = recorded or os_error_in(exc)
+    cause = recorded or os_error_in(exc) or _said_in(exc)
     if cause is not None and cause.errno in _NO_ROOM:
         why = f"{_NO_ROOM[cause.errno]} ({cause.strerror or os.strerror(cause.errno)})"
     elif cause is not None:
@@ -72,3 +72,25 @@ def write_failed(folder: str | os.PathLike[str], step: int, exc: BaseException,
         text = str(exc).strip().splitlines()
         why = f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
     return CheckpointError(f"{folder}: cannot write the checkpoint of step {step}: {why}")
+
+
+def _said_in(exc: BaseException) -> OSError | None:
+    """An errno's words anywhere in the text of ``exc`` and of what it wraps: a writer thread's
+    error may reach DCP's ``CheckpointException`` as another type (a RuntimeError from torch's
+    C++ writer, a pickled copy from another rank) that keeps only the words."""
+    pending, seen, texts = [exc], set(), []
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        texts.append(str(current))
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            pending.extend(pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair)
+        pending.extend((current.__cause__, current.__context__))
+    text = "\n".join(texts)
+    for number in _NO_ROOM:
+        if os.strerror(number) in text:
+            return OSError(number, os.strerror(number))
+    return None

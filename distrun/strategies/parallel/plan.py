@@ -25,11 +25,21 @@ unsplit; here every key must match, and a word style must name an ``nn.Linear`` 
 ``nn.Embedding`` whose split dimension the tensor-parallel degree divides, or the job stops
 before its first step naming the key.
 
-Which layers pair up cannot be read off the module tree in general (the forward decides), so
-distrun derives a plan only where it can be sure: inside an ``nn.Sequential``, a Linear, then
-only elementwise modules, then a Linear whose input is the first one's output (an MLP).
-Everything else is left whole, and the one line that reports the plan says so; attention needs
-the recipe's ``tp_plan``.
+Which layers pair up cannot be read off the module tree in general (the forward decides). Without
+``tp_plan``, distrun derives a plan from two shapes of module:
+
+- inside an ``nn.Sequential``: a Linear, only elementwise modules, then a Linear whose input is
+  the first one's output (an MLP). This one is sure, the order being the forward's.
+- a module whose Linear children all read one width but one, which writes that width back
+  from what the others write (attention's q, k, v and o, with fewer k/v heads too; an MLP's up
+  and down; SwiGLU's w1, w3 and w2, in any order): the readers colwise, the writer rowwise. The
+  shapes fit, but only the forward knows whether it works out its local head count from them
+  (``view(b, t, -1, head_dim)``), so such a plan is ``checked``: on the first batch, the split
+  model's outputs must match rank 0's whole model's (``plan_check``), or the job stops naming
+  ``tp_plan`` before its first step. Under ``--pp`` no whole model is kept, and only the first
+  shape is derived.
+
+Everything else is left whole, and the one line that reports the plan says so.
 """
 
 from __future__ import annotations
@@ -61,6 +71,8 @@ class TensorPlan:
 
     styles: Mapping[str, Any]
     description: str  # the one line the chief prints: what is split, and where the plan came from
+    #: derived from shapes the forward may not follow: the first batch must confirm it (``plan_check``)
+    checked: bool = False
 
     @property
     def split(self) -> tuple[str, ...]:
@@ -89,8 +101,10 @@ def style_object(style: Any, module: nn.Module | None = None, *, sequence_parall
             "sequence": SequenceParallel(), "replicate": None}[style]
 
 
-def resolve_plan(model: nn.Module, recipe_plan: Callable[[nn.Module], Any] | None, tp: int) -> TensorPlan:
-    """The plan for ``model`` split over ``tp`` ranks: the recipe's, checked, or derived."""
+def resolve_plan(model: nn.Module, recipe_plan: Callable[[nn.Module], Any] | None, tp: int, *,
+                 can_check: bool = True) -> TensorPlan:
+    """The plan for ``model`` split over ``tp`` ranks: the recipe's, checked, or derived.
+    ``can_check``: the first batch can confirm a plan derived from projection groups (not under --pp)."""
     _refuse_tied(model)
     if recipe_plan is not None:
         given = recipe_plan(model)
@@ -104,15 +118,36 @@ def resolve_plan(model: nn.Module, recipe_plan: Callable[[nn.Module], Any] | Non
         return TensorPlan(styles, f"tensor parallel over {tp} ranks, the recipe's tp_plan: {said}")
     else:
         styles = _derive(model)
+        grouped = _derive_groups(model, tp) if can_check else {}
+        styles.update(grouped)
         if not styles:
             raise RecipeError("--tp: distrun found no layer it can split safely (a Linear, elementwise modules, "
-                              "then a Linear, inside an nn.Sequential); define tp_plan(model) in the recipe "
+                              "then a Linear, inside an nn.Sequential; or a module's projections: Linears that read "
+                              "one width and one that writes it back); define tp_plan(model) in the recipe "
                               "(docs/recipes.md#tensor-parallel)")
         _check_sizes(model, styles, tp, lambda name: f"--tp: {name}")
-    shown = ", ".join(f"{name} {style}" for name, style in list(styles.items())[:4])
-    more = f", ... ({len(styles)} in all)" if len(styles) > 4 else ""
-    return TensorPlan(styles, f"tensor parallel over {tp} ranks, derived (the MLP pairs of nn.Sequential; the rest "
-                              f"whole: tp_plan(model) splits more): {shown}{more}")
+    shown, more = _summary(styles)
+    how = ("the MLP pairs of nn.Sequential and each module's projections, checked on the first batch"
+           if grouped else "the MLP pairs of nn.Sequential")
+    return TensorPlan(styles, f"tensor parallel over {tp} ranks, derived ({how}; the rest whole: tp_plan(model) "
+                              f"says more): {shown}{more}", checked=bool(grouped))
+
+
+def _summary(styles: Mapping[str, Any], shown: int = 6) -> tuple[str, str]:
+    """``blocks.*.q colwise (12), ...``: layers of one style whose names differ in one index only (a
+    ModuleList's) in one entry; the first few entries, and how many layers there are when more."""
+    words = {name: _word(style) for name, style in styles.items()}
+    counts: dict[tuple[str, str], int] = {}
+    for name, word in words.items():
+        parts = name.split(".")
+        alike = [other.split(".") for other, its in words.items() if its == word and other != name]
+        key = ".".join("*" if part.isdigit() and any(
+            len(o) == len(parts) and o[:i] == parts[:i] and o[i + 1:] == parts[i + 1:] for o in alike) else part
+            for i, part in enumerate(parts))
+        counts[(key, word)] = counts.get((key, word), 0) + 1
+    items = [f"{name} {word}" + (f" ({count})" if count > 1 else "") for (name, word), count in counts.items()]
+    more = f", ... ({len(styles)} layers in all)" if len(items) > shown else ""
+    return ", ".join(items[:shown]), more
 
 
 def _word(style: Any) -> str:
@@ -196,6 +231,31 @@ def _derive(model: nn.Module) -> dict[str, Any]:
                 index = after + 1
             else:
                 index += 1
+    return styles
+
+
+def _derive_groups(model: nn.Module, tp: int) -> dict[str, Any]:
+    """In each module but an nn.Sequential: when its Linear children all read one width ``d`` but
+    one, which writes ``d`` from the widest of what the others write, the readers colwise and the
+    writer rowwise (``checked`` on the first batch). The writer is looked for from the last child
+    back, so an MLP's up/down (shapes alike both ways) pairs in its order. Groups whose splits
+    ``tp`` does not divide are left whole."""
+    styles: dict[str, Any] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.Sequential):
+            continue
+        linears = [(name, child) for name, child in module.named_children() if isinstance(child, nn.Linear)]
+        if len(linears) < 2:
+            continue
+        for index in range(len(linears) - 1, -1, -1):
+            name, writer = linears[index]
+            readers = linears[:index] + linears[index + 1:]
+            if all(r.in_features == writer.out_features for _, r in readers) \
+                    and writer.in_features == max(r.out_features for _, r in readers) \
+                    and not writer.in_features % tp and all(not r.out_features % tp for _, r in readers):
+                styles.update({_join(prefix, reader): "colwise" for reader, _ in readers})
+                styles[_join(prefix, name)] = "rowwise"
+                break
     return styles
 
 

@@ -1,0 +1,191 @@
+"""A local job's own network: its ranks reach each other, and only each other, on loopback.
+
+torch's TCPStore and gloo's pairs listen on 127.0.0.1 and authenticate nobody, and every user
+of a machine can reach its loopback: on a shared lab box another user listed a local job's store
+keys (issue 33). A network namespace of the job's own has a loopback of its own, which no other
+process of the machine can reach, whoever runs it.
+
+How. A holder process (``python -S``, about 20 ms) unshares a network namespace (as a user that is
+not root, inside a user namespace of its own that maps its uid to itself: no privilege needed),
+brings ``lo`` up, and makes the job's listening sockets in it on request, handing each over by
+SCM_RIGHTS: the store's socket lives in the namespace while the launcher holds it. Every process
+the launcher starts (ranks, the elastic agent; cold or forked by the zygote) gets the namespace as
+open files (``/proc/HOLDER/ns/net`` and ``ns/user``) and joins it first thing, while it is still
+single-threaded, as setns requires (``runtime/_netns_join``). The launcher stays outside: it reads
+the ranks through pipes and their stacks through ptrace, neither of which a namespace changes.
+
+What it costs: no way out. A rank cannot reach the network (a tracker's server, a download), so a
+job whose trackers need one keeps the machine's network, and ``DISTRUN_NETWORK=host`` asks for it
+(the client decides: ``client/_network``). Where user namespaces are off (a sysctl, some container
+runtimes) the holder cannot start; the job then runs on the machine's loopback, as before, and says
+so in one line (docs/security.md#co-tenants).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+from distrun.launch._starter import Handle, Starter
+from distrun.protocol.environment import NETNS_FDS_VAR
+
+__all__ = ["PrivateNetwork", "NetworkUnavailable", "JoiningStarter", "store_socket"]
+
+#: The holder: unshare, loopback up, then a listening socket on 127.0.0.1 for each byte read; it
+#: ends when the launcher closes the channel or dies (PR_SET_PDEATHSIG).
+_HOLDER = r"""
+import array, ctypes, fcntl, os, socket, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+channel = socket.socket(fileno=int(sys.argv[1]))
+libc.prctl(1, 9)
+if os.getppid() != int(sys.argv[2]):
+    sys.exit(0)
+uid, gid = os.getuid(), os.getgid()
+def fail(what):
+    channel.sendall(("error " + what + ": " + os.strerror(ctypes.get_errno() or 1) + "\n").encode())
+    sys.exit(3)
+if libc.unshare(0x40000000 | (0 if uid == 0 else 0x10000000)) != 0:
+    fail("unshare")
+if uid != 0:
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        with open("/proc/self/" + name, "w") as handle:
+            handle.write(text)
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+flags = struct.unpack("16sH14s", fcntl.ioctl(probe, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
+fcntl.ioctl(probe, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))
+probe.close()
+channel.sendall(b"ok\n")
+while channel.recv(1):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    channel.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener.fileno()]))])
+    listener.close()
+"""
+
+_START_S = 10.0
+
+
+class NetworkUnavailable(RuntimeError):
+    """No private network here (user namespaces off, no /proc); why, in a few words."""
+
+
+class PrivateNetwork:
+    """One job's network namespace, held open by the holder process until ``close()``."""
+
+    def __init__(self, holder: subprocess.Popen, channel: socket.socket) -> None:
+        self._holder = holder
+        self._channel = channel
+        root = os.getuid() == 0
+        kinds = ("net",) if root else ("net", "user")
+        opened = [os.open(f"/proc/{holder.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in kinds]
+        self.fds: tuple[int, ...] = tuple(opened)
+        #: what a process reads from NETNS_FDS_VAR: the net namespace's fd, then the user's (-1: none)
+        self.env_value = f"{opened[0]},{opened[1] if len(opened) > 1 else -1}"
+
+    @classmethod
+    def open(cls) -> PrivateNetwork:
+        ours, theirs = socket.socketpair()
+        try:
+            holder = subprocess.Popen(  # noqa: S603 - our own program, no shell
+                [sys.executable, "-S", "-c", _HOLDER, str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            ours.close()
+            raise NetworkUnavailable(f"cannot start its holder: {exc}") from None
+        finally:
+            theirs.close()
+        ours.settimeout(_START_S)
+        try:
+            said = ours.recv(200).decode(errors="replace").strip()
+        except OSError as exc:
+            said = f"error no answer: {exc}"
+        if said != "ok":
+            ours.close()
+            with contextlib.suppress(OSError):
+                holder.kill()
+            holder.wait()
+            raise NetworkUnavailable(said.removeprefix("error ") or "its holder ended")
+        try:
+            return cls(holder, ours)
+        except OSError as exc:
+            ours.close()
+            holder.kill()
+            holder.wait()
+            raise NetworkUnavailable(f"cannot open its namespace: {exc}") from None
+
+    def listener(self) -> socket.socket:
+        """A socket listening on 127.0.0.1 inside the namespace (the store's)."""
+        self._channel.sendall(b"x")
+        _data, ancillary, _flags, _address = self._channel.recvmsg(1, socket.CMSG_SPACE(4))
+        fds = array.array("i")
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        if len(fds) != 1:
+            raise OSError("the private network's holder sent no socket")
+        return socket.socket(fileno=fds[0])
+
+    @property
+    def holder_pid(self) -> int:
+        return self._holder.pid
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = ()
+        self._channel.close()  # the holder reads EOF and ends; the namespace ends with its last process
+        try:
+            self._holder.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._holder.kill()
+            self._holder.wait()
+
+
+class JoiningStarter:
+    """A starter whose every process joins ``network`` first (``runtime/_netns_join``)."""
+
+    def __init__(self, inner: Starter, network: PrivateNetwork) -> None:
+        self.inner = inner
+        self.network = network
+        self.warm = inner.warm
+
+    def parent_pid(self) -> int:
+        return self.inner.parent_pid()
+
+    def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *, stdout: int, stderr: int,
+              pass_fds: Sequence[int]) -> Handle:
+        joined = {**env, NETNS_FDS_VAR: self.network.env_value}
+        joined.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the namespace's only interface: NCCL skips lo otherwise
+        return self.inner.start(argv, joined, cwd, stdout=stdout, stderr=stderr,
+                                pass_fds=[*pass_fds, *self.network.fds])
+
+    def cold(self) -> JoiningStarter:
+        return JoiningStarter(self.inner.cold(), self.network)
+
+
+def store_socket(private: bool, note: Callable[[str], None]) -> tuple[socket.socket, PrivateNetwork | None]:
+    """The store's listening socket on 127.0.0.1: in a private network of its own when ``private``
+    and one can be made (the network, to join and to close), else on the machine's loopback,
+    which ``note`` says in one line when a private one was asked for."""
+    if private:
+        network: PrivateNetwork | None = None
+        try:
+            network = PrivateNetwork.open()
+            return network.listener(), network
+        except (NetworkUnavailable, OSError) as exc:
+            if network is not None:
+                network.close()
+            note(f"the ranks share this machine's loopback, which its other users can reach: no private network "
+                 f"here ({exc}); docs/security.md#co-tenants")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1024)
+    return listener, None
