@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -95,6 +96,9 @@ def make_sshd(tmp_path: Path) -> Iterator:
         sshd.stop()
 
 
+_LAB_NUMBERS = itertools.count()
+
+
 @dataclass
 class Lab:
     """Two hosts (h1, h2) with sshd in their own namespaces, a client namespace, a bridge namespace."""
@@ -111,7 +115,7 @@ class Lab:
 def shaped_lab(tmp_path: Path, names: tuple[str, ...], rate_mbit: float | None = None) -> Iterator[Lab]:
     """Hosts ``names`` with sshd each; ``rate_mbit`` shapes every host's link (tc tbf)."""
     require_root_tools("ip", *(["tc"] if rate_mbit is not None else []))
-    tag = f"dr{os.getpid() % 100000}"
+    tag = f"dr{os.getpid() % 100000}{next(_LAB_NUMBERS)}"  # a module's lab may be up beside a test's own
     netns = NetnsLab(tag)
     sshds: list[Sshd] = []
     try:
@@ -173,8 +177,23 @@ def distrun_pids_in(lab: Lab, ns: str) -> list[int]:
     return [pid for pid in lab.netns.pids(ns) if "distrun" in cmdline(pid)]
 
 
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def is_training_process(pid: int) -> bool:
+    """A rank (or an --elastic agent): started cold (``-m distrun.runtime``), or forked by a worker
+    server's warm interpreter, whose command line it keeps (a child of the zygote, itself not one)."""
+    line = cmdline(pid)
+    return "distrun.runtime" in line or ("distrun.launch._zygote" in line
+                                          and "distrun.launch._zygote" in cmdline(_parent(pid)))
+
+
 def training_pids(lab: Lab) -> list[int]:
-    return [pid for ns, _ in lab.hosts.values() for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)]
+    return [pid for ns, _ in lab.hosts.values() for pid in distrun_pids_in(lab, ns) if is_training_process(pid)]
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ from tests._sshd import cluster_yaml
 from tests.cluster.conftest import (
     Lab,
     brought_up,
-    cmdline,
     distrun_pids_in,
+    is_training_process,
     json_lines,
     lab_cli,
     module_lab,
@@ -84,7 +84,7 @@ def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, t
     assert again.returncode == 0, again.stderr[-2000:]
     assert json_lines(again)[0]["bundle_sent_to"] == []
     for ns, _address in lab.hosts.values():
-        assert [pid for pid in distrun_pids_in(lab, ns) if "distrun.runtime" in cmdline(pid)] == []
+        assert [pid for pid in distrun_pids_in(lab, ns) if is_training_process(pid)] == []
 
 
 def _equiv_on_one_device(tmp_path: Path) -> tuple[Path, tuple[str, ...], dict]:
