@@ -320,6 +320,16 @@ def test_a_custom_loop_trains_a_pipeline_through_forward_backward(tmp_path):
     assert losses["zbv"] == pytest.approx(losses["one"], abs=TOLERANCE)
 
 
+def test_a_custom_loop_that_calls_the_model_under_pp_is_told_how_to_step(tmp_path):
+    recipe = tmp_path / "calls.py"
+    recipe.write_text(CUSTOM_LOOP_PP.replace("loss = strategy.forward_backward(model, batch, loss_fn)",
+                                             "loss = loss_fn(model(batch[0]), batch)\n        loss.backward()"))
+    result = run_cli("train", str(recipe), "-s", "mirrored", "--pp", "2", "--json")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert ("--pp: a rank holds pipeline stages, which cannot be called as one model; "
+            "strategy.forward_backward(...) trains a batch") in result.summary["error"], result.summary["error"]
+
+
 def test_a_custom_loop_prepares_its_part(tmp_path):
     """recipes/custom_loop.py unchanged: its MLP split over 2 ranks per replica, the losses mirrored's."""
     runs = {tp: run_cli("train", str(REPO / "recipes" / "custom_loop.py"), "-s", "mirrored", "--replicas", "2",
@@ -577,6 +587,8 @@ def test_tp_and_pp_together_and_their_checkpoint_anywhere(transformer, one_devic
       "def pp_chain(net):\n    return [net.embed, net.blocks[0], net.head]"), "pp_chain(model) leaves out blocks.1", 3),
     (("return self.head(x)", "return self.head(x * 2)"), "does not compose to the model's forward", 3),
     (("def pp_chain(net):", "def _no_chain(net):"), "--pp: the model is a Net, not an nn.Sequential", 3),
+    (("def pp_chain(net):", "def forward(net, batch):\n    return net(batch[0])\n\n\ndef pp_chain(net):"),
+     "a recipe forward(model, batch) cannot be split into them", 3),
 ])
 def test_a_chain_that_cannot_hold_is_refused_before_step_1(transformer, tmp_path, edit, says, code):
     recipe = tmp_path / "bad.py"

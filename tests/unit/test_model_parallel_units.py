@@ -225,6 +225,15 @@ def test_the_live_view_shows_the_mesh_and_each_ranks_place():
     assert [(cells[1].strip(), cells[2].strip()) for cells in rows] == [
         ("0", "dp0 tp0"), ("1", "dp0 tp1"), ("2", "dp1 tp0"), ("3", "dp1 tp1")]
     assert "mirrored × 2 (dp 2 x tp 2, 4 ranks)" in text
+    # Pipelined: stages outermost, and the summary's mesh names every degree.
+    piped = JobTracker("r.py", "sharded", 8, mesh={"dp": 2, "tp": 2, "pp": 2})
+    console = Console(width=100, record=True)
+    console.print(render_progress(piped.snapshot()))
+    text = console.export_text()
+    assert "r.py · sharded · dp 2 x tp 2 x pp 2" in text
+    rows = [line.split("│") for line in text.splitlines() if line.startswith("│") and "starting" in line]
+    assert [cells[2].strip() for cells in rows][3:6] == ["dp1 tp1 pp0", "dp0 tp0 pp1", "dp0 tp1 pp1"]
+    assert piped.summary("succeeded").replicas == 2
 
 
 @pytest.mark.parametrize("extra, says", [
