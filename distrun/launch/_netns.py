@@ -40,25 +40,30 @@ __all__ = ["PrivateNetwork", "NetworkUnavailable", "JoiningStarter", "store_sock
 #: ends when the launcher closes the channel or dies (PR_SET_PDEATHSIG).
 _HOLDER = r"""
 import array, ctypes, fcntl, os, socket, struct, sys
-libc = ctypes.CDLL(None, use_errno=True)
 channel = socket.socket(fileno=int(sys.argv[1]))
-libc.prctl(1, 9)
-if os.getppid() != int(sys.argv[2]):
-    sys.exit(0)
-uid, gid = os.getuid(), os.getgid()
-def fail(what):
-    channel.sendall(("error " + what + ": " + os.strerror(ctypes.get_errno() or 1) + "\n").encode())
+step = "start"
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, 9)
+    if os.getppid() != int(sys.argv[2]):
+        sys.exit(0)
+    uid, gid = os.getuid(), os.getgid()
+    step = "unshare"
+    if libc.unshare(0x40000000 | (0 if uid == 0 else 0x10000000)) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    if uid != 0:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            step = "writing " + name
+            with open("/proc/self/" + name, "w") as handle:
+                handle.write(text)
+    step = "bringing lo up"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    flags = struct.unpack("16sH22x", fcntl.ioctl(probe, 0x8913, struct.pack("16sH22x", b"lo", 0)))[1]
+    fcntl.ioctl(probe, 0x8914, struct.pack("16sH22x", b"lo", flags | 1))
+    probe.close()
+except Exception as exc:
+    channel.sendall(f"error {step}: {exc}\n".encode())
     sys.exit(3)
-if libc.unshare(0x40000000 | (0 if uid == 0 else 0x10000000)) != 0:
-    fail("unshare")
-if uid != 0:
-    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-        with open("/proc/self/" + name, "w") as handle:
-            handle.write(text)
-probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-flags = struct.unpack("16sH14s", fcntl.ioctl(probe, 0x8913, struct.pack("16sH14s", b"lo", 0, b"")))[1]
-fcntl.ioctl(probe, 0x8914, struct.pack("16sH14s", b"lo", flags | 1, b""))
-probe.close()
 channel.sendall(b"ok\n")
 while channel.recv(1):
     listener = socket.socket()
@@ -81,9 +86,15 @@ class PrivateNetwork:
     def __init__(self, holder: subprocess.Popen, channel: socket.socket) -> None:
         self._holder = holder
         self._channel = channel
-        root = os.getuid() == 0
-        kinds = ("net",) if root else ("net", "user")
-        opened = [os.open(f"/proc/{holder.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC) for kind in kinds]
+        kinds = ("net",) if os.getuid() == 0 else ("net", "user")
+        opened: list[int] = []
+        try:
+            for kind in kinds:
+                opened.append(os.open(f"/proc/{holder.pid}/ns/{kind}", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError:
+            for fd in opened:
+                os.close(fd)
+            raise
         self.fds: tuple[int, ...] = tuple(opened)
         #: what a process reads from NETNS_FDS_VAR: the net namespace's fd, then the user's (-1: none)
         self.env_value = f"{opened[0]},{opened[1] if len(opened) > 1 else -1}"
@@ -93,7 +104,8 @@ class PrivateNetwork:
         ours, theirs = socket.socketpair()
         try:
             holder = subprocess.Popen(  # noqa: S603 - our own program, no shell
-                [sys.executable, "-S", "-c", _HOLDER, str(theirs.fileno()), str(os.getpid())],
+                # -I: no working folder on sys.path (a recipe's socket.py), no PYTHON* variables; -S: no site.
+                [sys.executable, "-I", "-S", "-c", _HOLDER, str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, start_new_session=True)
         except OSError as exc:
@@ -114,11 +126,13 @@ class PrivateNetwork:
             raise NetworkUnavailable(said.removeprefix("error ") or "its holder ended")
         try:
             return cls(holder, ours)
-        except OSError as exc:
+        except BaseException as exc:
             ours.close()
             holder.kill()
             holder.wait()
-            raise NetworkUnavailable(f"cannot open its namespace: {exc}") from None
+            if isinstance(exc, OSError):
+                raise NetworkUnavailable(f"cannot open its namespace: {exc}") from None
+            raise
 
     def listener(self) -> socket.socket:
         """A socket listening on 127.0.0.1 inside the namespace (the store's)."""
@@ -162,8 +176,8 @@ class JoiningStarter:
 
     def start(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None, *, stdout: int, stderr: int,
               pass_fds: Sequence[int]) -> Handle:
-        joined = {**env, NETNS_FDS_VAR: self.network.env_value}
-        joined.setdefault("NCCL_SOCKET_IFNAME", "lo")  # the namespace's only interface: NCCL skips lo otherwise
+        # The namespace's only interface (the client kept the machine's network for a job that named another).
+        joined = {**env, NETNS_FDS_VAR: self.network.env_value, "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
         return self.inner.start(argv, joined, cwd, stdout=stdout, stderr=stderr,
                                 pass_fds=[*pass_fds, *self.network.fds])
 
