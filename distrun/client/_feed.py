@@ -38,15 +38,17 @@ _PROFILER_NOISE = re.compile(r"SyncActivityProfilerHandler\.cpp:\d+\] profiler_(
 
 class EventFeed:
     def __init__(self, tracker: JobTracker, *, hang_timeout_s: float | None = None,
-                 on_hang: Callable[[Hung], None] | None = None) -> None:
+                 on_hang: Callable[[Hung], None] | None = None, own_network: bool = False) -> None:
         """``hang_timeout_s``: yield a Hung event when no rank has stepped for this long;
-        ``on_hang`` is told of it too (``--elastic`` kills the stuck rank as lost)."""
+        ``on_hang`` is told of it too (``--elastic`` kills the stuck rank as lost). ``own_network``:
+        the job runs in a network of its own (``launch/_netns``), which has no DNS by design, so
+        c10d's reverse-DNS warning says nothing worth a note there, and is dropped."""
         self.tracker = tracker
         self.hang_timeout_s = hang_timeout_s
         self._on_hang = on_hang
         self._queue: queue.Queue[Any] = queue.Queue()
         self._stderr: dict[int, deque[str]] = {}
-        self._said_no_dns = False
+        self._said_no_dns = own_network  # its note, once (never in a network of the job's own)
 
     def put(self, event: Event) -> None:
         """Thread-safe: called by the producers."""

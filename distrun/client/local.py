@@ -101,7 +101,7 @@ class LocalJob:
         )
         self._feed = EventFeed(JobTracker(spec.recipe, spec.strategy.name.value, spec.trainer_ranks,
                                           started_at=self._t0, ps_tasks=spec.ps.tasks, **tracker_settings(spec)),
-                               hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
+                               hang_timeout_s=hang_timeout_s, on_hang=self._on_hang, own_network=private)
         self.job_id = run_id
         self.listing: Listing | None = None
         self._launcher = LocalLauncher(worker, self._sink, starter=starter)

@@ -18,3 +18,13 @@ def test_c10d_reverse_dns_warnings_become_one_note_for_the_whole_job():
     lines = [event.line for event in feed.events(0.01) if event is not None]
     assert len(lines) == 2 and lines[1] == "epoch 1"
     assert lines[0].startswith("[distrun] no reverse DNS for the peers' addresses here") and "said once" in lines[0]
+
+
+def test_a_job_in_its_own_network_drops_them_without_a_note():
+    """A local job's private network has no DNS by design (launch/_netns): nothing to tell."""
+    feed = EventFeed(JobTracker("r.py", "mirrored", replicas=2), own_network=True)
+    for rank in (0, 1):
+        feed.put(Output(rank=rank, time=0.0, stream="stderr", line=C10D))
+    feed.put(Output(rank=1, time=0.0, stream="stderr", line="epoch 1"))
+    feed.end()
+    assert [event.line for event in feed.events(0.01) if event is not None] == ["epoch 1"]
