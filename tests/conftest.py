@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,3 +81,47 @@ def write_recipe(tmp_path: Path) -> Callable[[str, str], Path]:
         return path
 
     return write
+
+
+#: How long a fresh local server's warm interpreter may take to import torch and the strategies.
+WARM_WAIT_S = 60.0
+
+
+@contextlib.contextmanager
+def local_server(home: Path) -> Iterator[dict[str, str]]:
+    """`distrun up` (no file) in its own DISTRUN_HOME, once its warm interpreter is ready; its env
+    for run_cli. `distrun down` after."""
+    env = {"DISTRUN_HOME": str(home)}
+    up = run_cli("up", "--json", env=env)
+    assert up.returncode == 0, up.stderr[-2000:]
+    try:
+        deadline = time.monotonic() + WARM_WAIT_S
+        while True:
+            status = run_cli("status", "--json", env=env)
+            server = json.loads(status.stdout)["hosts"][0]["server"] if status.returncode == 0 else None
+            if server and server["warm"]:
+                break
+            assert time.monotonic() < deadline, f"no warm interpreter after {WARM_WAIT_S:.0f} s: {status.stderr}"
+            time.sleep(0.3)
+        yield env
+    finally:
+        run_cli("down", env=env)
+
+
+@contextlib.contextmanager
+def warm_module(factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Every `distrun train` of a module starts warm, as a user's after `distrun up`: its ranks are
+    forked from a warm interpreter instead of importing torch (a 4-rank job here: 4 s against 14).
+    For the modules whose many jobs would otherwise spend most of the suite's time importing; the
+    cold path stays under test everywhere else, and the two give the same parameters bit for bit
+    (test_warm_local)."""
+    with local_server(factory.mktemp("distrun-home")) as env:
+        before = os.environ.get("DISTRUN_HOME")
+        os.environ["DISTRUN_HOME"] = env["DISTRUN_HOME"]  # run_cli passes os.environ on
+        try:
+            yield env
+        finally:
+            if before is None:
+                os.environ.pop("DISTRUN_HOME", None)
+            else:
+                os.environ["DISTRUN_HOME"] = before

@@ -50,7 +50,11 @@ _ALLOWED_MODULE = "distrun.runtime"
 #: most recipes' metrics) is another second; on the H100 machine a warm fit recipe with
 #: metrics reached its first step in 4.7 s without it.
 PRELOAD = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo", "torch.optim", "torch.utils.data",
-           "distrun.runtime._main", "distrun.runtime._fit", "distrun.runtime._metrics", "distrun.strategies")
+           "distrun.runtime._main", "distrun.runtime._fit", "distrun.runtime._metrics", "distrun.strategies",
+           # What a cold rank imports only when its job asks (FSDP2, DTensor, pipelining, DCP: 1.2 s):
+           # the warm interpreter pays it once, so a sharded or model-parallel job starts warm too.
+           "distrun.strategies.sharded", "distrun.strategies.model_parallel",
+           "distrun.strategies.checkpoint.shard_reader")
 
 
 def _die_with_parent() -> None:

@@ -22,12 +22,10 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, local_server, run_cli
 from tests.integration._recipes import EQUIV, SLOW
 
 pytestmark = pytest.mark.integration
-
-_WARM_WAIT_S = 60.0
 
 # What a rank sees of its interpreter: the parts a fork of a warm one could get wrong.
 PROBE = """
@@ -45,21 +43,8 @@ print("PROBE " + json.dumps({
 @pytest.fixture(scope="module")
 def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A running embedded server whose warm interpreter is ready; its env for run_cli."""
-    env = {"DISTRUN_HOME": str(tmp_path_factory.mktemp("distrun-home"))}
-    up = run_cli("up", "--json", env=env)
-    assert up.returncode == 0, up.stderr[-2000:]
-    try:
-        deadline = time.monotonic() + _WARM_WAIT_S
-        while True:
-            status = run_cli("status", "--json", env=env)
-            server = json.loads(status.stdout)["hosts"][0]["server"] if status.returncode == 0 else None
-            if server and server["warm"]:
-                break
-            assert time.monotonic() < deadline, f"no warm interpreter after {_WARM_WAIT_S:.0f} s: {status.stderr}"
-            time.sleep(0.3)
+    with local_server(tmp_path_factory.mktemp("distrun-home")) as env:
         yield env
-    finally:
-        run_cli("down", env=env)
 
 
 def _summary(stdout: str) -> dict:
