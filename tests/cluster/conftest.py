@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -222,13 +223,26 @@ def cluster(lab: Lab) -> Iterator[Path]:
         yield path
 
 
-@contextlib.contextmanager
-def module_lab(factory: pytest.TempPathFactory, name: str) -> Iterator[tuple[Lab, Path]]:
-    """A lab and its `cluster`, for a module whose tests leave hosts and servers as they found them
-    (``lab``/``cluster`` fixtures of module scope): `distrun up` and `down` cost 3-5 s a test."""
-    with shaped_lab(factory.mktemp(name), ("h1", "h2")) as made:
-        with brought_up(made, TWO_HOSTS, "lab") as path:
-            yield made, path
+def module_lab_fixtures(name: str) -> tuple[Any, Any, Any]:
+    """``lab`` and ``cluster`` fixtures of module scope (and the one they share), for a module whose
+    tests leave hosts and servers as they found them: `distrun up` and `down` cost 3-5 s a test.
+    A module binds them: ``_module_lab, lab, cluster = module_lab_fixtures("train-cluster")``."""
+
+    @pytest.fixture(scope="module", name="_module_lab")
+    def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Path]]:
+        with shaped_lab(tmp_path_factory.mktemp(name), ("h1", "h2")) as made:
+            with brought_up(made, TWO_HOSTS, "lab") as path:
+                yield made, path
+
+    @pytest.fixture(scope="module", name="lab")
+    def lab(_module_lab: tuple[Lab, Path]) -> Lab:
+        return _module_lab[0]
+
+    @pytest.fixture(scope="module", name="cluster")
+    def cluster(_module_lab: tuple[Lab, Path]) -> Path:
+        return _module_lab[1]
+
+    return shared, lab, cluster
 
 
 def bench_on_two_hosts(tmp_path: Path, workload: str, default_steps: str,

@@ -18,7 +18,7 @@ import pytest
 
 from distrun.client.jobs import collapse_ranks
 from distrun.ui import fmt_ranks
-from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, module_lab, training_pids
+from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, module_lab_fixtures, training_pids
 
 SLOW = """
 import time
@@ -44,22 +44,9 @@ def train_data(ctx):
 """
 
 
+# One lab and cluster for the module: a test that kills a server or drops a link restores it before it ends.
+_module_lab, lab, cluster = module_lab_fixtures("job-control")
 
-@pytest.fixture(scope="module")
-def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Path]]:
-    with module_lab(tmp_path_factory, "job-control") as made:
-        yield made
-
-
-@pytest.fixture(scope="module")
-def lab(_shared: tuple[Lab, Path]) -> Lab:
-    """One lab for the module: a test that kills a server or drops a link restores it before it ends."""
-    return _shared[0]
-
-
-@pytest.fixture(scope="module")
-def cluster(_shared: tuple[Lab, Path]) -> Path:
-    return _shared[1]
 
 def _wait_until(predicate, within_s: float, what: str) -> float:
     t0 = time.monotonic()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,29 +19,16 @@ from tests.cluster.conftest import (
     is_training_process,
     json_lines,
     lab_cli,
-    module_lab,
+    module_lab_fixtures,
     training_pids,
 )
 from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV, SLOW_RANK_RECIPE
 
 
+# One lab and cluster for the module: every test here leaves the hosts and their servers as it found them.
+_module_lab, lab, cluster = module_lab_fixtures("train-cluster")
 
-@pytest.fixture(scope="module")
-def _shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Lab, Path]]:
-    with module_lab(tmp_path_factory, "train-cluster") as made:
-        yield made
-
-
-@pytest.fixture(scope="module")
-def lab(_shared: tuple[Lab, Path]) -> Lab:
-    """One lab for the module: every test here leaves the hosts and their servers as it found them."""
-    return _shared[0]
-
-
-@pytest.fixture(scope="module")
-def cluster(_shared: tuple[Lab, Path]) -> Path:
-    return _shared[1]
 
 def test_multi_worker_on_two_hosts_matches_one_device(lab: Lab, cluster: Path, tmp_path: Path) -> None:
     recipe = tmp_path / "code" / "equiv.py"
