@@ -255,33 +255,22 @@ SECTION_TYPES: Mapping[str, type] = MappingProxyType({
 })
 
 
-def _flat(section: str, **names: str) -> dict[str, tuple[str, str]]:
-    return {flat: (section, attribute) for flat, attribute in names.items()}
+#: The flat names (`distrun train`'s parameters, as the JobSpec's fields were named before it had
+#: sections) that are not their attribute's own word; every other attribute is its own flat name.
+_RENAMED: Mapping[str, tuple[str, str]] = {
+    "strategy": ("strategy", "name"), "recipe_args": ("training", "args"), "precision": ("precision", "name"),
+    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "keep_checkpoints": ("checkpoint", "keep"), "async_checkpoint": ("checkpoint", "asynchronous"),
+    "ps_tasks": ("ps", "tasks"), "ps_sync": ("ps", "sync"), "ps_partition_mb": ("ps", "partition_mb"),
+    "shard_within": ("sharding", "within"),
+}
 
-
-#: Each flat name (a `distrun train` parameter, as the JobSpec's fields were named before it had
-#: sections) -> (section, attribute). The JobSpec's own fields (recipe, extra_env, preemptible)
-#: are not here: they keep their names.
+#: Each flat name -> (section, attribute). The JobSpec's own fields (recipe, extra_env,
+#: preemptible) are not here: they keep their names.
 FLAT_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
-    **_flat("strategy", strategy="name", replicas="replicas", device="device", elastic_min="elastic_min",
-            elastic_max="elastic_max", sync_batch_norm="sync_batch_norm"),
-    **_flat("training", steps="steps", epochs="epochs", global_batch_size="global_batch_size", seed="seed",
-            data_workers="data_workers", eval_every="eval_every", clip_grad_norm="clip_grad_norm",
-            on_nonfinite="on_nonfinite", recipe_args="args"),
-    **_flat("precision", precision="name", compile="compile", compile_mode="compile_mode"),
-    **_flat("checkpoint", checkpoint_dir="dir", checkpoint_every="every", keep_checkpoints="keep", resume="resume",
-            async_checkpoint="asynchronous"),
-    **_flat("communication", compression="compression", powersgd_warmup="powersgd_warmup", allreduce="allreduce"),
-    **_flat("diloco", sync_every="sync_every", outer_lr="outer_lr", outer_momentum="outer_momentum",
-            sync_dtype="sync_dtype", fragments="fragments"),
-    **_flat("ps", ps_tasks="tasks", ps_sync="sync", max_staleness="max_staleness", ps_partition_mb="partition_mb"),
-    **_flat("sharding", shard_within="within", reshard_after_forward="reshard_after_forward", offload="offload"),
-    **_flat("parallel", tp="tp", sequence_parallel="sequence_parallel", loss_parallel="loss_parallel", pp="pp",
-            pp_schedule="pp_schedule", microbatches="microbatches",
-            activation_checkpointing="activation_checkpointing"),
-    **_flat("observe", tensorboard_dir="tensorboard_dir", profile_steps="profile_steps", profile_dir="profile_dir",
-            trackers="trackers", tracker_uris="tracker_uris", run_name="run_name", experiment="experiment",
-            tracker_checkpoint="tracker_checkpoint", log_interval_s="log_interval_s"),
+    **{field.name: (section, field.name) for section, kind in SECTION_TYPES.items()
+       for field in dataclasses.fields(kind) if (section, field.name) not in _RENAMED.values()},
+    **_RENAMED,
 })
 
 

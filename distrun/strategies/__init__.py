@@ -69,7 +69,6 @@ def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options
         return __getattr__("ModelParallelStrategy")(replica, reporter, label=name, **options)
     for key in ("tp", "pp", "pp_schedule", "microbatches", "sequence_parallel", "loss_parallel"):
         options.pop(key, None)
-    cls = _BY_NAME.get(name) or __getattr__("ShardedStrategy")
-    if cls.name != name:
-        raise ValueError(f"no strategy named {name!r}")
-    return cls(replica, reporter, **options)
+    if name == "sharded":
+        return __getattr__("ShardedStrategy")(replica, reporter, **options)
+    return _BY_NAME[name](replica, reporter, **options)

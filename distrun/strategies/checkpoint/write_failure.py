@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from distrun.errors import CheckpointError
@@ -42,22 +43,26 @@ class RecordingFile:
         self._fh.flush()
 
 
-def os_error_in(exc: BaseException | None) -> OSError | None:
-    """The OSError behind ``exc``: itself, its cause or context, or any rank's inside DCP's
-    ``CheckpointException`` (``failures``: rank -> (exception, stack))."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc``, its causes and contexts, and every rank's exception inside DCP's
+    ``CheckpointException`` (``failures``: rank -> (exception, stack)), each once."""
     pending, seen = [exc], set()
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
+        yield current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):
             pending.extend(pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair)
         pending.extend((current.__cause__, current.__context__))
-    return None
+
+
+def os_error_in(exc: BaseException | None) -> OSError | None:
+    """The OSError behind ``exc``: itself, its cause or context, or any rank's inside DCP's
+    ``CheckpointException``."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno is not None), None)
 
 
 def write_failed(folder: str | os.PathLike[str], step: int, exc: BaseException,
@@ -78,18 +83,7 @@ def _said_in(exc: BaseException) -> OSError | None:
     """An errno's words anywhere in the text of ``exc`` and of what it wraps: a writer thread's
     error may reach DCP's ``CheckpointException`` as another type (a RuntimeError from torch's
     C++ writer, a pickled copy from another rank) that keeps only the words."""
-    pending, seen, texts = [exc], set(), []
-    while pending:
-        current = pending.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        texts.append(str(current))
-        failures = getattr(current, "failures", None)
-        if isinstance(failures, dict):
-            pending.extend(pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair)
-        pending.extend((current.__cause__, current.__context__))
-    text = "\n".join(texts)
+    text = "\n".join(str(current) for current in _chain(exc))
     for number in _NO_ROOM:
         if os.strerror(number) in text:
             return OSError(number, os.strerror(number))
