@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import os
 import socket
+import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from distrun.launch._starter import Handle, Starter
@@ -36,8 +39,9 @@ from distrun.protocol.environment import NETNS_FDS_VAR
 
 __all__ = ["PrivateNetwork", "NetworkUnavailable", "JoiningStarter", "store_socket"]
 
-#: The holder: unshare, loopback up, then a listening socket on 127.0.0.1 for each byte read; it
-#: ends when the launcher closes the channel or dies (PR_SET_PDEATHSIG).
+#: The holder: unshare, loopback up, then a socket made inside for each request of three bytes (``L`` and a
+#: port: listening on 127.0.0.1 there; ``C`` and a port: connected to 127.0.0.1 there), handed back with
+#: ``s`` (or ``e`` and the errno); it ends when the launcher closes the channel or dies (PR_SET_PDEATHSIG).
 _HOLDER = r"""
 import array, ctypes, fcntl, os, socket, struct, sys
 channel = socket.socket(fileno=int(sys.argv[1]))
@@ -65,12 +69,24 @@ except Exception as exc:
     channel.sendall(f"error {step}: {exc}\n".encode())
     sys.exit(3)
 channel.sendall(b"ok\n")
-while channel.recv(1):
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    channel.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [listener.fileno()]))])
-    listener.close()
+while True:
+    request = channel.recv(3, socket.MSG_WAITALL)
+    if len(request) != 3:
+        break
+    op, port = request[:1], struct.unpack("!H", request[1:])[0]
+    try:
+        if op == b"L":
+            made = socket.socket()
+            made.bind(("127.0.0.1", port))
+            made.listen(1024)
+        else:
+            made = socket.create_connection(("127.0.0.1", port), timeout=5)
+            made.settimeout(None)
+    except OSError as exc:
+        channel.sendall(b"e" + struct.pack("!H", exc.errno or 0))
+        continue
+    channel.sendmsg([b"s\0\0"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [made.fileno()]))])
+    made.close()
 """
 
 _START_S = 10.0
@@ -86,6 +102,7 @@ class PrivateNetwork:
     def __init__(self, holder: subprocess.Popen, channel: socket.socket) -> None:
         self._holder = holder
         self._channel = channel
+        self._lock = threading.Lock()
         kinds = ("net",) if os.getuid() == 0 else ("net", "user")
         opened: list[int] = []
         try:
@@ -134,16 +151,30 @@ class PrivateNetwork:
                 raise NetworkUnavailable(f"cannot open its namespace: {exc}") from None
             raise
 
-    def listener(self) -> socket.socket:
-        """A socket listening on 127.0.0.1 inside the namespace (the store's)."""
-        self._channel.sendall(b"x")
-        _data, ancillary, _flags, _address = self._channel.recvmsg(1, socket.CMSG_SPACE(4))
+    def listener(self, port: int = 0) -> socket.socket:
+        """A socket listening on 127.0.0.1:``port`` inside the namespace (the store's; 0: any port)."""
+        return self._made(b"L", port)
+
+    def connect(self, port: int) -> socket.socket:
+        """A connection to 127.0.0.1:``port`` inside the namespace, for a process outside it: the
+        chief host's front and relay reach the job's store this way (``launch/_chief_store``)."""
+        return self._made(b"C", port)
+
+    def _made(self, op: bytes, port: int) -> socket.socket:
+        with self._lock:  # one request at a time: the relay's and the front's threads share the channel
+            if self._channel.fileno() < 0:
+                raise OSError(errno.EBADF, "the job's private network is closed")
+            self._channel.sendall(op + struct.pack("!H", port))
+            data, ancillary, _flags, _address = self._channel.recvmsg(3, socket.CMSG_SPACE(4))
         fds = array.array("i")
-        for level, kind, data in ancillary:
+        for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
         if len(fds) != 1:
-            raise OSError("the private network's holder sent no socket")
+            for fd in fds:
+                os.close(fd)
+            code = struct.unpack("!H", data[1:3])[0] if data[:1] == b"e" and len(data) == 3 else 0
+            raise OSError(code, f"the private network's holder made no socket ({os.strerror(code) if code else 'ended'})")
         return socket.socket(fileno=fds[0])
 
     @property
@@ -155,7 +186,10 @@ class PrivateNetwork:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds = ()
-        self._channel.close()  # the holder reads EOF and ends; the namespace ends with its last process
+        with contextlib.suppress(OSError):
+            self._channel.shutdown(socket.SHUT_RDWR)  # a request in flight on another thread returns
+        with self._lock:
+            self._channel.close()  # the holder reads EOF and ends; the namespace ends with its last process
         try:
             self._holder.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -4,22 +4,22 @@ torch's TCPStore authenticates nothing, and in torch 2.13 it lists its keys to a
 (``TCPStore.list_keys``), so hiding a job's keys under a secret prefix hides nothing (tried:
 a bare client listed ``secret/k``). What protects the store is where it can be reached from:
 
-- On the store's host, the store binds 127.0.0.1 (the launcher binds the socket and hands
-  it to the store's process). The host's own ranks connect to it there.
+- On the store's host, the store listens on 127.0.0.1 inside a network of its own
+  (``launch/_chief_store``; a local job's, in the job's network: ``launch/_netns``). The host's
+  own ranks reach it through a :class:`StoreRelay` there.
 - A :class:`StoreFront` listens on the cluster address in its place (the rendezvous port).
   A connection is served only after the peer proves the job secret with the control
   plane's mutual HMAC handshake (``protocol/wire``, kind ``job-store``); then its bytes are
   spliced to the loopback store. A refused peer is named once in the job's log.
-- On every other host, a :class:`StoreRelay` listens on 127.0.0.1 for the host's ranks
+- On every host, a :class:`StoreRelay` listens on 127.0.0.1 for the host's ranks
   (their MASTER_ADDR/MASTER_PORT), takes only connections from processes of the launcher's
-  own user (the kernel's socket table says who owns the peer), and carries each to the
-  front, proving the secret on the way.
+  own user (the kernel's socket table says who owns the peer), and carries each on: to the
+  front, proving the secret on the way, or on the chief, into the store's network.
 
 The relay was chosen over a secret key prefix by the measurement above, and over nothing
 by what the issue's attacker did: joined a parameter-server job through the store and
 rewrote its parameters. Its cost per store round trip is in docs/security.md. What stays
-open (gloo's and NCCL's own sockets, the store's loopback port to other users of the
-store's host) is said there too.
+open (gloo's and NCCL's own sockets) is said there too.
 
 torch is never imported here: the launcher runs in the control plane.
 """
@@ -34,7 +34,8 @@ from collections.abc import Callable, Iterator
 
 from distrun.protocol.wire import WireError, client_handshake, server_handshake
 
-__all__ = ["STORE_KIND", "StoreFront", "StoreRelay", "RefusalNotes", "peer_uid", "deadline"]
+__all__ = ["STORE_KIND", "StoreFront", "StoreRelay", "UpstreamRefused", "RefusalNotes", "loopback_listener", "peer_uid",
+           "deadline"]
 
 STORE_KIND = "job-store"
 #: How long a peer may take to prove the secret; a silent peer must not hold a slot for longer.
@@ -45,6 +46,8 @@ _CHUNK = 65536
 _ACCEPT_POLL_S = 0.5
 
 Note = Callable[[str], None]
+#: Opens a connection onward (to the store, or to the front that leads there).
+Connect = Callable[[], socket.socket]
 
 
 class RefusalNotes:
@@ -187,11 +190,11 @@ class _Acceptor:
 class StoreFront:
     """On the store's host: the rendezvous port, where other hosts' relays prove the secret."""
 
-    def __init__(self, listener: socket.socket, secret: bytes, store_port: int, note: Note) -> None:
-        """``listener``: bound to the cluster address and listening; ``store_port``: the store's
-        loopback port on this host."""
+    def __init__(self, listener: socket.socket, secret: bytes, store: Connect, note: Note) -> None:
+        """``listener``: bound to the cluster address and listening; ``store``: opens a connection
+        to the job's store on this host (``launch/_chief_store``)."""
         self._secret = secret
-        self._store_port = store_port
+        self._store = store
         self._refusals = RefusalNotes(note, "store")
         self.address = listener.getsockname()[:2]
         self._acceptor = _Acceptor(listener, self._serve, "store-front")
@@ -206,7 +209,7 @@ class StoreFront:
             conn.close()
             return
         try:
-            store = socket.create_connection(("127.0.0.1", self._store_port), timeout=HANDSHAKE_S)
+            store = self._store()
         except OSError:
             conn.close()  # the store is gone: the job is ending
             return
@@ -219,19 +222,44 @@ class StoreFront:
         self._acceptor.close()
 
 
-class StoreRelay:
-    """On a host without the store: a loopback port for this host's ranks, carried to the front."""
+class UpstreamRefused(OSError):
+    """The far end of a relay refused it (``peer``, and why): noted once in the job's log."""
 
-    def __init__(self, front: tuple[str, int], secret: bytes, note: Note) -> None:
-        self._front = front
-        self._secret = secret
+    def __init__(self, peer: str, why: str) -> None:
+        super().__init__(why)
+        self.peer = peer
+        self.why = why
+
+
+class StoreRelay:
+    """A loopback port for this host's ranks (processes of the launcher's own uid only), each
+    connection carried to the store by ``upstream``: through the chief's front, proving the secret,
+    on another host (:meth:`to_front`); into the store's own network on the chief's (``launch/_chief_store``)."""
+
+    def __init__(self, upstream: Connect, note: Note, listener: socket.socket | None = None) -> None:
+        """``listener``: bound to 127.0.0.1 and listening (default: a new one on any port)."""
+        self._upstream = upstream
         self._refusals = RefusalNotes(note, "store relay")
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(1024)
+        if listener is None:
+            listener = loopback_listener()
         self.port = int(listener.getsockname()[1])
         self._uid = os.getuid()
         self._acceptor = _Acceptor(listener, self._serve, "store-relay")
+
+    @classmethod
+    def to_front(cls, front: tuple[str, int], secret: bytes, note: Note) -> StoreRelay:
+        """On a host without the store: each connection goes to the chief's front and proves ``secret``."""
+
+        def through_front() -> socket.socket:
+            sock = socket.create_connection(front, timeout=HANDSHAKE_S)
+            try:
+                client_handshake(sock, secret, kind=STORE_KIND)
+            except (WireError, OSError) as exc:
+                sock.close()
+                raise UpstreamRefused(f"{front[0]}:{front[1]}", f"the front failed the handshake ({_why(exc)})") from exc
+            return sock
+
+        return cls(through_front, note)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         owner = peer_uid(conn)
@@ -240,23 +268,32 @@ class StoreRelay:
             conn.close()
             return
         try:
-            front = socket.create_connection(self._front, timeout=HANDSHAKE_S)
+            upstream = self._upstream()
+        except UpstreamRefused as exc:
+            self._refusals.refused(exc.peer, exc.why)
+            conn.close()
+            return
         except OSError:
             conn.close()  # the rank's store client reports the failure (it retries first)
             return
-        try:
-            client_handshake(front, self._secret, kind=STORE_KIND)
-        except (WireError, OSError) as exc:
-            self._refusals.refused(f"{self._front[0]}:{self._front[1]}", f"the front failed the handshake ({_why(exc)})")
-            front.close()
-            conn.close()
-            return
-        front.settimeout(None)
-        _no_delay(conn, front)
-        self._acceptor.splices.splice(conn, front)
+        upstream.settimeout(None)
+        _no_delay(conn, upstream)
+        self._acceptor.splices.splice(conn, upstream)
 
     def close(self) -> None:
         self._acceptor.close()
+
+
+def loopback_listener(port: int = 0) -> socket.socket:
+    """A TCP socket listening on 127.0.0.1:``port`` of this process's network."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
 
 
 def peer_uid(conn: socket.socket) -> int | None:

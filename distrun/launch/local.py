@@ -52,6 +52,7 @@ from distrun.launch._env import process_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._oom import OomWatch
 from distrun.launch._proc import Proc as _Proc, describe_exit as _describe_exit
+from distrun.launch._chief_store import ChiefStore
 from distrun.launch._netns import JoiningStarter, PrivateNetwork, store_socket
 from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
@@ -119,6 +120,7 @@ class LocalLauncher:
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
         self._network: PrivateNetwork | None = None  # spec.private_network: the job's own (launch/_netns)
+        self._chief_store: ChiefStore | None = None  # a cluster job's chief: the store's own network
         self._agent: ElasticAgent | None = None  # --elastic: hosts the store (or is its client), tells of deaths
         self._lose: list[tuple[int, str]] = []  # --elastic: (rank, why) to kill as lost, from any thread
         self._preempt_requested = threading.Event()
@@ -214,17 +216,20 @@ class LocalLauncher:
         if spec.debug_dir:
             os.makedirs(spec.debug_dir, mode=0o700, exist_ok=True)  # NCCL's own dump on a timeout goes here too
         store_listener: socket.socket | None = None  # the store's own socket, on loopback
-        if self._listener is not None or spec.master_port is None:  # this launcher hosts the store
-            store_listener, self._network = store_socket(spec.private_network and self._listener is None,
-                                                         self._note_job)
-            if self._network is not None:  # every process started from now on joins it
+        if self._listener is not None:  # a cluster job's chief: the store in a network of its own
+            self._chief_store = ChiefStore(self._note_job)
+            store_listener = self._chief_store.listener
+            self._store_port = self._chief_store.port  # this host's ranks: the relay on the same port number
+            self._port = int(self._listener.getsockname()[1])
+            # Other hosts reach it through the front, proving the secret.
+            self._front = StoreFront(self._listener, self._secret, self._chief_store.connect, self._note_job)
+        elif spec.master_port is None:  # a local job: every process it starts joins its network
+            store_listener, self._network = store_socket(spec.private_network, self._note_job)
+            if self._network is not None:
                 self._starter = JoiningStarter(self._starter, self._network)
-            self._store_port = int(store_listener.getsockname()[1])
-            self._port = int(self._listener.getsockname()[1]) if self._listener is not None else self._store_port
-            if self._listener is not None:  # other hosts reach it through the front, proving the secret
-                self._front = StoreFront(self._listener, self._secret, self._store_port, self._note_job)
+            self._store_port = self._port = int(store_listener.getsockname()[1])
         else:
-            self._relay = StoreRelay((spec.master_addr, spec.master_port), self._secret, self._note_job)
+            self._relay = StoreRelay.to_front((spec.master_addr, spec.master_port), self._secret, self._note_job)
             self._store_port, self._port = self._relay.port, spec.master_port
         for_rank0 = store_listener  # who hosts the store on it: rank 0, or (elastic) the agent
         try:
@@ -256,10 +261,10 @@ class LocalLauncher:
 
     def _close_store_access(self) -> None:
         """The store's way in from other hosts, out to the chief, and the job's private network."""
-        for access in (self._front, self._relay, self._network):
+        for access in (self._front, self._relay, self._chief_store, self._network):
             if access is not None:
                 access.close()
-        self._network = None
+        self._network = self._chief_store = None
 
     def _note_job(self, text: str) -> None:  # a peer without the secret (once), no private network
         self._note(SERVER_RANK, text)

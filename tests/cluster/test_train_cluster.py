@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -384,3 +385,80 @@ def test_diloco_places_a_replica_per_slot_and_sends_a_fraction_of_the_bytes(lab:
     for name, result in results.items():
         evals = [line["step"] for line in json_lines(result) if line.get("type") == "eval"]
         assert evals == [16] and json_lines(result)[-1]["eval_metrics"]["loss"] > 0, (name, evals)
+
+
+#: Every rank says its store port, then waits for the test's word (a file) before its last collective.
+_WAITS = """
+import os, sys, time
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("STORE", os.environ["MASTER_PORT"], flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+dist.barrier()
+"""
+
+#: Run in a host's network as root: as UID (0: stay root), ask every port listening on this
+#: network's loopback (or on every address) for the store's keys.
+_STORE_PROBE = r"""
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+ports = set()
+for table, local in (("/proc/net/tcp", ("0100007F", "00000000")),
+                     ("/proc/net/tcp6", ("0000000000000000FFFF00000100007F", "00000000000000000000000000000000"))):
+    for row in open(table).readlines()[1:]:
+        address, port = row.split()[1].split(":")
+        if row.split()[3] == "0A" and address in local:
+            ports.add(int(port, 16))
+uid = int(sys.argv[1])
+if uid:
+    os.setgid(uid)
+    os.setuid(uid)
+for port in sorted(ports):
+    try:
+        keys = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=2)).list_keys()
+        print("READ", port, len(keys), flush=True)
+    except Exception as exc:
+        print("NONE", port, type(exc).__name__, flush=True)
+"""
+
+
+def _probe_store(lab: Lab, ns: str, uid: int) -> dict[int, str]:
+    """{port: what a client of ``uid`` in host namespace ``ns`` got there (READ n, or NONE)}."""
+    probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _STORE_PROBE, str(uid)],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    return {int(line.split()[1]): " ".join(line.split()[::2]) for line in probe.stdout.splitlines()}
+
+
+def test_another_user_of_the_chief_host_cannot_read_the_jobs_store(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    """Issue 33 item 2 on a cluster: the store lives in a network of its own on the chief
+    (``launch/_chief_store``); the chief's ranks reach it through a relay that takes their uid only."""
+    recipe = tmp_path / "waits.py"
+    recipe.write_text(_WAITS)
+    go = tmp_path / "go"
+    job = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train", str(recipe),
+                            "--cluster", str(cluster), "-s", "multi-worker", "--json", "--", str(go)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
+    assert job.stdout is not None
+    chief_port = None
+    try:
+        for line in job.stdout:
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("type") == "output" and event.get("rank") == 0 and event["line"].startswith("STORE "):
+                chief_port = int(event["line"].split()[1])
+                break
+        assert chief_port is not None, job.stderr.read() if job.poll() is not None else "no STORE line"
+        chief_ns = lab.hosts["h1"][0]
+        stranger = _probe_store(lab, chief_ns, 4242)
+        owner = _probe_store(lab, chief_ns, 0)
+    finally:
+        go.write_text("")
+        out, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-3000:]
+    # The control: the job's own user reaches the store on the chief's port (the probe can read it).
+    assert owner[chief_port].startswith("READ") and int(owner[chief_port].split()[1]) > 0, owner
+    # Another user reads it on no port of the chief's network.
+    assert chief_port in stranger and not [said for said in stranger.values() if said.startswith("READ")], stranger

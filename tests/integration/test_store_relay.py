@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from distrun.launch._chief_store import ChiefStore
 from distrun.launch._store_relay import StoreFront, StoreRelay, peer_uid
 
 pytestmark = pytest.mark.integration
@@ -24,27 +25,26 @@ SECRET = bytes(range(32))
 
 
 class _Job:
-    """A store on loopback, its front on another loopback socket (the cluster address's stand-in), one relay."""
+    """A chief's store in its own network (``launch/_chief_store``) with its front on another
+    loopback address (the cluster address's stand-in), and another host's relay to the front."""
 
     def __init__(self) -> None:
         self.notes: list[str] = []
-        store_socket = socket.socket()
-        store_socket.bind(("127.0.0.1", 0))
-        store_socket.listen(64)
-        self.store_port = store_socket.getsockname()[1]
-        self.store = dist.TCPStore("127.0.0.1", self.store_port, None, True, timedelta(seconds=10),
-                                   wait_for_workers=False, master_listen_fd=store_socket.fileno())
-        self._store_socket = store_socket
+        self.chief = ChiefStore(self.notes.append)
+        # rank 0's way: the store on the chief's socket; its own client lands on the chief's relay
+        self.store = dist.TCPStore("127.0.0.1", self.chief.port, None, True, timedelta(seconds=10),
+                                   wait_for_workers=False, master_listen_fd=self.chief.listener.fileno())
         listener = socket.socket()
         listener.bind(("127.0.0.2", 0))
         listener.listen(64)
-        self.front = StoreFront(listener, SECRET, self.store_port, self.notes.append)
-        self.relay = StoreRelay(self.front.address, SECRET, self.notes.append)
+        self.front = StoreFront(listener, SECRET, self.chief.connect, self.notes.append)
+        self.relay = StoreRelay.to_front(self.front.address, SECRET, self.notes.append)
 
     def close(self) -> None:
         self.relay.close()
         self.front.close()
-        self._store_socket.close()
+        self.chief.listener.close()
+        self.chief.close()
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_stranger_at_the_front_reads_nothing_and_is_named_once(job: _Job) -> N
 
 def test_a_relay_without_the_secret_is_refused(job: _Job) -> None:
     notes: list[str] = []
-    wrong = StoreRelay(job.front.address, b"w" * 32, notes.append)
+    wrong = StoreRelay.to_front(job.front.address, b"w" * 32, notes.append)
     try:
         with pytest.raises(dist.DistNetworkError):
             _client(wrong.port, timeout_s=2)
@@ -101,7 +101,11 @@ def test_a_relay_without_the_secret_is_refused(job: _Job) -> None:
     assert any("the front failed the handshake" in note for note in notes), notes
 
 
-def test_another_user_on_the_host_is_refused_by_the_relay(job: _Job) -> None:
+@pytest.mark.parametrize("which", ["relay", "chief"])
+def test_another_user_on_the_host_is_refused_by_the_relay(job: _Job, which: str) -> None:
+    """Another host's relay, and the chief's own, where the chief's ranks reach the store."""
+    port = job.relay.port if which == "relay" else job.chief.port
+    noted_before = sum(1 for note in job.notes if "(uid 65534)" in note)
     if os.getuid() != 0:
         pytest.fail("this test runs as root, to connect as another user (nobody)")
     read_r, read_w = os.pipe()
@@ -110,7 +114,7 @@ def test_another_user_on_the_host_is_refused_by_the_relay(job: _Job) -> None:
         try:
             os.setgid(65534)
             os.setuid(65534)
-            with socket.create_connection(("127.0.0.1", job.relay.port), timeout=5) as conn:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
                 conn.sendall(b"\x00" * 16)
                 conn.settimeout(5)
                 got = conn.recv(65536)
@@ -124,7 +128,8 @@ def test_another_user_on_the_host_is_refused_by_the_relay(job: _Job) -> None:
     said = os.read(read_r, 65536).decode("latin-1")
     os.close(read_r)
     assert said == "CLOSED" or said.startswith("REFUSED"), said
-    assert any("(uid 65534)" in note and "not a process of uid 0" in note for note in job.notes), job.notes
+    named = [note for note in job.notes if "(uid 65534)" in note and "not a process of uid 0" in note]
+    assert len(named) == noted_before + 1, job.notes  # this relay's own note
 
 
 def test_the_peer_uid_is_read_from_the_kernels_socket_table() -> None:
@@ -156,3 +161,30 @@ def test_a_peer_that_drips_bytes_loses_its_slot_at_the_deadline(job: _Job) -> No
                 closed = True
                 break
     assert closed and time.monotonic() - started < 9
+
+
+def test_the_chief_store_listens_in_a_network_of_its_own(job: _Job) -> None:
+    """On the chief's network the store's port number is the relay's, and the relay's only: the
+    store itself is reachable only through the holder's connections (the front's and the relay's)."""
+    assert job.chief.private, job.notes
+    listening = _loopback_listeners()
+    assert listening.count(job.chief.port) == 1  # the relay's, not a second socket of the store
+    assert os.fstat(job.chief.network.fds[0]).st_ino != os.stat("/proc/self/ns/net").st_ino
+    # The chief's rank 0 (the master above) and another rank of the chief's host, both through its relay.
+    neighbour = _client(job.chief.port)
+    neighbour.set("chief/rank1", "here")
+    assert job.store.get("chief/rank1") == b"here" and neighbour.get("ps/params") == b"secret weights"
+
+
+def _loopback_listeners() -> list[int]:
+    """Ports listening on 127.0.0.1 (v4 or v4-mapped v6) in this process's network."""
+    ports = []
+    for table, loopback in (("/proc/net/tcp", "0100007F"), ("/proc/net/tcp6", "0000000000000000FFFF00000100007F")):
+        with open(table, encoding="ascii") as rows:
+            next(rows)
+            for row in rows:
+                local, state = row.split()[1], row.split()[3]
+                address, port = local.split(":")
+                if state == "0A" and address == loopback:
+                    ports.append(int(port, 16))
+    return ports

@@ -1,0 +1,76 @@
+"""The chief host's store, in a network of its own: the host's other users cannot reach it.
+
+A cluster job's store lives on the chief host. Its ranks there cannot move into a private network
+as a local job's do (``launch/_netns``): gloo's pairs and NCCL's sockets must reach the other hosts.
+So only the store moves: the holder of a private network makes the store's listening socket inside
+it, and rank 0 (or the elastic agent) hosts the store on that socket from the machine's network
+(a listening socket stays in the namespace it was made in, whoever accepts on it).
+
+Nothing outside the namespace can reach the store then, so two doors lead in, both made by the
+holder connecting inside on the launcher's behalf (``PrivateNetwork.connect``):
+
+- this host's ranks use a :class:`StoreRelay` on 127.0.0.1 of the machine's network, which takes
+  only processes of the launcher's uid (the kernel's socket table says who owns a peer). It holds
+  the same port number as the store inside: torch's TCPStore connects rank 0's own client to its
+  host address at the port its server listens on, so that client lands on the relay too;
+- other hosts come in through the :class:`StoreFront`, proving the job secret, as before.
+
+The relay binds its port first and the store takes the same number inside the new namespace,
+where every port is free: no other process can hold it in between. Where no private network can
+be made (user namespaces off), the store listens on the host's loopback as it did before, which the
+job's log says in one line.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from distrun.launch._netns import NetworkUnavailable, PrivateNetwork
+from distrun.launch._store_relay import Connect, StoreRelay, loopback_listener
+
+__all__ = ["ChiefStore"]
+
+_CONNECT_S = 5.0
+
+
+class ChiefStore:
+    """The store's socket (for rank 0 or the agent), the port this host's ranks use, and the way
+    in for the front. ``close()`` ends the relay and the private network."""
+
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.network: PrivateNetwork | None = None
+        self.relay: StoreRelay | None = None
+        relay_listener = loopback_listener()
+        port = int(relay_listener.getsockname()[1])
+        try:
+            self.network = PrivateNetwork.open()
+            self.listener = self.network.listener(port)
+        except (NetworkUnavailable, OSError) as exc:
+            relay_listener.close()
+            if self.network is not None:
+                self.network.close()
+                self.network = None
+            note(f"the job's store listens on this host's loopback, which its other users can reach: no private "
+                 f"network here ({exc}); docs/security.md#co-tenants")
+            self.listener = loopback_listener()
+            self.port = int(self.listener.getsockname()[1])
+            self.connect: Connect = self._loopback
+            return
+        self.port = port
+        network = self.network
+        self.connect = lambda: network.connect(port)
+        self.relay = StoreRelay(self.connect, note, relay_listener)
+
+    def _loopback(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port), timeout=_CONNECT_S)
+
+    @property
+    def private(self) -> bool:
+        return self.network is not None
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+        if self.network is not None:
+            self.network.close()
