@@ -8,12 +8,18 @@ without it, agree on the committed step and go on.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from distrun.strategies.elastic.membership import Membership
 
 from tests._sshd import free_port
 from tests.conftest import REPO
@@ -46,3 +52,68 @@ def test_survivors_form_a_new_group_and_lose_no_committed_step() -> None:
     assert reports[0]["total"] in (die_at * 6 + (steps - die_at) * 3, (die_at + 1) * 6 + (steps - die_at - 1) * 3)
     assert sorted(report["rank"] for report in reports) == [0, 1]
     del store
+
+
+class _Gate:
+    """A TCP forwarder to the store that can hold its bytes: a cut link, as a member sees it
+    (no error, no answer), then the link back, when the held bytes go through."""
+
+    def __init__(self, port: int) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self._upstream = port
+        self._sockets: list[socket.socket] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self._upstream))
+            self._sockets += [conn, upstream]
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        """Every connection broken, as when the store is gone."""
+        self._listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_round_over_waits_while_the_watcher_cannot_read_the_record() -> None:
+    """A member whose link was down cannot tell a peer's reset from its recipe's error until its
+    watcher reads the store again: ``round_over`` waits for that read, not just 3 s."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    gate = _Gate(store.port)
+    membership = Membership(lambda: dist.TCPStore("127.0.0.1", gate.port, is_master=False,
+                                                  timeout=timedelta(seconds=30)), 0, timeout=timedelta(seconds=30))
+    started = time.monotonic()
+    assert membership.round_over(wait_s=0.5) is False  # the watcher reads: every peer alive, nothing over
+    assert time.monotonic() - started < 1.5
+
+    gate.open.clear()  # the link goes down for 4 s
+    threading.Timer(4.0, gate.open.set).start()
+    time.sleep(1.5)  # past LOST_AFTER_S without a read
+    started = time.monotonic()
+    assert membership.round_over(wait_s=0.5) is False  # the record, read again, says nothing either
+    waited = time.monotonic() - started
+    assert waited > 2.0, waited  # until the link came back (2.5 s from here), not the 0.5 s asked for
+
+    gate.cut()  # the store is gone for good: the watcher ends, and the member is cut off from the job
+    started = time.monotonic()
+    assert membership.round_over(wait_s=0.5) is True
+    assert time.monotonic() - started < 5

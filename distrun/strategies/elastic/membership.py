@@ -139,6 +139,7 @@ class Membership:
         self._round_peers: tuple[int, ...] = ()  # the other members of our round (the watcher reads their beats)
         self._sockets_lock = threading.Lock()
         self._round_over = threading.Event()  # the record says our round is over (a peer lost, a round failed)
+        self._read_at = time.monotonic()  # when the watcher last had an answer from the store
         self._stop = threading.Event()
         self._store.compare_set("generation", "", "0")  # only the first member's write takes
         self._store.set(f"who/{member_id}", who or f"member {member_id}")
@@ -191,9 +192,10 @@ class Membership:
         while not self._stop.wait(BEAT_S):
             try:
                 self._beat(self._watch_store)
+                newest = int(self._watch_store.get("generation").decode())
+                self._read_at = time.monotonic()  # an answer (a set has none): the record is current
                 if not self._group_sockets:
                     continue
-                newest = int(self._watch_store.get("generation").decode())
                 if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
                     self._round_over.set()
                     self._break_group()  # another member's collective failed: ours is in the dead group
@@ -278,8 +280,26 @@ class Membership:
         by its launcher's agent, a peer's beat stale for ``LOST_AFTER_S``, or another member's
         failed round. Waits up to ``wait_s`` for the watcher to see it (a peer's death reaches a
         socket before the record). False: every peer is alive, so a failure is not a change of
-        membership."""
-        return self._round_over.wait(wait_s)
+        membership.
+
+        While the watcher cannot read the record (this member's own link was down, and TCP
+        resends the waiting request seconds after it comes back), the record cannot say: then
+        it waits until the watcher reads it again, up to the store's timeout. Seen in the chaos
+        test: a peer's reset reached a member whose link had just come back, 3 s passed before
+        its watcher read the store again, and the job ended on that member's "Connection reset
+        by peer" instead of healing it. A watcher that ended (its store client failed) or never
+        read within the timeout: the member is cut off from the job, which is a change of membership.
+        """
+        if self._round_over.wait(wait_s):
+            return True
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        while True:
+            if not self._watcher.is_alive():
+                return not self._stop.is_set()  # its store client failed: cut off from the job
+            if time.monotonic() - self._read_at <= LOST_AFTER_S:  # a recent read: the record is current
+                return self._round_over.is_set()
+            if time.monotonic() > deadline or self._round_over.wait(BEAT_S):
+                return True
 
     def drop_group(self) -> None:
         """Leave this process's default group so that peers blocked on it fail now.
