@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 
 from distrun.launch._netns import NetworkUnavailable, PrivateNetwork
-from distrun.launch._store_relay import Connect, StoreRelay, loopback_listener
+from distrun.launch._store_relay import StoreRelay, loopback_listener
 
 __all__ = ["ChiefStore"]
 
@@ -39,6 +39,9 @@ class ChiefStore:
     in for the front. ``close()`` ends the relay and the private network."""
 
     def __init__(self, note: Callable[[str], None]) -> None:
+        self._note = note
+        self._said_gone = False
+        self._closed = False
         self.network: PrivateNetwork | None = None
         self.relay: StoreRelay | None = None
         relay_listener = loopback_listener()
@@ -55,21 +58,35 @@ class ChiefStore:
                  f"network here ({exc}); docs/security.md#co-tenants")
             self.listener = loopback_listener()
             self.port = int(self.listener.getsockname()[1])
-            self.connect: Connect = self._loopback
             return
         self.port = port
-        network = self.network
-        self.connect = lambda: network.connect(port)
-        self.relay = StoreRelay(self.connect, note, relay_listener)
+        try:
+            self.relay = StoreRelay(self.connect, note, relay_listener)
+        except BaseException:
+            relay_listener.close()
+            self.listener.close()
+            self.close()
+            raise
 
-    def _loopback(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=_CONNECT_S)
+    def connect(self) -> socket.socket:
+        """A connection to the store: made inside its network by the holder (else on loopback)."""
+        if self.network is None:
+            return socket.create_connection(("127.0.0.1", self.port), timeout=_CONNECT_S)
+        try:
+            return self.network.connect(self.port)
+        except OSError as exc:
+            if self.network.holder_ended() and not self._said_gone and not self._closed:
+                self._said_gone = True  # once: each rank's retry would say it again
+                self._note(f"the store's private network is gone (its holder, pid {self.network.holder_pid}, "
+                           f"ended): no new connection reaches the store ({exc})")
+            raise
 
     @property
     def private(self) -> bool:
         return self.network is not None
 
     def close(self) -> None:
+        self._closed = True
         if self.relay is not None:
             self.relay.close()
         if self.network is not None:

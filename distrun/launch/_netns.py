@@ -164,8 +164,14 @@ class PrivateNetwork:
         with self._lock:  # one request at a time: the relay's and the front's threads share the channel
             if self._channel.fileno() < 0:
                 raise OSError(errno.EBADF, "the job's private network is closed")
-            self._channel.sendall(op + struct.pack("!H", port))
-            data, ancillary, _flags, _address = self._channel.recvmsg(3, socket.CMSG_SPACE(4))
+            try:
+                self._channel.sendall(op + struct.pack("!H", port))
+                data, ancillary, _flags, _address = self._channel.recvmsg(3, socket.CMSG_SPACE(4))
+            except OSError:  # a late answer would be read as the next request's: no next request
+                self._channel.close()
+                raise
+            if len(data) != 3:  # the holder ended (EOF), or an answer cut short
+                self._channel.close()
         fds = array.array("i")
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -180,6 +186,9 @@ class PrivateNetwork:
     @property
     def holder_pid(self) -> int:
         return self._holder.pid
+
+    def holder_ended(self) -> bool:
+        return self._holder.poll() is not None
 
     def close(self) -> None:
         for fd in self.fds:

@@ -221,8 +221,12 @@ class LocalLauncher:
             store_listener = self._chief_store.listener
             self._store_port = self._chief_store.port  # this host's ranks: the relay on the same port number
             self._port = int(self._listener.getsockname()[1])
-            # Other hosts reach it through the front, proving the secret.
-            self._front = StoreFront(self._listener, self._secret, self._chief_store.connect, self._note_job)
+            try:  # other hosts reach it through the front, proving the secret
+                self._front = StoreFront(self._listener, self._secret, self._chief_store.connect, self._note_job)
+            except BaseException:
+                store_listener.close()
+                self._close_store_access()
+                raise
         elif spec.master_port is None:  # a local job: every process it starts joins its network
             store_listener, self._network = store_socket(spec.private_network, self._note_job)
             if self._network is not None:

@@ -8,6 +8,7 @@ store itself is on loopback. A rank of the job, through its relay, sees the stor
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from datetime import timedelta
@@ -188,3 +189,24 @@ def _loopback_listeners() -> list[int]:
                 if state == "0A" and address == loopback:
                     ports.append(int(port, 16))
     return ports
+
+
+def test_a_chief_store_whose_holder_ended_says_so_once() -> None:
+    """Connections already made live on; a new one fails, and the job's log says why, once."""
+    notes: list[str] = []
+    chief = ChiefStore(notes.append)
+    try:
+        assert chief.private, notes
+        made = chief.connect()  # the store's socket listens inside: the holder connects there
+        os.kill(chief.network.holder_pid, signal.SIGKILL)
+        while not chief.network.holder_ended():
+            time.sleep(0.01)
+        for _ in range(2):
+            with pytest.raises(OSError):
+                chief.connect()
+        made.close()
+    finally:
+        chief.listener.close()
+        chief.close()
+    gone = [note for note in notes if note.startswith("the store's private network is gone")]
+    assert len(gone) == 1, notes

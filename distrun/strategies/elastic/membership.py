@@ -193,16 +193,16 @@ class Membership:
             try:
                 self._beat(self._watch_store)
                 newest = int(self._watch_store.get("generation").decode())
-                self._read_at = time.monotonic()  # an answer (a set has none): the record is current
-                if not self._group_sockets:
-                    continue
-                if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
-                    self._round_over.set()
-                    self._break_group()  # another member's collective failed: ours is in the dead group
-                    continue
-                if self._lost_peer():
-                    self._round_over.set()
-                    self._break_group()  # a peer's beat stopped: fail now, not when a socket says so
+                if self._group_sockets:
+                    if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
+                        self._round_over.set()
+                        self._break_group()  # another member's collective failed: ours is in the dead group
+                    elif self._lost_peer():
+                        self._round_over.set()
+                        self._break_group()  # a peer's beat stopped: fail now, not when a socket says so
+                # Only now, the whole record read (a set has no answer; the reads above do):
+                # round_over never takes a pass that has yet to check the record for current.
+                self._read_at = time.monotonic()
             except RuntimeError:  # the store is gone: the job is ending
                 return
 
@@ -294,12 +294,21 @@ class Membership:
             return True
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
-            if not self._watcher.is_alive():
-                return not self._stop.is_set()  # its store client failed: cut off from the job
+            if not self._watcher.is_alive():  # its store client failed: cut off, unless the store answers
+                return not self._stop.is_set() and not self._store_answers()
             if time.monotonic() - self._read_at <= LOST_AFTER_S:  # a recent read: the record is current
                 return self._round_over.is_set()
             if time.monotonic() > deadline or self._round_over.wait(BEAT_S):
                 return True
+
+    def _store_answers(self) -> bool:
+        """Whether this member's own store client still gets an answer (then a recipe's error
+        stays the recipe's, though the watcher ended)."""
+        try:
+            self._store.check(["generation"])
+        except RuntimeError:
+            return False
+        return True
 
     def drop_group(self) -> None:
         """Leave this process's default group so that peers blocked on it fail now.
