@@ -192,7 +192,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         self._model, self._optimizer = model, optimizer
         self._clock.watch(model, stepping, self.device)
         if self.joined and self._healed_position is None:
-            self._heal()  # the members already training rebuilt their DDP with us and heal us now
+            self._heal_joiner()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
 
     def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:

@@ -170,6 +170,15 @@ def loss(outputs, batch):
 ELASTIC = _FAULTS + """
 defaults = {"global_batch_size": 18}
 
+# `--die-in-heal R`: rank R (its first start) SIGKILLs itself in its first heal, inside a recovery.
+if RANK == _arg("--die-in-heal", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "0":
+    import distrun.strategies.elastic.heal as _heal_module
+
+    def _die_in_heal(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _heal_module.broadcast_tensors = _die_in_heal
+
 
 def model():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))

@@ -63,6 +63,28 @@ def test_a_lost_replica_costs_no_step_and_rejoins(tmp_path, one_device):
     assert_no_processes(str(tmp_path))
 
 
+def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_device):
+    """Rank 2 dies at step 10; when it rejoins, rank 1 dies inside the heal that brings it in.
+    The members still there recover again (the joiner too, holding nothing yet), and the job
+    ends with one-device's parameters: a heal that fails writes no member's state."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
+                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-in-heal", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 1][0] == -9
+    notes = [line["line"] for line in lines if line["type"] == "output" and "rank 1 lost" in line["line"]]
+    assert notes, "rank 1 never died in a heal"
+    summary = result.summary
+    assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
+    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert_no_processes(str(tmp_path))
+
+
 def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)

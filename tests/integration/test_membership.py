@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from distrun.strategies.elastic.membership import Membership
+from distrun.strategies.elastic.membership import STORE_PREFIX, BelowMinimum, Membership
 
 from tests._sshd import free_port
 from tests.conftest import REPO
@@ -117,3 +117,29 @@ def test_round_over_waits_while_the_watcher_cannot_read_the_record() -> None:
     started = time.monotonic()
     assert membership.round_over(wait_s=0.5) is True
     assert time.monotonic() - started < 5
+
+
+def test_a_round_of_joiners_alone_falls_back_rather_than_train_from_scratch() -> None:
+    """Every member that held the job's state is gone and only new ones arrive: healing from a
+    joiner would start training over under the job's step count. The round refuses instead."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    store.set(f"{STORE_PREFIX}/g0/closed", "2")  # the job's first round, whose members are all gone now
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        joiner = Membership(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False,
+                                                  timeout=timedelta(seconds=30)), None, timeout=timedelta(seconds=30))
+        try:
+            joiner.join_round(joiner.open_joiners_round(), -1, patient=True)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            errors.append(exc)
+        finally:
+            joiner.close()
+
+    threads = [threading.Thread(target=join) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(errors) == 2 and all(isinstance(exc, BelowMinimum) for exc in errors), errors
+    assert "no replica left holds the job's state" in str(errors[0])

@@ -103,14 +103,22 @@ def _param_key(index: Any) -> Any:
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], source: int, device: torch.device) -> None:
-    """One broadcast per dtype of the flattened tensors, then each tensor takes its part back."""
+    """One broadcast per dtype of the flattened tensors, then each tensor takes its part back.
+
+    Every broadcast ends before any tensor is written: a heal that fails (another member lost
+    in it) leaves this member's state whole and its committed step true, so the next round may
+    heal from it, or heal it, again. Written per dtype as it arrived, a failure between two
+    dtypes left a member half healed under its old step."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    received = []
     for dtype, group in by_dtype.items():
         wire = [t.detach().to(device, torch.uint8 if dtype == torch.bool else dtype) for t in group]
         flat = _flatten_dense_tensors(wire)
         dist.broadcast(flat, source)
+        received.append((group, flat, wire))
+    for group, flat, wire in received:
         for target, part in zip(group, _unflatten_dense_tensors(flat, wire)):
             with torch.no_grad():
                 target.copy_(part.to(target.dtype))

@@ -430,6 +430,10 @@ class Membership:
         if len(arrived) < min_members:
             raise BelowMinimum(f"{len(arrived)} replica(s) left, fewer than --elastic MIN {min_members}; "
                                "the job falls back to --max-restarts (a restart from the newest checkpoint)")
+        if max(step for _, step in arrived) < 0:  # only joiners: healing from one would start training over
+            raise BelowMinimum(f"no replica left holds the job's state (the {len(arrived)} in round {generation} "
+                               "all joined anew); the job falls back to --max-restarts (a restart from the "
+                               "newest checkpoint)")
         members = tuple(member for member, _ in arrived)
         rank = members.index(self.member_id)
         before = _socket_fds()

@@ -38,7 +38,11 @@ from torch import nn
 from distrun.strategies.elastic.heal import heal
 from distrun.strategies.elastic.membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
-__all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "is_collective_failure"]
+__all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "RECOVERY_TRIES",
+           "is_collective_failure"]
+
+#: Recoveries in a row before a change of membership ends this member.
+RECOVERY_TRIES = 3
 
 
 class MembershipSwitch(RuntimeError):
@@ -209,14 +213,46 @@ class ElasticReplica:
         iterates its data again: the step that failed is redone, split over the new count. Below ``--elastic MIN`` the
         round raises ``BelowMinimum`` and the job falls back to a restart. ``switch``: no
         collective failed; a joiner asked for the new round (:class:`MembershipSwitch`).
+
+        Another change inside the recovery (a member lost in its round, its group or its heal)
+        is recovered from in turn, up to ``RECOVERY_TRIES`` in a row: a heal that fails changes
+        no member's state (``heal.broadcast_tensors``), so each try starts from what the members
+        committed. Seen in the chaos test: a link dropped right after a rejoin ended the job.
         """
         if self._elastic is None:
             raise RuntimeError("recover() is for --elastic jobs")
+        for tried in range(1, RECOVERY_TRIES + 1):
+            try:
+                self._recover_once(failed_at, switch=switch)
+                return
+            except Exception as exc:  # noqa: BLE001 - only a change of membership is tried again
+                if tried == RECOVERY_TRIES or not self.is_membership_change(exc):
+                    raise
+            switch = False  # the next try follows a failure, not a joiner's switch
+
+    def _recover_once(self, failed_at: float, *, switch: bool) -> None:
+        assert self._elastic is not None
         self._release_model()
-        round_ = self._elastic.next_round(self.step, failed_at, failed=not switch)
+        round_ = self._elastic.next_round(self._held_step(), failed_at, failed=not switch)
         self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
         self._rebuild_model(round_)
         self._heal()
+
+    def _held_step(self) -> int:
+        """The committed step whose state this member holds; -1 for a joiner not yet healed (it
+        holds the recipe's first parameters, which no round may heal from)."""
+        return -1 if self.joined and self._healed_position is None else self.step
+
+    def _heal_joiner(self) -> None:
+        """A joiner's first heal (``prepare``). A member lost during it is a change of membership
+        like any other: the joiner recovers with the rest, holding nothing yet."""
+        try:
+            self._heal()
+            return
+        except Exception as exc:  # noqa: BLE001 - only a change of membership is recovered from
+            if not self.is_membership_change(exc):
+                raise
+        self.recover(time.monotonic())  # outside the except: the failed group's last references go
 
     def _heal(self) -> None:
         elastic = self._elastic

@@ -82,6 +82,11 @@ class ElasticSyncs:
     def _release_model(self) -> None:
         """Nothing belongs to the old group: the wire takes the new one's size in ``recover``."""
 
+    def _heal_joiner(self) -> None:
+        """A joiner's first heal, not tried again here: diloco's heal is two collectives (the
+        state, then the global weights), so one that fails between them is not whole."""
+        self._heal()
+
     def _heal(self) -> None:
         round_ = self._elastic.round
         if round_.in_step:  # every member synced last at the same step: each keeps its own progress
