@@ -43,7 +43,11 @@ __all__ = ["PrivateNetwork", "NetworkUnavailable", "JoiningStarter", "store_sock
 #: port: listening on 127.0.0.1 there; ``C`` and a port: connected to 127.0.0.1 there), handed back with
 #: ``s`` (or ``e`` and the errno); it ends when the launcher closes the channel or dies (PR_SET_PDEATHSIG).
 _HOLDER = r"""
-import array, ctypes, fcntl, os, socket, struct, sys
+import array, ctypes, fcntl, os, signal, socket, struct, sys
+# Slurm signals every process of a job step (SIGUSR1, its warning before the end): the ranks
+# checkpoint, and their store must stay reachable while they leave together.
+for name in ("SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
 channel = socket.socket(fileno=int(sys.argv[1]))
 step = "start"
 try:

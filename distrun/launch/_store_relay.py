@@ -27,9 +27,11 @@ torch is never imported here: the launcher runs in the control plane.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from distrun.protocol.wire import WireError, client_handshake, server_handshake
@@ -60,11 +62,21 @@ class RefusalNotes:
         self._lock = threading.Lock()
 
     def refused(self, peer: str, why: str) -> None:
+        if self._first(peer):
+            self._note(f"refused a {self._what} connection from {peer}: {why}")
+
+    def dropped(self, why: str) -> None:
+        """A connection of the job's own closed unserved (the way on failed): said once per reason,
+        so a rank that cannot reach the store is not left with torch's "Connection reset" alone."""
+        if self._first("dropped: " + why):
+            self._note(f"the {self._what} closed a connection of the job's: {why}")
+
+    def _first(self, key: str) -> bool:
         with self._lock:
-            if peer in self._seen:
-                return
-            self._seen.add(peer)
-        self._note(f"refused a {self._what} connection from {peer}: {why}")
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
 
 
 @contextlib.contextmanager
@@ -147,9 +159,11 @@ class _Acceptor:
     """An accept loop on its own thread; each connection is handled on a thread of its own,
     at most ``_MAX_PENDING`` handshakes at once."""
 
-    def __init__(self, listener: socket.socket, handle: Callable[[socket.socket, str], None], name: str) -> None:
+    def __init__(self, listener: socket.socket, handle: Callable[[socket.socket, str], None], name: str,
+                 on_error: Callable[[str], None] | None = None) -> None:
         self.listener = listener
         self._handle = handle
+        self._on_error = on_error
         self._slots = threading.BoundedSemaphore(_MAX_PENDING)
         self._stopped = threading.Event()
         self.splices = _Splices()
@@ -163,8 +177,13 @@ class _Acceptor:
                 conn, peer = self.listener.accept()
             except (TimeoutError, socket.timeout):
                 continue
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._stopped.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                if self._on_error is not None:  # out of fds (EMFILE), a peer gone before accept
+                    self._on_error(f"accepting: {exc.strerror or exc}")
+                time.sleep(_ACCEPT_POLL_S / 5)
+                continue
             if not self._slots.acquire(blocking=False):
                 conn.close()
                 continue
@@ -197,7 +216,7 @@ class StoreFront:
         self._store = store
         self._refusals = RefusalNotes(note, "store")
         self.address = listener.getsockname()[:2]
-        self._acceptor = _Acceptor(listener, self._serve, "store-front")
+        self._acceptor = _Acceptor(listener, self._serve, "store-front", self._refusals.dropped)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         conn.settimeout(HANDSHAKE_S)
@@ -210,8 +229,9 @@ class StoreFront:
             return
         try:
             store = self._store()
-        except OSError:
-            conn.close()  # the store is gone: the job is ending
+        except OSError as exc:
+            self._refusals.dropped(f"it could not reach the store for {peer} ({_why(exc)})")
+            conn.close()  # the store is gone (the job is ending, or its network's holder ended)
             return
         conn.settimeout(None)
         store.settimeout(None)
@@ -244,7 +264,7 @@ class StoreRelay:
             listener = loopback_listener()
         self.port = int(listener.getsockname()[1])
         self._uid = os.getuid()
-        self._acceptor = _Acceptor(listener, self._serve, "store-relay")
+        self._acceptor = _Acceptor(listener, self._serve, "store-relay", self._refusals.dropped)
 
     @classmethod
     def to_front(cls, front: tuple[str, int], secret: bytes, note: Note) -> StoreRelay:
@@ -273,8 +293,9 @@ class StoreRelay:
             self._refusals.refused(exc.peer, exc.why)
             conn.close()
             return
-        except OSError:
-            conn.close()  # the rank's store client reports the failure (it retries first)
+        except OSError as exc:
+            self._refusals.dropped(f"it could not carry it on to the store ({_why(exc)})")
+            conn.close()  # the rank's store client retries, then reports the failure
             return
         upstream.settimeout(None)
         _no_delay(conn, upstream)

@@ -77,6 +77,11 @@ def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_devic
     assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 1][0] == -9
     notes = [line["line"] for line in lines if line["type"] == "output" and "rank 1 lost" in line["line"]]
     assert notes, "rank 1 never died in a heal"
+    changes = [line for line in lines if line["type"] == "membership"]
+    # The change the retry finished is told from the group that last trained: rank 1 left and
+    # rank 2 joined in one event (not the failed round's view, where neither would show).
+    assert any(any(who.startswith("rank 1 on 127.0.0.1") for who in c["left"]) and c["joined"] == ["rank 2 on 127.0.0.1"]
+               for c in changes), changes
     summary = result.summary
     assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
     model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]

@@ -210,3 +210,19 @@ def test_a_chief_store_whose_holder_ended_says_so_once() -> None:
         chief.close()
     gone = [note for note in notes if note.startswith("the store's private network is gone")]
     assert len(gone) == 1, notes
+
+
+def test_a_relay_that_cannot_reach_the_front_says_why_once() -> None:
+    """The rank's own client says only "Connection reset" (the relay closed it), each retry."""
+    notes: list[str] = []
+    with socket.socket() as gone:  # a front address where nothing listens
+        gone.bind(("127.0.0.2", 0))
+        address = gone.getsockname()[:2]
+    relay = StoreRelay.to_front(address, SECRET, notes.append)
+    try:
+        with pytest.raises(dist.DistNetworkError):
+            _client(relay.port, timeout_s=3)
+    finally:
+        relay.close()
+    dropped = [note for note in notes if "could not carry it on to the store" in note]
+    assert len(dropped) == 1 and "Connection refused" in dropped[0], notes

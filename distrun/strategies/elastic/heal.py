@@ -118,6 +118,8 @@ def broadcast_tensors(tensors: list[torch.Tensor], source: int, device: torch.de
         flat = _flatten_dense_tensors(wire)
         dist.broadcast(flat, source)
         received.append((group, flat, wire))
+    if device.type == "cuda":  # NCCL queues a broadcast and returns: each must be over, not queued (not run on a GPU)
+        torch.cuda.synchronize(device)
     for group, flat, wire in received:
         for target, part in zip(group, _unflatten_dense_tensors(flat, wire)):
             with torch.no_grad():

@@ -131,7 +131,8 @@ class Membership:
         self._timeout = timeout
         self._backend = backend
         self._device = device
-        self.generation = 0
+        self.generation = 0  # the round whose group this member is in
+        self._arrived = 0  # the newest round it arrived in (its group may not have formed)
         self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
@@ -367,10 +368,13 @@ class Membership:
         notice one failure together all land in the same round. ``failed``: our group
         failed; mark the round, so members still blocked in it are woken (``_watch``).
         """
-        mine = str(self.generation)
+        # After ours, or after the one we arrived in if its group never formed (a member lost
+        # while it formed): going back to that closed round would leave us late for it, a
+        # joiner waiting on members who wait on us.
+        mine = max(self.generation, self._arrived)
         # compare_set answers with the value now stored: ours if we opened the round, the
         # newer one if another member did first.
-        generation = int(self._store.compare_set("generation", mine, str(self.generation + 1)).decode())
+        generation = int(self._store.compare_set("generation", str(mine), str(mine + 1)).decode())
         if failed:
             self._store.set(f"g{generation}/failed", "1")
         return generation
@@ -421,6 +425,7 @@ class Membership:
         key = f"g{generation}/"
         index = int(self._store.add(key + "arrived", 1)) - 1
         self._store.set(f"{key}member/{index}", f"{self.member_id} {committed_step}")
+        self._arrived = max(self._arrived, generation)  # a recovery that fails from here on opens the next
         deadline = time.monotonic() + self._timeout.total_seconds()
         count = self._wait_closed(key, deadline, expect, patient=patient)
         if index >= count:

@@ -41,7 +41,7 @@ from distrun.strategies.elastic.membership import BEAT_S, JobFinished, LateForRo
 __all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "RECOVERY_TRIES",
            "is_collective_failure"]
 
-#: Recoveries in a row before a change of membership ends this member.
+#: Recoveries in a row before a change of membership fails this member (and the job).
 RECOVERY_TRIES = 3
 
 
@@ -129,6 +129,8 @@ class Elastic:
         old group are woken.
         """
         before = self.round.members if self.round is not None else ()
+        if self._pending is not None and self._pending[2]:  # a recovery tried again: report the change
+            failed_at, before = self._pending[0], self._pending[2]  # from the group that last trained
         self.membership.drop_group()
         opened = self.membership.open_round(failed=failed)
         late = False
@@ -215,9 +217,10 @@ class ElasticReplica:
         collective failed; a joiner asked for the new round (:class:`MembershipSwitch`).
 
         Another change inside the recovery (a member lost in its round, its group or its heal)
-        is recovered from in turn, up to ``RECOVERY_TRIES`` in a row: a heal that fails changes
-        no member's state (``heal.broadcast_tensors``), so each try starts from what the members
-        committed. Seen in the chaos test: a link dropped right after a rejoin ended the job.
+        is recovered from in turn, up to ``RECOVERY_TRIES`` in a row (then the member fails, and
+        with it the job): a heal that fails changes no member's state (``heal.broadcast_tensors``),
+        so each try starts from what the members committed. Seen in the chaos test: a link
+        dropped right after a rejoin ended the job.
         """
         if self._elastic is None:
             raise RuntimeError("recover() is for --elastic jobs")
