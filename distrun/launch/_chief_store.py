@@ -27,7 +27,7 @@ import socket
 from collections.abc import Callable
 
 from distrun.launch._netns import NetworkUnavailable, PrivateNetwork
-from distrun.launch._store_relay import StoreRelay, loopback_listener
+from distrun.launch._store_relay import StoreFront, StoreRelay, loopback_listener
 
 __all__ = ["ChiefStore"]
 
@@ -35,15 +35,18 @@ _CONNECT_S = 5.0
 
 
 class ChiefStore:
-    """The store's socket (for rank 0 or the agent), the port this host's ranks use, and the way
-    in for the front. ``close()`` ends the relay and the private network."""
+    """The store's socket (for rank 0 or the agent), the port this host's ranks use, and both
+    doors in. ``close()`` ends the front, the relay and the private network."""
 
-    def __init__(self, note: Callable[[str], None]) -> None:
+    def __init__(self, note: Callable[[str], None], front: tuple[socket.socket, bytes] | None = None) -> None:
+        """``front``: the rendezvous listener on the cluster address and the job secret, for the
+        :class:`StoreFront` other hosts come in by (none: a test's store alone)."""
         self._note = note
         self._said_gone = False
         self._closed = False
         self.network: PrivateNetwork | None = None
         self.relay: StoreRelay | None = None
+        self.front: StoreFront | None = None
         relay_listener = loopback_listener()
         port = int(relay_listener.getsockname()[1])
         try:
@@ -58,10 +61,13 @@ class ChiefStore:
                  f"network here ({exc}); docs/security.md#co-tenants")
             self.listener = loopback_listener()
             self.port = int(self.listener.getsockname()[1])
-            return
-        self.port = port
+        else:
+            self.port = port
         try:
-            self.relay = StoreRelay(self.connect, note, relay_listener)
+            if self.network is not None:
+                self.relay = StoreRelay(self.connect, note, relay_listener)
+            if front is not None:
+                self.front = StoreFront(front[0], front[1], self.connect, note)
         except BaseException:
             relay_listener.close()
             self.listener.close()
@@ -87,7 +93,8 @@ class ChiefStore:
 
     def close(self) -> None:
         self._closed = True
-        if self.relay is not None:
-            self.relay.close()
+        for door in (self.front, self.relay):
+            if door is not None:
+                door.close()
         if self.network is not None:
             self.network.close()

@@ -57,7 +57,7 @@ from distrun.launch._netns import JoiningStarter, PrivateNetwork, store_socket
 from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
 from distrun.launch._stopped import StoppedWatch
-from distrun.launch._store_relay import StoreFront, StoreRelay
+from distrun.launch._store_relay import StoreRelay
 from distrun.launch.api import ProcessState, RunResult, WorkerSpec
 from distrun.protocol import (
     OOM_KILLED,
@@ -115,7 +115,6 @@ class LocalLauncher:
         self._port = 0  # the job's rendezvous port (TF_CONFIG)
         self._store_port = 0  # where this host's ranks reach the store, on loopback
         self._secret = bytes.fromhex(spec.job_secret) if spec.job_secret else bytes.fromhex(new_job_secret())
-        self._front: StoreFront | None = None  # the store's host: other hosts come in here
         self._relay: StoreRelay | None = None  # other hosts: this host's ranks go out here
         self._started = False
         self._cold_starts = 0  # processes started as a fresh interpreter (not forked warm)
@@ -216,17 +215,10 @@ class LocalLauncher:
         if spec.debug_dir:
             os.makedirs(spec.debug_dir, mode=0o700, exist_ok=True)  # NCCL's own dump on a timeout goes here too
         store_listener: socket.socket | None = None  # the store's own socket, on loopback
-        if self._listener is not None:  # a cluster job's chief: the store in a network of its own
-            self._chief_store = ChiefStore(self._note_job)
-            store_listener = self._chief_store.listener
-            self._store_port = self._chief_store.port  # this host's ranks: the relay on the same port number
-            self._port = int(self._listener.getsockname()[1])
-            try:  # other hosts reach it through the front, proving the secret
-                self._front = StoreFront(self._listener, self._secret, self._chief_store.connect, self._note_job)
-            except BaseException:
-                store_listener.close()
-                self._close_store_access()
-                raise
+        if self._listener is not None:  # a cluster job's chief: the store in a network of its own, its front
+            self._chief_store = ChiefStore(self._note_job, front=(self._listener, self._secret))
+            store_listener = self._chief_store.listener  # this host's ranks: the relay on the store's port number
+            self._store_port, self._port = self._chief_store.port, int(self._listener.getsockname()[1])
         elif spec.master_port is None:  # a local job: every process it starts joins its network
             store_listener, self._network = store_socket(spec.private_network, self._note_job)
             if self._network is not None:
@@ -265,7 +257,7 @@ class LocalLauncher:
 
     def _close_store_access(self) -> None:
         """The store's way in from other hosts, out to the chief, and the job's private network."""
-        for access in (self._front, self._relay, self._chief_store, self._network):
+        for access in (self._relay, self._chief_store, self._network):
             if access is not None:
                 access.close()
         self._network = self._chief_store = None

@@ -56,8 +56,6 @@ tensors.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -67,6 +65,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distrun.strategies.elastic.group_sockets import GroupSockets, socket_fds
 
 __all__ = ["BEAT_S", "LOST_AFTER_S", "JOINER_IDS", "STORE_PREFIX", "BelowMinimum", "JobFinished", "LateForRound",
            "Membership", "Round"]
@@ -136,9 +136,8 @@ class Membership:
         self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
-        self._group_sockets: dict[int, str] = {}  # fd -> its socket inode: the current group's connections
         self._round_peers: tuple[int, ...] = ()  # the other members of our round (the watcher reads their beats)
-        self._sockets_lock = threading.Lock()
+        self._sockets = GroupSockets(backend, device)  # the current group's connections
         self._round_over = threading.Event()  # the record says our round is over (a peer lost, a round failed)
         self._read_at = time.monotonic()  # when the watcher last had an answer from the store
         self._stop = threading.Event()
@@ -194,13 +193,13 @@ class Membership:
             try:
                 self._beat(self._watch_store)
                 newest = int(self._watch_store.get("generation").decode())
-                if self._group_sockets:
+                if self._sockets:
                     if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
                         self._round_over.set()
-                        self._break_group()  # another member's collective failed: ours is in the dead group
+                        self._sockets.shut()  # another member's collective failed: ours is in the dead group
                     elif self._lost_peer():
                         self._round_over.set()
-                        self._break_group()  # a peer's beat stopped: fail now, not when a socket says so
+                        self._sockets.shut()  # a peer's beat stopped: fail now, not when a socket says so
                 # Only now, the whole record read (a set has no answer; the reads above do):
                 # round_over never takes a pass that has yet to check the record for current.
                 self._read_at = time.monotonic()
@@ -246,36 +245,6 @@ class Membership:
                 lost = True
         return lost
 
-    def _break_group(self) -> None:
-        """Shut down the current group's connections: a collective blocked on them fails now.
-
-        ``shutdown``, not ``close``: the fds stay gloo's to close, and a blocked ``recv``
-        on them returns at once, here and at the peer. An fd whose inode changed was
-        closed and reused: skipped.
-        """
-        with self._sockets_lock:
-            sockets, self._group_sockets = self._group_sockets, {}
-        if not sockets:
-            return
-        if self._backend == "nccl" and self._device is not None and dist.is_initialized():
-            # NCCL's kernels do not wait on these sockets; aborting the communicator from
-            # another thread is what NCCL offers (ncclCommAbort), and the blocked op raises.
-            try:
-                dist.group.WORLD._get_backend(self._device).abort()
-            except RuntimeError:
-                pass
-        for fd, inode in sockets.items():
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != inode:
-                    continue
-                with socket.socket(fileno=os.dup(fd)) as dup:
-                    # Never gloo's listening socket: its accept thread treats an error there as
-                    # fatal and aborts the process (seen: "accept: Invalid argument", SIGABRT).
-                    if not dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        dup.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                continue
-
     def round_over(self, wait_s: float = LOST_AFTER_S + 2.0) -> bool:
         """Whether the membership record says this member's round is over: a peer marked lost
         by its launcher's agent, a peer's beat stale for ``LOST_AFTER_S``, or another member's
@@ -312,28 +281,8 @@ class Membership:
         return True
 
     def drop_group(self) -> None:
-        """Leave this process's default group so that peers blocked on it fail now.
-
-        First shut down the group's sockets (:meth:`_break_group`): each peer blocked on a
-        connection to us sees it close at once. Destroying the group alone did not do that
-        (torch 2.13): its connections close only when the last reference goes, and a failed
-        collective's traceback, or DDP's reducer in a reference cycle, keeps one; a peer then
-        waited out the whole timeout. A full ``gc.collect()`` would free them, but costs a
-        quarter of a second with torch loaded, on every survivor, in the recovery's path.
-        NCCL: abort the communicator, which frees one stuck on a dead peer.
-        """
-        self._break_group()
-        if not dist.is_initialized():
-            return
-        group = dist.group.WORLD
-        for device in (torch.device("cpu"), self._device):
-            if device is None:
-                continue
-            try:
-                group._get_backend(device).abort()
-            except RuntimeError:  # no backend for this device type
-                pass
-        dist.destroy_process_group()
+        """Leave this process's default group so that peers blocked on it fail now (``group_sockets``)."""
+        self._sockets.drop()
 
     def mark_finished(self) -> None:
         """The job's last step is done; a joiner still waiting for a round leaves quietly
@@ -441,14 +390,14 @@ class Membership:
                                "newest checkpoint)")
         members = tuple(member for member, _ in arrived)
         rank = members.index(self.member_id)
-        before = _socket_fds()
+        before = socket_fds()
         dist.init_process_group(self._backend, store=dist.PrefixStore(key + "pg/", self._store), rank=rank,
                                 world_size=len(members), timeout=self._timeout,
                                 device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation
         self._round_peers = tuple(member for member in members if member != self.member_id)
-        with self._sockets_lock:  # the group's connections: what init_process_group opened
-            self._group_sockets = {fd: inode for fd, inode in _socket_fds().items() if before.get(fd) != inode}
+        with self._sockets.lock:  # the group's connections: what init_process_group opened
+            self._sockets.formed(before)
             self._round_over.clear()
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
@@ -511,19 +460,6 @@ class Membership:
             return default
         raw = store.get(key).decode()
         return int(raw) if raw else default
-
-
-def _socket_fds() -> dict[int, str]:
-    """This process's socket fds, each with its inode ("socket:[N]"), from /proc (Linux)."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            found[int(name)] = target
-    return found
 
 
 class LateForRound(RuntimeError):
