@@ -7,6 +7,8 @@ started again and rejoins, healed by a peer.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -104,6 +106,8 @@ def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
     assert notes and notes[0].startswith("[distrun] rank 1 lost (hung for"), notes
     left = next(line for line in lines if line["type"] == "membership")["left"]
     assert left[0].startswith("rank 1 on 127.0.0.1 (hung for"), left  # the event says why, too
+    for diagnosis in (line for line in lines if line["type"] == "diagnosis" and line.get("dump_dir")):
+        shutil.rmtree(diagnosis["dump_dir"])  # the hang's dumps stay for a user to read; a test reads them here
     assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0
     assert result.summary["membership_changes"] >= 1
     model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
