@@ -35,6 +35,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from distrun.launch._starter import Handle, Starter
+from distrun.launch._store_relay import loopback_listener
 from distrun.protocol.environment import NETNS_FDS_VAR
 
 __all__ = ["PrivateNetwork", "NetworkUnavailable", "JoiningStarter", "store_socket"]
@@ -184,7 +185,8 @@ class PrivateNetwork:
             for fd in fds:
                 os.close(fd)
             code = struct.unpack("!H", data[1:3])[0] if data[:1] == b"e" and len(data) == 3 else 0
-            raise OSError(code, f"the private network's holder made no socket ({os.strerror(code) if code else 'ended'})")
+            why = os.strerror(code) if code else "ended"
+            raise OSError(code, f"the private network's holder made no socket ({why})")
         return socket.socket(fileno=fds[0])
 
     @property
@@ -246,7 +248,4 @@ def store_socket(private: bool, note: Callable[[str], None]) -> tuple[socket.soc
                 network.close()
             note(f"the ranks share this machine's loopback, which its other users can reach: no private network "
                  f"here ({exc}); docs/security.md#co-tenants")
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1024)
-    return listener, None
+    return loopback_listener(), None

@@ -276,7 +276,8 @@ class StoreRelay:
                 client_handshake(sock, secret, kind=STORE_KIND)
             except (WireError, OSError) as exc:
                 sock.close()
-                raise UpstreamRefused(f"{front[0]}:{front[1]}", f"the front failed the handshake ({_why(exc)})") from exc
+                why = f"the front failed the handshake ({_why(exc)})"
+                raise UpstreamRefused(f"{front[0]}:{front[1]}", why) from exc
             return sock
 
         return cls(through_front, note)

@@ -47,12 +47,12 @@ from collections.abc import Callable
 from typing import Any
 
 from distrun.launch._agent import ElasticAgent
+from distrun.launch._chief_store import ChiefStore
 from distrun.launch._diagnose import RankDiagnosis
 from distrun.launch._env import process_env
 from distrun.launch._lines import LineBuffer
 from distrun.launch._oom import OomWatch
 from distrun.launch._proc import Proc as _Proc, describe_exit as _describe_exit
-from distrun.launch._chief_store import ChiefStore
 from distrun.launch._netns import JoiningStarter, PrivateNetwork, store_socket
 from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision

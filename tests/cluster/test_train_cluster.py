@@ -425,7 +425,7 @@ for port in sorted(ports):
 """
 
 
-def _probe_store(lab: Lab, ns: str, uid: int) -> dict[int, str]:
+def _probe_store(ns: str, uid: int) -> dict[int, str]:
     """{port: what a client of ``uid`` in host namespace ``ns`` got there (READ n, or NONE)}."""
     probe = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", _STORE_PROBE, str(uid)],
                            capture_output=True, text=True, timeout=120)
@@ -452,8 +452,8 @@ def test_another_user_of_the_chief_host_cannot_read_the_jobs_store(lab: Lab, clu
                 break
         assert chief_port is not None, job.stderr.read() if job.poll() is not None else "no STORE line"
         chief_ns = lab.hosts["h1"][0]
-        stranger = _probe_store(lab, chief_ns, 4242)
-        owner = _probe_store(lab, chief_ns, 0)
+        stranger = _probe_store(chief_ns, 4242)
+        owner = _probe_store(chief_ns, 0)
     finally:
         go.write_text("")
         out, err = job.communicate(timeout=120)

@@ -132,7 +132,7 @@ class Membership:
         self._backend = backend
         self._device = device
         self.generation = 0  # the round whose group this member is in
-        self._arrived = 0  # the newest round it arrived in (its group may not have formed)
+        self._arrived = 0  # the newest round it arrived in (>= generation: its group may not have formed)
         self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
@@ -317,10 +317,10 @@ class Membership:
         notice one failure together all land in the same round. ``failed``: our group
         failed; mark the round, so members still blocked in it are woken (``_watch``).
         """
-        # After ours, or after the one we arrived in if its group never formed (a member lost
-        # while it formed): going back to that closed round would leave us late for it, a
-        # joiner waiting on members who wait on us.
-        mine = max(self.generation, self._arrived)
+        # After the one we last arrived in (ours, or one whose group never formed: a member
+        # lost while it formed): going back to that closed round would leave us late for it,
+        # a joiner waiting on members who wait on us.
+        mine = self._arrived
         # compare_set answers with the value now stored: ours if we opened the round, the
         # newer one if another member did first.
         generation = int(self._store.compare_set("generation", str(mine), str(mine + 1)).decode())
