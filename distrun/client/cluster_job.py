@@ -385,8 +385,9 @@ class ClusterJob:
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
         warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
+        lost = sorted(int(rank) for result in self._results.values() for rank in result.get("lost_ranks") or ())
         return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm,
-                                   reason=self.stop_reason if status == "interrupted" else None)
+                                   reason=self.stop_reason if status == "interrupted" else None, ranks_lost=lost)
 
     @property
     def stop_reason(self) -> str | None:

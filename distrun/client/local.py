@@ -198,7 +198,7 @@ class LocalJob:
         if result is None:
             raise DistrunError("launcher ended without a result")
         if result.state is ProcessState.SUCCEEDED:
-            return JobOutcome(self.summary("succeeded"), None)
+            return JobOutcome(dataclasses.replace(self.summary("succeeded"), ranks_lost=list(result.lost)), None)
         if result.state is ProcessState.STOPPED or self._interrupted:
             what = (f"{self.spec.trainer_ranks} rank(s)" if self.spec.parallel.ranks_per_replica > 1
                     else f"{self.spec.strategy.replicas} replica(s)")

@@ -105,9 +105,17 @@ class RunResult:
     returncodes: Mapping[int, int]
     failure: Failed | None = None
 
+    @property
+    def lost(self) -> tuple[int, ...]:
+        """Ranks a run that succeeded went on without (``--elastic``, parameter-server workers):
+        each was lost past its respawns, so its last process did not end with 0."""
+        if self.state is not ProcessState.SUCCEEDED:
+            return ()
+        return tuple(sorted(rank for rank, code in self.returncodes.items() if code != 0))
+
     def record(self, *, warm: bool, reason: str | None) -> dict[str, Any]:
         """The run as a worker server keeps a job's result (``result.json``, ``distrun jobs``);
         ``reason``: why it was stopped, kept only when it was."""
         return {"state": self.state.value, "failure": event_to_dict(self.failure) if self.failure else None,
                 "returncodes": {str(rank): code for rank, code in self.returncodes.items()}, "warm": warm,
-                "reason": reason if self.state is ProcessState.STOPPED else None}
+                "reason": reason if self.state is ProcessState.STOPPED else None, "lost_ranks": list(self.lost)}

@@ -132,6 +132,8 @@ class JobSummary:
     recovery_s: float | None = None
     #: The replicas training at the end (or now): ``replicas``, or under --elastic the group's size then.
     world_size: int | None = None
+    #: Ranks the job went on without, each lost past its respawns (--elastic; parameter-server workers).
+    ranks_lost: list[int] = field(default_factory=list)
     #: Each rank's peak memory in MB ("rank": MB): CUDA's max allocated, or the process's peak RSS.
     peak_mem_mb: dict[str, float] = field(default_factory=dict)
     #: The longest a step waited for a checkpoint, in ms (the whole write; with

@@ -179,6 +179,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
         table.add_row("membership", f"{summary.membership_changes} change(s), now {summary.world_size} replica(s); "
                                     f"{summary.steps_lost} step(s) lost; longest recovery "
                                     f"{fmt_seconds(summary.recovery_s)}")
+    if summary.ranks_lost:
+        table.add_row("ranks lost", ", ".join(map(str, summary.ranks_lost)) + " (past their restarts; the job went on)")
     for key, value in summary.eval_metrics.items():
         table.add_row(f"eval {key}", f"{value:.4g}")
     if summary.evaluator_step is not None:

@@ -84,7 +84,7 @@ SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
 
 # Faults for the recipes below, from their arguments: `-- --die-rank R --die-at N --once FILE`
 # makes rank R SIGKILL itself at its Nth step, once (the file marks it done, so a restarted
-# rank lives); `--hang-rank R` makes it hang there instead; `--sleep-s S` slows every step
+# rank lives; without `--once`, every start of it dies there); `--hang-rank R` makes it hang there instead; `--sleep-s S` slows every step
 # of rank `--slow-rank` (default: every rank).
 _FAULTS = """
 import os
@@ -112,8 +112,9 @@ calls = 0
 def _step_faults():
     global calls
     calls += 1
-    if RANK in (DIE_RANK, HANG_RANK) and calls == DIE_AT and not os.path.exists(ONCE):
-        open(ONCE, "w").close()
+    if RANK in (DIE_RANK, HANG_RANK) and calls == DIE_AT and not (ONCE and os.path.exists(ONCE)):
+        if ONCE:
+            open(ONCE, "w").close()
         if RANK == DIE_RANK:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(600)
@@ -178,6 +179,16 @@ if RANK == _arg("--die-in-heal", -1) and os.environ.get("DISTRUN_INCARNATION", "
         os.kill(os.getpid(), signal.SIGKILL)
 
     _heal_module.broadcast_tensors = _die_in_heal
+
+# `--die-describing R`: rank R (its first start), the source of its first heal, SIGKILLs itself
+# before it writes the manifest the other members wait for.
+if RANK == _arg("--die-describing", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "0":
+    import distrun.strategies.elastic.heal as _heal_module
+
+    def _die_describing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _heal_module._describe = _die_describing
 
 
 def model():

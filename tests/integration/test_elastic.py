@@ -92,6 +92,48 @@ def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_devic
     assert_no_processes(str(tmp_path))
 
 
+def test_a_heals_source_lost_before_its_manifest_is_one_more_change(tmp_path, one_device):
+    """Rank 2 dies at step 10; when it rejoins, rank 0, the heal's source, dies before it writes
+    the manifest the others wait for. They stop waiting once the record says the round is over
+    (before: ``store.get`` held them for the store's 300 s timeout) and recover without it."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
+                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-describing", "0")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 0][0] == -9
+    changes = [line for line in lines if line["type"] == "membership"]
+    lost_source = [c for c in changes if any(who.startswith("rank 0 on 127.0.0.1") for who in c["left"])]
+    assert lost_source and lost_source[0]["joined"] == ["rank 2 on 127.0.0.1"], changes
+    assert lost_source[0]["recovery_s"] < 30, lost_source  # not the store's timeout
+    summary = result.summary
+    assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
+    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert_no_processes(str(tmp_path))
+
+
+def test_a_rank_lost_past_its_restarts_is_named_in_the_summary(tmp_path):
+    """Every start of rank 1 dies at its third step: after its 3 restarts the job goes on without
+    it, succeeds, and says which rank it lost (it said "succeeded" alone before)."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "2", "--elastic", "1:2", "--steps", "150",
+                    "--", "--die-rank", "1", "--die-at", "3", "--sleep-s", "0.1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.json_lines()
+    assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 1] == [-9] * 4
+    notes = [line["line"] for line in lines if line["type"] == "output" and line["line"].startswith("[distrun] rank 1")]
+    assert notes[-1] == "[distrun] rank 1 lost (killed by SIGKILL); the job goes on without it", notes
+    summary = result.summary
+    assert summary["status"] == "succeeded" and summary["steps"] == 150, summary
+    assert summary["ranks_lost"] == [1] and summary["world_size"] == 1, summary
+    assert_no_processes(str(tmp_path))
+
+
 def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)

@@ -90,6 +90,12 @@ def train_data(ctx):
     return TensorDataset(torch.randn(64, 1024, generator=gen), torch.randn(64, 1024, generator=gen))
 """
 
+EVAL = """
+def eval_data(ctx):
+    gen = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(16, 1024, generator=gen), torch.randn(16, 1024, generator=gen))
+"""
+
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     parent = psutil.Process(proc.pid)
@@ -146,7 +152,7 @@ def test_async_checkpoints_hold_the_step_they_were_taken_at(write_recipe, tmp_pa
     """Training goes on (and changes the parameters in place) while each checkpoint is written:
     every async checkpoint still equals the synchronous one of its step. 4.2M parameters (50 MB
     a checkpoint), so each write is still under way when the next step changes the parameters."""
-    recipe = write_recipe(BIG.replace("range(8)", "range(4)"))
+    recipe = write_recipe(BIG.replace("range(8)", "range(4)") + EVAL)
     flags = ("--steps", "8", "--checkpoint-every", "2", "--keep-checkpoints", "4")
     sync = _train(recipe, tmp_path / "sync", "sharded", 2, *flags)
     run = _train(recipe, tmp_path / "async", "sharded", 2, *flags, "--async-checkpoint")
@@ -163,6 +169,12 @@ def test_async_checkpoints_hold_the_step_they_were_taken_at(write_recipe, tmp_pa
     assert all(line["blocked_ms"] > 0 for line in reported)
     assert run.summary["checkpoint_blocked_ms"] == max(line["blocked_ms"] for line in reported)
     assert sync.summary["checkpoint_blocked_ms"] > 0
+    # The last save is written behind the run's evaluation (which reads the parameters, never
+    # changes them): the job waits for it only after evaluating, where a synchronous one came first.
+    order = [(line["type"], line["step"]) for line in run.json_lines() if line["type"] in ("checkpoint", "eval")]
+    assert order[-2:] == [("eval", 8), ("checkpoint", 8)], order
+    order = [(line["type"], line["step"]) for line in sync.json_lines() if line["type"] in ("checkpoint", "eval")]
+    assert order[-2:] == [("checkpoint", 8), ("eval", 8)], order
 
 
 def test_checkpoint_ls_and_export_read_sharded_folders(written, tmp_path):

@@ -118,6 +118,7 @@ def test_an_independent_rank_fails_alone_and_is_started_again_while_respawns_las
     assert "[distrun] rank 1 lost; starting it again (1/1)" in lines
     assert sorted(line for line in lines if line.endswith("finished")) == [f"rank {r} finished" for r in (0, 1, 2)]
     assert [e.returncode for e in events if isinstance(e, Exited) and e.rank == 1] == [3, 0]
+    assert result.lost == () and result.record(warm=False, reason=None)["lost_ranks"] == []  # it came back
     tf = [json.loads(line[3:]) for line in lines if line.startswith("tf ")]
     assert {t["task"]["type"] for t in tf} == {"worker", "ps"}
     assert next(t for t in tf if t["task"]["type"] == "ps")["task"]["index"] == 0
@@ -129,6 +130,7 @@ def test_without_respawns_an_independent_rank_is_lost_and_the_others_finish(tmp_
     lines = [e.line for e in events if isinstance(e, Output)]
     assert result.state is ProcessState.SUCCEEDED
     assert "[distrun] rank 1 lost; the job goes on without it" in lines
+    assert result.lost == (1,) and result.record(warm=False, reason=None)["lost_ranks"] == [1]  # named, not just "succeeded"
     assert sorted(line for line in lines if line.endswith("finished")) == ["rank 0 finished", "rank 2 finished"]
 
 

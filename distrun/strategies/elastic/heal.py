@@ -22,6 +22,7 @@ No pickle: JSON on the store, and tensors over the group.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,21 +33,26 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = ["broadcast_tensors", "heal"]
 
+#: How often a receiver asks for the source's manifest (a heal takes far longer than this).
+MANIFEST_POLL_S = 0.05
+
 
 def heal(store: Any, key: str, *, source: int, rank: int, model: nn.Module, optimizer_state: dict[str, Any],
          load_optimizer_state: Callable[[dict[str, Any]], None], values: dict[str, Any],
-         device: torch.device) -> dict[str, Any]:
+         device: torch.device, round_ended: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Make this member's model, optimizer state and ``values`` the ``source`` rank's; the healed values.
 
     ``optimizer_state``: this member's ``state_dict()`` (only the source's is read).
     ``device``: where collectives run (the CPU for gloo, the GPU for NCCL).
+    ``round_ended``: whether the membership record says this round is over (a member lost);
+    a receiver waiting for the source's manifest stops waiting then.
     """
     live = model.state_dict(keep_vars=False)
     if rank == source:
         manifest, optimizer_tensors = _describe(live, optimizer_state, values)
         store.set(key, json.dumps(manifest))
     else:
-        manifest = json.loads(store.get(key).decode())  # get waits until the source has written it
+        manifest = _wait_for_manifest(store, key, source, round_ended)
         _check_model(manifest, live)
         optimizer_tensors = [torch.empty(shape, dtype=_dtype(dtype), device=device)
                              for _, _, shape, dtype in manifest["optimizer_tensors"]]
@@ -55,6 +61,21 @@ def heal(store: Any, key: str, *, source: int, rank: int, model: nn.Module, opti
     if rank != source:
         load_optimizer_state(_optimizer_state(manifest, optimizer_tensors))
     return manifest["values"]
+
+
+def _wait_for_manifest(store: Any, key: str, source: int, round_ended: Callable[[], bool]) -> dict[str, Any]:
+    """The source's manifest, once it is written. A source lost before writing it would leave
+    the receivers in ``store.get`` for the store's whole timeout (300 s) while the rest of the
+    job had moved on to the next round; so the wait asks the store (``check``) and the record
+    (``round_ended``) in turn, and a round that ended is a change of membership like a failed
+    collective (a ``RuntimeError`` that ``round_over`` confirms). The store's timeout still
+    bounds it: ``get`` raises that once it passes."""
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    while not store.check([key]) and time.monotonic() < deadline:
+        if round_ended():
+            raise RuntimeError(f"heal: rank {source}, the source, was lost before it described its state")
+        time.sleep(MANIFEST_POLL_S)
+    return json.loads(store.get(key).decode())
 
 
 def _describe(live: dict[str, torch.Tensor], optimizer_state: dict[str, Any],

@@ -271,6 +271,10 @@ class Membership:
             if time.monotonic() > deadline or self._round_over.wait(BEAT_S):
                 return True
 
+    def round_ended(self) -> bool:
+        """Whether the watcher has seen this member's round end (no wait: ``round_over`` waits)."""
+        return self._round_over.is_set()
+
     def _store_answers(self) -> bool:
         """Whether this member's own store client still gets an answer (then a recipe's error
         stays the recipe's, though the watcher ended)."""

@@ -267,6 +267,7 @@ class ElasticReplica:
         values = heal(elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
                       rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
                       load_optimizer_state=self._load_optimizer_state, device=self._collective_device,
+                      round_ended=elastic.membership.round_ended,
                       values={"step": self.step, "position": list(self._committed_position),
                               "scaler": self._step.scaler_state()})
         self.step = int(values["step"])

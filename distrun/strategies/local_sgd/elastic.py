@@ -97,7 +97,7 @@ class ElasticSyncs:
         values = heal(self._elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
                       rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
                       load_optimizer_state=self._load_optimizer_state if behind else (lambda state: None),
-                      device=self._collective_device,
+                      device=self._collective_device, round_ended=self._elastic.membership.round_ended,
                       values={"step": self.step, "position": list(self._committed_position),
                               "scaler": self._step.scaler_state(), "last_sync_step": self.last_sync_step,
                               "outer_steps": self._global.outer_steps})
