@@ -190,6 +190,16 @@ if RANK == _arg("--die-describing", -1) and os.environ.get("DISTRUN_INCARNATION"
 
     _heal_module._describe = _die_describing
 
+# `--die-joining R`: rank R's second start (a joiner) SIGKILLs itself as its first group forms,
+# after it arrived in the round the others wait in.
+if RANK == _arg("--die-joining", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "1":
+    import torch.distributed as _dist
+
+    def _die_joining(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _dist.init_process_group = _die_joining
+
 
 def model():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))

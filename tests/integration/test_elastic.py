@@ -92,22 +92,31 @@ def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_devic
     assert_no_processes(str(tmp_path))
 
 
-def test_a_heals_source_lost_before_its_manifest_is_one_more_change(tmp_path, one_device):
-    """Rank 2 dies at step 10; when it rejoins, rank 0, the heal's source, dies before it writes
-    the manifest the others wait for. They stop waiting once the record says the round is over
-    (before: ``store.get`` held them for the store's 300 s timeout) and recover without it."""
+def test_members_lost_as_a_group_forms_and_before_a_heal_is_described(tmp_path, one_device):
+    """Rank 2 dies at step 10. Its next start dies as its first group forms: the others, in
+    ``init_process_group`` waiting for its address, stop once it is marked lost (before: the
+    store's 300 s timeout). Its third start joins; rank 0, the heal's source, dies before it
+    writes the manifest the others wait for: they stop waiting once the record says the round
+    is over (before: ``store.get`` for 300 s). The job goes on each time, losing no step."""
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)
     result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
                     "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
-                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-describing", "0")
+                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-joining", "2",
+                    "--die-describing", "0")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.json_lines()
-    assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 0][0] == -9
+    exits = {rank: [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == rank]
+             for rank in (0, 2)}
+    assert exits == {0: [-9, 0], 2: [-9, -9, 0]}, exits
     changes = [line for line in lines if line["type"] == "membership"]
+    # The joiner lost as its group formed is named as having left (it never trained).
+    assert (changes[1]["left"], changes[1]["joined"], changes[1]["world_size"]) == (
+        ["rank 2 on 127.0.0.1 (killed by SIGKILL)"], [], 2), changes
+    assert changes[1]["recovery_s"] < 30, changes  # not the store's timeout
     lost_source = [c for c in changes if any(who.startswith("rank 0 on 127.0.0.1") for who in c["left"])]
     assert lost_source and lost_source[0]["joined"] == ["rank 2 on 127.0.0.1"], changes
-    assert lost_source[0]["recovery_s"] < 30, lost_source  # not the store's timeout
+    assert lost_source[0]["recovery_s"] < 30, lost_source
     summary = result.summary
     assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
     model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]

@@ -123,6 +123,7 @@ class Membership:
         ``who``: how events name this member ("rank 2 on 10.0.0.3"). ``launch_rank`` and
         ``incarnation``: which start of which launcher rank this is: its launcher's agent
         marks exactly that one lost when it dies (``elastic/lost/RANK/INCARNATION``)."""
+        self._store_factory = store_factory
         self._store = dist.PrefixStore(STORE_PREFIX, store_factory())
         self._watch_store = dist.PrefixStore(STORE_PREFIX, store_factory())
         if member_id is None:
@@ -133,6 +134,7 @@ class Membership:
         self._device = device
         self.generation = 0  # the round whose group this member is in
         self._arrived = 0  # the newest round it arrived in (>= generation: its group may not have formed)
+        self.closed_members: tuple[int, ...] = ()  # the members of the newest round it saw close
         self.committed_step = 0  # the strategy's newest committed step; each beat carries it
         self._beats = 0
         self._last_seen: dict[int, tuple[str, float]] = {}  # member -> (its counter, when it last moved)
@@ -193,8 +195,8 @@ class Membership:
             try:
                 self._beat(self._watch_store)
                 newest = int(self._watch_store.get("generation").decode())
-                if self._sockets:
-                    if newest > self.generation and self._watch_store.check([f"g{newest}/failed"]):
+                if self._sockets:  # a group formed, or forming (the round we arrived in)
+                    if newest > self._arrived and self._watch_store.check([f"g{newest}/failed"]):
                         self._round_over.set()
                         self._sockets.shut()  # another member's collective failed: ours is in the dead group
                     elif self._lost_peer():
@@ -393,16 +395,23 @@ class Membership:
                                "all joined anew); the job falls back to --max-restarts (a restart from the "
                                "newest checkpoint)")
         members = tuple(member for member, _ in arrived)
+        self.closed_members = members
         rank = members.index(self.member_id)
         before = socket_fds()
-        dist.init_process_group(self._backend, store=dist.PrefixStore(key + "pg/", self._store), rank=rank,
-                                world_size=len(members), timeout=self._timeout,
-                                device_id=self._device if self._backend == "nccl" else None)
+        # The group forms over a store client of its own, watched from now on like the group's
+        # connections: a member lost while it forms (a joiner killed as it arrived) gets it shut,
+        # and init_process_group fails now instead of waiting for the lost member's address for
+        # the store's whole timeout.
+        forming = dist.PrefixStore(key + "pg/", self._store_factory())
+        with self._sockets.lock:
+            self._sockets.formed(before)
+            self._round_peers = tuple(member for member in members if member != self.member_id)
+            self._round_over.clear()
+        dist.init_process_group(self._backend, store=forming, rank=rank, world_size=len(members),
+                                timeout=self._timeout, device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation
-        self._round_peers = tuple(member for member in members if member != self.member_id)
         with self._sockets.lock:  # the group's connections: what init_process_group opened
             self._sockets.formed(before)
-            self._round_over.clear()
         return Round(generation, rank, len(members), members, tuple(step for _, step in arrived))
 
     def _wait_closed(self, key: str, deadline: float, expect: int, *, patient: bool = False) -> int:

@@ -92,7 +92,9 @@ class Elastic:
         self.max_members = max_members
         self._expect = expect  # the first round waits for the launch's world size
         self.round: Round | None = None
-        self._pending: tuple[float, Round, tuple[int, ...], int] | None = None  # (since, round, before, lost)
+        # (since, round, before, lost, also): ``also``, members of rounds that closed since the group
+        # that last trained but never formed (a joiner lost as it formed): they left too.
+        self._pending: tuple[float, Round, tuple[int, ...], int, tuple[int, ...]] | None = None
 
     def first_round(self) -> Round:
         """Join the job: the first round of a fresh job, or the next one for a joiner.
@@ -109,7 +111,7 @@ class Elastic:
                 self.round = self.membership.join_round(self.membership.open_joiners_round(), -1, patient=True)
             except LateForRound:  # the round closed as we arrived: open the next
                 continue
-            self._pending = (time.monotonic(), self.round, (), 0)
+            self._pending = (time.monotonic(), self.round, (), 0, ())
             return self.round
 
     def _wait_for_a_place(self) -> None:
@@ -129,8 +131,10 @@ class Elastic:
         old group are woken.
         """
         before = self.round.members if self.round is not None else ()
+        also: tuple[int, ...] = ()
         if self._pending is not None and self._pending[2]:  # a recovery tried again: report the change
-            failed_at, before = self._pending[0], self._pending[2]  # from the group that last trained
+            failed_at, before, also = self._pending[0], self._pending[2], self._pending[4]  # from the group that last trained
+        also += tuple(m for m in self.membership.closed_members if m not in before and m not in also)
         self.membership.drop_group()
         opened = self.membership.open_round(failed=failed)
         late = False
@@ -148,7 +152,7 @@ class Elastic:
         # Every member's beat carries its newest committed step, a lost member's too: the
         # steps the new group lost are those beyond the step it heals to (0 by design).
         highest = max((self.membership.last_committed(member) for member in before), default=-1)
-        self._pending = (failed_at, new, before, max(0, highest - max(new.steps)))
+        self._pending = (failed_at, new, before, max(0, highest - max(new.steps)), also)
         return new
 
     def committed(self, step: int) -> MembershipChange | None:
@@ -156,12 +160,12 @@ class Elastic:
         self.membership.committed_step = step
         if self._pending is None:
             return None
-        failed_at, new, before, lost = self._pending
+        failed_at, new, before, lost, also = self._pending
         self._pending = None
         describe = self.membership.describe
         return MembershipChange(
             generation=new.generation, step=step - 1, world_size=new.world_size,
-            left=tuple(f"{describe(m)} ({self.membership.why_lost(m)})" for m in before if m not in new.members),
+            left=tuple(f"{describe(m)} ({self.membership.why_lost(m)})" for m in before + also if m not in new.members),
             joined=tuple(describe(m) for m in new.members if before and m not in before),
             recovery_s=time.monotonic() - failed_at,
             steps_lost=lost,
