@@ -49,6 +49,8 @@ class ElasticSyncs:
     _collective_device: torch.device
     healed_into_owed_sync: bool
     _committed_position: tuple[int, int]
+    _healed_position: tuple[int, int] | None
+    joined: bool
     _synced_at: dict[int, int]
     last_sync_step: int
     sync_every: int
@@ -70,38 +72,50 @@ class ElasticSyncs:
         if change is not None:  # the group that went on from the last sync, said once by its chief
             self._reporter.membership(dataclasses.replace(change, step=self.last_sync_step), report=self.is_chief)
 
-    def recover(self, failed_at: float, *, switch: bool = False) -> None:
-        """Join the next round with this member's last sync, take the new group's size, heal who is behind."""
-        if self._elastic is None:
-            raise RuntimeError("recover() is for --elastic jobs")
-        round_ = self._elastic.next_round(self.last_sync_step, failed_at, failed=not switch)
+    def _recover_once(self, failed_at: float, *, switch: bool) -> None:
+        """One try of ``recover`` (``ElasticReplica``'s, which tries again when a member is lost
+        inside it): join the next round with this member's last sync, take the new group's
+        size, heal who is behind."""
+        round_ = self._elastic.next_round(self._held_step(), failed_at, failed=not switch)
         self._replica = dataclasses.replace(self._replica, rank=round_.rank, world_size=round_.world_size)
         self._wire.regroup(members=round_.world_size, rank=round_.rank)
         self._heal()
 
+    def _held_step(self) -> int:
+        """The last sync whose global weights this member holds; -1 for a joiner not yet healed."""
+        return -1 if self.joined and self._healed_position is None else self.last_sync_step
+
     def _release_model(self) -> None:
         """Nothing belongs to the old group: the wire takes the new one's size in ``recover``."""
 
-    def _heal_joiner(self) -> None:
-        """A joiner's first heal, not tried again here: diloco's heal is two collectives (the
-        state, then the global weights), so one that fails between them is not whole."""
-        self._heal()
+    def _restore(self, own: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, value in zip(self._params, own):
+                p.copy_(value)
 
     def _heal(self) -> None:
         round_ = self._elastic.round
         if round_.in_step:  # every member synced last at the same step: each keeps its own progress
             self._resplit(round_, self._committed_position)
             return
-        behind = self.last_sync_step < max(round_.steps)
+        behind = self._held_step() < max(round_.steps)
         own = None if behind else [p.detach().clone() for p in self._params]
-        values = heal(self._elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
-                      rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
-                      load_optimizer_state=self._load_optimizer_state if behind else (lambda state: None),
-                      device=self._collective_device, round_ended=self._elastic.membership.round_ended,
-                      values={"step": self.step, "position": list(self._committed_position),
-                              "scaler": self._step.scaler_state(), "last_sync_step": self.last_sync_step,
-                              "outer_steps": self._global.outer_steps})
-        self._global.broadcast(round_.source, self._collective_device)
+        try:
+            values = heal(self._elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
+                          rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
+                          load_optimizer_state=self._load_optimizer_state if behind else (lambda state: None),
+                          device=self._collective_device, round_ended=self._elastic.membership.round_ended,
+                          values={"step": self.step, "position": list(self._committed_position),
+                                  "scaler": self._step.scaler_state(), "last_sync_step": self.last_sync_step,
+                                  "outer_steps": self._global.outer_steps})
+            self._global.broadcast(round_.source, self._collective_device)
+        except Exception:
+            # Two collectives: a member lost between them leaves this one with the source's
+            # weights from the first. Put its own back, so the recovery tried again (``recover``)
+            # starts from what it holds; one behind is healed whole again, so its state is moot.
+            if own is not None:
+                self._restore(own)
+            raise
         every = list(range(len(self._params)))
         if behind:  # a joiner (or a member fenced out and back) starts from the global weights
             self._global.copy_into(every, self._params)
@@ -112,7 +126,5 @@ class ElasticSyncs:
             self._global.outer_steps = int(values["outer_steps"])
             self._synced_at = {0: self.last_sync_step}  # --elastic runs one fragment
         else:  # the heal's model broadcast reached every member: put this one's own weights back
-            with torch.no_grad():
-                for p, value in zip(self._params, own):
-                    p.copy_(value)
+            self._restore(own)
         self._resplit(round_, (int(values["position"][0]), int(values["position"][1])))
