@@ -198,7 +198,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             for batch in train:
                 last_loss = strategy.run(train_step, batch)
                 if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
-                    strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
+                    # The run's last save with no evaluation after it to be written behind: written
+                    # at once (``--async-checkpoint`` would only copy first; the job waits for it anyway).
+                    strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=finished() and not evaluating)
                     last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
                 if finished():
                     break
@@ -208,7 +210,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     last_eval, eval_due = run_eval(eval_due), None
                 if preempt.agreed(strategy):  # the job will end: checkpoint this step, stop to be requeued
                     if ckpt_dir and last_saved != strategy.step:
-                        strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
+                        strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=True)
                     strategy.wait_for_checkpoint()
                     strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
@@ -229,7 +231,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     strategy.settle()  # the run ends on one set of weights (diloco: a sync, unless one just landed)
     if ckpt_dir and last_saved != strategy.step:
-        strategy.save(ckpt_dir, keep=spec.checkpoint.keep)
+        strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=True)  # nothing left to write it behind
     strategy.wait_for_checkpoint()  # --async-checkpoint: the last one is written before the summary
     final = None
     if last_loss is not None:  # weighted like the gradients: the global batch's mean loss

@@ -266,12 +266,15 @@ class ShardedStrategy(Strategy):
             its folder must be gone by then (the others may be stopped before they get to it)."""
             shards.discard(directory, step, exc)
 
-        if self._staging is not None:  # --async-checkpoint: copy the shards and write them behind training
+        # --async-checkpoint: copy the shards and write them behind training. Not with ``wait``
+        # (the run's last save, a loop that must have it now): nothing would overlap the write,
+        # and a copy first only adds to it, so it is written straight from the model.
+        if self._staging is not None and not wait:
             written = self._staging.save(tensors, self._buffer_keys(), storage_writer=writer,
                                          process_group=self._checkpoint_group)
             self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3,
                                              discard=discard, directory=directory)
-            return self._finish_checkpoint() if wait else None
+            return None
         try:
             dcp.save(tensors, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException

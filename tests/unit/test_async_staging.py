@@ -87,6 +87,18 @@ def test_a_save_copies_behind_training_and_still_holds_its_own_step(tmp_path):
         for key in ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked"):
             assert torch.equal(saved[key], expected[key]), f"{key}: the checkpoint of step 2 holds a later forward's"
         assert [step for step, _ in reporter.saves] == [1, 2] and all(ms > 0 for _, ms in reporter.saves)
+
+        # A save that must be whole on return (the run's last, with nothing to write it behind):
+        # written straight from the model, no copy, published and reported before it returns.
+        strategy.step = 3
+        expected = {key: _whole(value) for key, value in strategy.unwrap().state_dict().items()}
+        staged = strategy._staging._staged  # noqa: SLF001 - the last copy started (step 2's)
+        path = strategy.save(tmp_path / "ck", wait=True)
+        assert strategy._pending_save is None and strategy._staging._staged is staged  # noqa: SLF001 - no copy made
+        assert path is not None and path == latest_checkpoint(tmp_path / "ck") and reporter.saves[-1][0] == 3
+        saved = load_checkpoint(path)["model"]
+        for key, value in expected.items():
+            assert torch.equal(saved[key], value), key
         strategy.close()
     finally:
         if dist.is_initialized():
