@@ -36,6 +36,17 @@ def one_device(tmp_path_factory):
     return torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
 
 
+def _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device) -> None:
+    """The job trained every step once, with no restart, and its last checkpoint holds
+    one-device's parameters; none of its processes is left."""
+    summary = result.summary
+    assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
+    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
+    for key, tensor in one_device.items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    assert_no_processes(str(tmp_path))
+
+
 def test_a_lost_replica_costs_no_step_and_rejoins(tmp_path, one_device):
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)
@@ -84,12 +95,7 @@ def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_devic
     # rank 2 joined in one event (not the failed round's view, where neither would show).
     assert any(any(who.startswith("rank 1 on 127.0.0.1") for who in c["left"]) and c["joined"] == ["rank 2 on 127.0.0.1"]
                for c in changes), changes
-    summary = result.summary
-    assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
-    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
-    for key, tensor in one_device.items():
-        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
-    assert_no_processes(str(tmp_path))
+    _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device)
 
 
 def test_members_lost_as_a_group_forms_and_before_a_heal_is_described(tmp_path, one_device):
@@ -117,12 +123,7 @@ def test_members_lost_as_a_group_forms_and_before_a_heal_is_described(tmp_path, 
     lost_source = [c for c in changes if any(who.startswith("rank 0 on 127.0.0.1") for who in c["left"])]
     assert lost_source and lost_source[0]["joined"] == ["rank 2 on 127.0.0.1"], changes
     assert lost_source[0]["recovery_s"] < 30, lost_source
-    summary = result.summary
-    assert summary["steps"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0, summary
-    model = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)["model"]
-    for key, tensor in one_device.items():
-        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
-    assert_no_processes(str(tmp_path))
+    _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device)
 
 
 def test_a_rank_lost_past_its_restarts_is_named_in_the_summary(tmp_path):
