@@ -68,6 +68,7 @@ def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_c
     assert _said(lines, "rank 1 lost; the job goes on without it")
     summary = lines[-1]
     assert summary["type"] == "summary" and summary["status"] == "succeeded" and summary["steps"] == 200
+    assert summary["ranks_lost"] == [1], summary  # named from the host's result, not "succeeded" alone
     ps = [line for line in lines if line.get("type") == "ps"]
     assert ps[-1]["updates"] == 200 and ps[-1]["params"] == 8 * 32 + 32 + 32 + 1
     assert ps[-1]["bytes_in"] > 0 and ps[-1]["bytes_out"] > 0
@@ -88,6 +89,7 @@ def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_c
     after = [line for line in lines[second:] if line.get("type") == "step" and line["rank"] == 1]
     assert after and after[-1]["pushes"] > 1, "the rejoined worker pushed updates"
     assert lines[-1]["status"] == "succeeded" and lines[-1]["steps"] == 600 and lines[-1]["restarts"] == 0
+    assert lines[-1]["ranks_lost"] == [], lines[-1]  # it came back
     assert training_pids(lab) == []
 
 

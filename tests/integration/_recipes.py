@@ -190,6 +190,23 @@ if RANK == _arg("--die-describing", -1) and os.environ.get("DISTRUN_INCARNATION"
 
     _heal_module._describe = _die_describing
 
+# `--die-forming R`: rank R (its first start) SIGKILLs itself as the second group formed after the
+# recipe loads does (the first group forms before): after the one that goes on without a lost
+# member, the one that takes in that member's next start.
+if RANK == _arg("--die-forming", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "0":
+    import torch.distributed as _dist
+
+    _formed = [0]
+    _init_process_group = _dist.init_process_group
+
+    def _die_forming(*args, **kwargs):
+        _formed[0] += 1
+        if _formed[0] == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _init_process_group(*args, **kwargs)
+
+    _dist.init_process_group = _die_forming
+
 # `--die-joining R`: rank R's second start (a joiner) SIGKILLs itself as its first group forms,
 # after it arrived in the round the others wait in.
 if RANK == _arg("--die-joining", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "1":

@@ -69,11 +69,14 @@ def _wait_for_manifest(store: Any, key: str, source: int, round_ended: Callable[
     job had moved on to the next round; so the wait asks the store (``check``) and the record
     (``round_ended``) in turn, and a round that ended is a change of membership like a failed
     collective (a ``RuntimeError`` that ``round_over`` confirms). The store's timeout still
-    bounds it: ``get`` raises that once it passes."""
-    deadline = time.monotonic() + store.timeout.total_seconds()
-    while not store.check([key]) and time.monotonic() < deadline:
+    bounds it, once."""
+    timeout_s = store.timeout.total_seconds()
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
         if round_ended():
             raise RuntimeError(f"heal: rank {source}, the source, was lost before it described its state")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"heal: rank {source}, the source, wrote no manifest in {timeout_s:.0f} s")
         time.sleep(MANIFEST_POLL_S)
     return json.loads(store.get(key).decode())
 

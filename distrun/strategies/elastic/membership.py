@@ -403,10 +403,10 @@ class Membership:
         # and init_process_group fails now instead of waiting for the lost member's address for
         # the store's whole timeout.
         forming = dist.PrefixStore(key + "pg/", self._store_factory())
-        with self._sockets.lock:
-            self._sockets.formed(before)
+        with self._sockets.lock:  # peers first: the watcher reads them once it sees connections
             self._round_peers = tuple(member for member in members if member != self.member_id)
             self._round_over.clear()
+            self._sockets.formed(before)
         dist.init_process_group(self._backend, store=forming, rank=rank, world_size=len(members),
                                 timeout=self._timeout, device_id=self._device if self._backend == "nccl" else None)
         self.generation = generation

@@ -105,11 +105,25 @@ class Elastic:
         if not self.membership.joiner:
             self.round = self.membership.join_round(0, 0, expect=self._expect)
             return self.round
+        failures = 0
+        opened = None
         while True:
-            self._wait_for_a_place()
+            if opened is None:
+                self._wait_for_a_place()
+                opened = self.membership.open_joiners_round()
             try:
-                self.round = self.membership.join_round(self.membership.open_joiners_round(), -1, patient=True)
+                self.round = self.membership.join_round(opened, -1, patient=True)
             except LateForRound:  # the round closed as we arrived: open the next
+                opened = None
+                continue
+            except Exception as exc:  # noqa: BLE001 - only a change of membership is tried again
+                # Another member lost while our first group formed: the others go on to the
+                # next round (``next_round``) and wait there for us, a live member; so do we.
+                failures += 1
+                if failures == RECOVERY_TRIES or not is_collective_failure(exc, self.membership):
+                    raise
+                self.membership.drop_group()
+                opened = self.membership.open_round(failed=True)
                 continue
             self._pending = (time.monotonic(), self.round, (), 0, ())
             return self.round

@@ -81,9 +81,15 @@ class ElasticSyncs:
         self._wire.regroup(members=round_.world_size, rank=round_.rank)
         self._heal()
 
+    #: A heal that failed between its two collectives left this member, behind, with part of the source's state.
+    _half_healed = False
+
     def _held_step(self) -> int:
-        """The last sync whose global weights this member holds; -1 for a joiner not yet healed."""
-        return -1 if self.joined and self._healed_position is None else self.last_sync_step
+        """The last sync whose global weights this member holds; -1 for a joiner not yet healed
+        or a member half healed."""
+        if self._half_healed or (self.joined and self._healed_position is None):
+            return -1
+        return self.last_sync_step
 
     def _release_model(self) -> None:
         """Nothing belongs to the old group: the wire takes the new one's size in ``recover``."""
@@ -100,6 +106,7 @@ class ElasticSyncs:
             return
         behind = self._held_step() < max(round_.steps)
         own = None if behind else [p.detach().clone() for p in self._params]
+        values = None
         try:
             values = heal(self._elastic.membership.store, f"g{round_.generation}/heal", source=round_.source,
                           rank=round_.rank, model=self.unwrap(), optimizer_state=self._optimizer_state(),
@@ -111,11 +118,16 @@ class ElasticSyncs:
             self._global.broadcast(round_.source, self._collective_device)
         except Exception:
             # Two collectives: a member lost between them leaves this one with the source's
-            # weights from the first. Put its own back, so the recovery tried again (``recover``)
-            # starts from what it holds; one behind is healed whole again, so its state is moot.
+            # weights (and, behind, its optimizer state) from the first, beside its own global
+            # weights. One that was not behind puts its own weights back; one behind holds no
+            # whole state now, so it claims none (-1) and the recovery tried again (``recover``)
+            # heals it again, or falls back to a restart where no member holds the job's state.
             if own is not None:
                 self._restore(own)
+            elif values is not None:
+                self._half_healed = True
             raise
+        self._half_healed = False
         every = list(range(len(self._params)))
         if behind:  # a joiner (or a member fenced out and back) starts from the global weights
             self._global.copy_into(every, self._params)
