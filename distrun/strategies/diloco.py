@@ -140,11 +140,16 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
         """Exchange ``fragment``'s pseudo-gradient now, step its global weights, take them.
 
         ``owed``: the sync a change of membership interrupted, redone by the new group; a member
-        healed into it (its weights the global ones) counts for nothing in the mean.
+        healed into it (its weights the global ones) counts for nothing in the mean. Under
+        ``--elastic`` every sync carries a weight, owed or not: members of one round may meet the
+        same sync from either side (one that had trained to it and owes it, one put back to the
+        last sync that trains to it again), and the wire must be the same size on both.
         """
         started = time.perf_counter()
         indices = self._fragments.indices[fragment]
-        weight = (0.0 if self.healed_into_owed_sync else 1.0) if owed else None
+        weight = None
+        if self._elastic is not None:
+            weight = 0.0 if owed and self.healed_into_owed_sync else 1.0
         mean, cost = self._wire.mean(fragment, self._on_wire(self._global.pseudo_gradient(indices, self._params)),
                                      weight=weight)
         self.healed_into_owed_sync = False

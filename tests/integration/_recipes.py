@@ -190,6 +190,16 @@ if RANK == _arg("--die-describing", -1) and os.environ.get("DISTRUN_INCARNATION"
 
     _heal_module._describe = _die_describing
 
+# `--die-in-global R`: rank R (its first start) SIGKILLs itself in diloco's heal, in its second
+# collective (the global weights), after the first (the state) has ended everywhere.
+if RANK == _arg("--die-in-global", -1) and os.environ.get("DISTRUN_INCARNATION", "0") == "0":
+    import distrun.strategies.local_sgd.outer as _outer_module
+
+    def _die_in_global(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _outer_module.broadcast_tensors = _die_in_global
+
 # `--die-forming R`: rank R (its first start) SIGKILLs itself as the second group formed after the
 # recipe loads does (the first group forms before): after the one that goes on without a lost
 # member, the one that takes in that member's next start.

@@ -13,10 +13,18 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.conftest import assert_no_processes, run_cli
+from tests.conftest import assert_no_processes, run_cli, warm_module
 from tests.integration._recipes import ELASTIC, RAISES_IN_RANK_1
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm(tmp_path_factory):
+    """This module's jobs start warm, a restarted rank too: each job starts three to six rank
+    processes, which would otherwise spend most of its time importing torch (conftest.warm_module)."""
+    with warm_module(tmp_path_factory):
+        yield
 
 STEPS = 60
 
@@ -170,7 +178,8 @@ def test_a_hung_replica_is_treated_as_lost(tmp_path, one_device):
     assert_no_processes(str(tmp_path))
 
 
-def test_below_the_minimum_the_job_stops_and_says_why(tmp_path):
+def test_below_the_minimum_the_job_stops_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.delenv("DISTRUN_HOME")  # cold, as without `distrun up`: the rest of the module starts warm
     recipe = tmp_path / "elastic.py"
     recipe.write_text(ELASTIC)
     result = _train(recipe, "--strategy", "mirrored", "--replicas", "2", "--elastic", "2", "--steps", str(STEPS),
