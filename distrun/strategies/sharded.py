@@ -54,7 +54,7 @@ from distrun.strategies.checkpoint.pending import PendingSave
 from distrun.strategies.checkpoint.layout import MODEL as MODEL_PREFIX
 from distrun.strategies.checkpoint.rng import rng_to_json
 from distrun.strategies.checkpoint.staging import BackgroundStaging
-from distrun.strategies.checkpoint.write_failure import write_failed
+from distrun.strategies.checkpoint.write_failure import RecordingStreams, write_failed
 from distrun.strategies.sharding.allocator import fix_mmap_threshold
 from distrun.strategies.sharding.apply import apply_fsdp, parameter_names, rebuild_optimizer, reshard_all
 from distrun.strategies.sharding.checkpoint import load_sharded, sharded_state
@@ -252,6 +252,7 @@ class ShardedStrategy(Strategy):
             shards.prepare(directory, step)
         self.barrier()
         writer = FileSystemWriter(shards.temporary_path(directory, step))
+        writer.fs = streams = RecordingStreams(writer.fs)  # a full disk named as one (write_failure)
 
         def publish() -> Path | None:
             if not self.is_chief:
@@ -273,13 +274,13 @@ class ShardedStrategy(Strategy):
             written = self._staging.save(tensors, self._buffer_keys(), storage_writer=writer,
                                          process_group=self._checkpoint_group)
             self._pending_save = PendingSave(step, written, publish, (time.perf_counter() - started) * 1e3,
-                                             discard=discard, directory=directory)
+                                             discard=discard, directory=directory, recorded=lambda: streams.error)
             return None
         try:
             dcp.save(tensors, storage_writer=writer)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP's own is a BaseException
             discard(exc)
-            raise write_failed(directory, step, exc) from None
+            raise write_failed(directory, step, exc, streams.error) from None
         path = publish()
         self.barrier()
         if path is not None:

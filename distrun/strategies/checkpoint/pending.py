@@ -26,16 +26,19 @@ __all__ = ["PendingSave"]
 
 class PendingSave:
     def __init__(self, step: int, written: Future, publish: Callable[[], Path | None], blocked_ms: float, *,
-                 discard: Callable[[BaseException], None], directory: Path) -> None:
+                 discard: Callable[[BaseException], None], directory: Path,
+                 recorded: Callable[[], OSError | None] = lambda: None) -> None:
         """``written``: DCP's future; ``publish``: what runs once it resolves (rank 0's commit,
         nothing elsewhere); ``discard``: what runs if the write failed (every rank removes what
-        was written); ``blocked_ms``: how long the step that started it waited."""
+        was written); ``blocked_ms``: how long the step that started it waited; ``recorded``:
+        the OSError a write of this rank's raised, if one did (``RecordingStreams``)."""
         self.step = step
         self.blocked_ms = blocked_ms
         self.directory = directory
         self._written = written
         self._publish = publish
         self._discard = discard
+        self._recorded = recorded
         self._path: Path | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"distrun-checkpoint-{step}", daemon=True)
@@ -62,5 +65,5 @@ class PendingSave:
         if isinstance(self._error, DistrunError):
             raise self._error
         if self._error is not None:
-            raise write_failed(self.directory, self.step, self._error)
+            raise write_failed(self.directory, self.step, self._error, self._recorded())
         return self._path
