@@ -44,6 +44,18 @@ def one_device(tmp_path_factory):
     return torch.load(latest_checkpoint(folder / "ck"), weights_only=True)["model"]
 
 
+def _lose_rank_2_at_step_10(tmp_path, *faults: str):
+    """A 3-replica ``--elastic 1:3`` job whose rank 2 dies in step 10 (its first start), with the
+    recipe's ``faults`` besides; it must succeed."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
+                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", *faults)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device) -> None:
     """The job trained every step once, with no restart, and its last checkpoint holds
     one-device's parameters; none of its processes is left."""
@@ -88,12 +100,7 @@ def test_a_replica_lost_inside_a_recovery_is_one_more_change(tmp_path, one_devic
     """Rank 2 dies at step 10; when it rejoins, rank 1 dies inside the heal that brings it in.
     The members still there recover again (the joiner too, holding nothing yet), and the job
     ends with one-device's parameters: a heal that fails writes no member's state."""
-    recipe = tmp_path / "elastic.py"
-    recipe.write_text(ELASTIC)
-    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
-                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
-                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-in-heal", "1")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _lose_rank_2_at_step_10(tmp_path, "--die-in-heal", "1")
     lines = result.json_lines()
     assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 1][0] == -9
     notes = [line["line"] for line in lines if line["type"] == "output" and "rank 1 lost" in line["line"]]
@@ -112,13 +119,7 @@ def test_members_lost_as_a_group_forms_and_before_a_heal_is_described(tmp_path, 
     store's 300 s timeout). Its third start joins; rank 0, the heal's source, dies before it
     writes the manifest the others wait for: they stop waiting once the record says the round
     is over (before: ``store.get`` for 300 s). The job goes on each time, losing no step."""
-    recipe = tmp_path / "elastic.py"
-    recipe.write_text(ELASTIC)
-    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
-                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
-                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-joining", "2",
-                    "--die-describing", "0")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _lose_rank_2_at_step_10(tmp_path, "--die-joining", "2", "--die-describing", "0")
     lines = result.json_lines()
     exits = {rank: [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == rank]
              for rank in (0, 2)}
@@ -139,12 +140,7 @@ def test_a_joiner_whose_first_group_fails_to_form_joins_the_next(tmp_path, one_d
     The joiner's first group never forms: it goes on to the next round with rank 0 (before: it
     failed the job, "rank 2 failed while preparing the model ... DistNetworkError"), is healed
     there, and rank 1 comes back later."""
-    recipe = tmp_path / "elastic.py"
-    recipe.write_text(ELASTIC)
-    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
-                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
-                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2", "--die-forming", "1")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _lose_rank_2_at_step_10(tmp_path, "--die-forming", "1")
     lines = result.json_lines()
     assert [line["returncode"] for line in lines if line["type"] == "exited" and line["rank"] == 1] == [-9, 0]
     changes = [line for line in lines if line["type"] == "membership"]
