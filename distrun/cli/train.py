@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape  # help is rich markup: "distrun[wandb]" would lose "[wandb]" as a style tag
 
 from distrun.cli._app import app, stderr
 from distrun.cli._job_file import job_from_files
@@ -115,9 +116,9 @@ def train(
     loss_parallel: bool = typer.Option(False, "--loss-parallel/--no-loss-parallel", help="--tp: keep the logits of the plan's \"output\" layer split by class and compute the loss on each rank's slice (torch's loss_parallel): no rank holds whole logits."),
     microbatches: int | None = typer.Option(None, "--microbatches", metavar="M", help="--pp: split each replica's batch into M microbatches (default 2 x P); M must divide it."),
     activation_checkpointing: str = typer.Option("none", "--activation-checkpointing", help="none | full | selective: recompute each block's activations in backward (full), or all but the matmuls' (selective), for less memory (docs/strategies.md#activation-checkpointing)."),
-    tensorboard: Path | None = typer.Option(None, "--tensorboard", help="Write TensorBoard event files to DIR (loss, samples/s, learning rate, eval, strategy.log, ps figures); --cluster: they come home to DIR (pip install 'distrun[tensorboard]')."),
+    tensorboard: Path | None = typer.Option(None, "--tensorboard", help=escape("Write TensorBoard event files to DIR (loss, samples/s, learning rate, eval, strategy.log, ps figures); --cluster: they come home to DIR (pip install 'distrun[tensorboard]').")),
     profile: str | None = typer.Option(None, "--profile", metavar="START:END", help="torch.profiler on every rank over these global steps (CPU and CUDA, shapes, memory); traces for Perfetto and TensorBoard come home: --cluster, to the results dir; here, to --checkpoint-dir/profile (else the results dir) (docs/profiling.md)."),
-    tracker: list[str] = typer.Option([], "--tracker", help="mlflow | wandb | tensorboard (repeatable): rank 0 logs the run's parameters, per-step metrics and summary there (pip install 'distrun[mlflow]' / 'distrun[wandb]'; docs/tracking.md)."),
+    tracker: list[str] = typer.Option([], "--tracker", help=escape("mlflow | wandb | tensorboard (repeatable): rank 0 logs the run's parameters, per-step metrics and summary there (pip install 'distrun[mlflow]' / 'distrun[wandb]'; docs/tracking.md).")),
     tracker_uri: list[str] = typer.Option([], "--tracker-uri", metavar="[NAME=]URI", help="Where a tracker writes: MLflow's tracking URI (sqlite:///mlflow.db, http://host:5000), W&B's run folder, TensorBoard's log folder; NAME= when several trackers are given."),
     run_name: str | None = typer.Option(None, "--run-name", help="--tracker: the run's name."),
     experiment: str | None = typer.Option(None, "--experiment", help="--tracker: MLflow's experiment, W&B's project."),

@@ -14,6 +14,13 @@ are the client's part of elastic training (docs/elastic.md); the ranks' part is
 - A worker host added to the cluster file and brought up while the job runs joins the
   same way, up to MAX. The file is read again every :data:`WATCH_S`.
 - A hung rank (``--hang-timeout-s``) is killed by its host's server as lost, and rejoins.
+- A job whose survivors finish every step succeeds: once the chief's host (the store's,
+  rank 0's) succeeded, the other hosts have :data:`FINISH_GRACE_S` to report, then are
+  stopped, their ranks counted lost (``ranks_lost``): with the store gone they cannot rejoin.
+  A worker host whose ranks failed only because a peer or the store went (``peer-lost``) is
+  lost too, not the job's failure: the members left decide whether the job goes on. Seen
+  across a 15 s partition (issue 52): the survivor finished, and the job ended ``failed`` on
+  the cut-off rank's "Broken pipe".
 """
 
 from __future__ import annotations
@@ -24,16 +31,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from distrun.client._links import HostLink, Placement
+from distrun.client._stop import stop_everywhere
 from distrun.client.cluster import slots_for
 from distrun.client._bundle import Bundle
 from distrun.config import ClusterSpec, JobSpec, Role, load_cluster, parse_elastic
 from distrun.errors import DistrunError, HostError, UsageError
-from distrun.protocol import Hung
+from distrun.protocol import PEER_LOST, Hung
 
 __all__ = ["ElasticHosts", "ElasticJob", "WATCH_S"]
 
 #: How often a running elastic job reads its cluster file again for added worker hosts.
 WATCH_S = 2.0
+#: After the chief's host finished every step, how long the other hosts have to report theirs
+#: (in a job that ends whole they report within a second) before they are stopped as lost.
+FINISH_GRACE_S = 10.0
 
 
 class ElasticJob(Protocol):
@@ -69,6 +80,51 @@ class ElasticHosts:
     def __init__(self, job: ElasticJob) -> None:
         self._job = job
         self._refused_hosts: set[str] = set()  # added hosts that cannot join (their slots differ)
+        self._left_behind: set[str] = set()  # hosts stopped because the job finished without them
+
+    def result_of(self, link: HostLink, result: dict[str, Any]) -> dict[str, Any]:
+        """``link``'s result as the job counts it: a worker host the job finished without, or whose
+        ranks failed only because a peer or the store went, is lost with its ranks, not failed."""
+        if link is self._job._links[0] or result.get("state") in ("succeeded", "preempted"):
+            return result
+        failure = result.get("failure") or {}
+        if link.label not in self._left_behind and not (result.get("state") == "failed"
+                                                        and failure.get("kind") == PEER_LOST):
+            return result
+        if link.label not in self._left_behind:
+            why = str(failure.get("message") or "").splitlines()[0][:200] if failure.get("message") else "peer lost"
+            self._job._note(f"[distrun] {link.label}'s ranks lost the job ({why}): it goes on without them (--elastic)")
+        return {**result, "state": "lost", "failure": None, "lost_ranks": self._ranks_of(link)}
+
+    def _ranks_of(self, link: HostLink) -> list[int]:
+        """The global ranks ``link``'s host runs (``ranks_lost`` names them if it never comes back)."""
+        index = self._job._links.index(link)
+        if index >= len(self._job.placements):
+            return []
+        placement = self._job.placements[index]
+        return list(range(placement.rank_offset, placement.rank_offset + placement.slots))
+
+    def chief_finished(self, attempt_id: str) -> None:
+        """The chief's host succeeded: the job trained every step. Hosts that do not report within
+        :data:`FINISH_GRACE_S` are stopped; their ranks (cut off, or started again and waiting
+        for a store that is gone) can no longer rejoin."""
+
+        def stop_the_rest() -> None:
+            # The whole grace, even where every host has a result now: a lost host's result is
+            # taken back when its server answers again with its ranks still running.
+            deadline = time.monotonic() + FINISH_GRACE_S
+            while not (self._job._cancelled.is_set() or self._job._detaching) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            behind = [link for link in self._job._links if link.label not in self._job._results]
+            if not behind or self._job._cancelled.is_set() or self._job._detaching:
+                return
+            self._left_behind.update(link.label for link in behind)
+            labels = ", ".join(link.label for link in behind)
+            self._job._note(f"[distrun] the job finished every step without {labels}: stopping its ranks there, "
+                            "counted lost (--elastic)")
+            stop_everywhere(behind, attempt_id, "the job finished without this host's ranks (--elastic)")
+
+        threading.Thread(target=stop_the_rest, name="elastic-finish", daemon=True).start()
 
     def elastic_range(self, text: str) -> dict[str, int]:
         """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas."""
@@ -86,7 +142,8 @@ class ElasticHosts:
         Its ranks died with its server; the others form a new group on their own. When its
         server is back (``distrun up``), its ranks join the running job, healed by a peer.
         """
-        self._job._results[link.label] = {"state": "lost", "failure": None, "error": reason}
+        self._job._results[link.label] = {"state": "lost", "failure": None, "error": reason,
+                                          "lost_ranks": self._ranks_of(link)}
         self._job._note(f"[distrun] lost {link.label} ({reason}): the job goes on without it (--elastic); "
                    "it rejoins once its server is back (`distrun up`)")
         others = [other.label for other in self._job._links if other is not link]

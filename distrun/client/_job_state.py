@@ -27,7 +27,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from distrun.protocol import OOM_KILLED, PEER_LOST, EventDecodeError, Failed, decode_event
+from distrun.protocol import OOM_KILLED, EventDecodeError, Failed, decode_event
+from distrun.protocol.root_cause import root_cause
 
 __all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message", "as_written", "unshipped_hint"]
 
@@ -61,28 +62,32 @@ def failure_message(failure: Failed | None) -> str:
 
 
 def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
-    """One line naming a failed job's root cause from (host, its ``jobs`` entry) pairs: the
-    earliest rank that failed on its own; else a host's own error; else the earliest rank
-    that only lost a peer. None when no host recorded a failure."""
-    failures: list[tuple[str, Failed]] = []
-    errors: list[str] = []
+    """One line naming a failed job's root cause from (host, its ``jobs`` entry) pairs, by the rule
+    the live view's also follows (``protocol/root_cause``), so both blame the same host. None when
+    no host recorded a failure."""
+    records: list[tuple[str, Failed | None]] = []
+    errors: dict[str, str] = {}  # host -> its own words, for a host blamed without a rank's Failed
     for host, entry in parts:
         raw = entry.get("failure")
         if raw:
             try:
                 event = decode_event(json.dumps(raw))
             except EventDecodeError:  # a server of another version: its own words, undecoded
-                errors.append(f"{host}: {raw.get('message', 'failed') if isinstance(raw, dict) else 'failed'}")
-                continue
+                event = None
             if isinstance(event, Failed):
-                failures.append((host, event))
+                records.append((host, event))
+                continue
+            said = raw.get("message") if isinstance(raw, dict) else None
+            errors[host] = f"{host}: {said or 'failed'}"
+            records.append((host, None))
         elif entry.get("error"):
-            errors.append(f"{host}: {entry['error']}")
-    own = [pair for pair in failures if pair[1].kind != PEER_LOST]
-    if own or not errors and failures:
-        host, failure = min(own or failures, key=lambda pair: pair[1].time)
-        return f"{host}: {failure_message(as_written(failure))}"
-    return errors[0] if errors else None
+            errors[host] = f"{host}: {entry['error']}"
+            records.append((host, None))
+    blamed = root_cause(records)
+    if blamed is None:
+        return None
+    host, failure = blamed
+    return errors[host] if failure is None else f"{host}: {failure_message(as_written(failure))}"
 
 
 def as_written(failure: Failed) -> Failed:

@@ -43,7 +43,6 @@ from distrun.config import ClusterSpec, JobSpec, Role, StrategyName, inspect_rec
 from distrun.errors import HostError, Interrupted, Preempted, TrainingError, UsageError
 from distrun.protocol import (
     EVALUATOR_RANK,
-    PEER_LOST,
     SERVER_RANK,
     Diagnosed,
     Event,
@@ -54,6 +53,7 @@ from distrun.protocol import (
     Output,
     decode_event,
 )
+from distrun.protocol.root_cause import root_cause
 from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement", "training_hosts", "ps_hosts"]
@@ -250,7 +250,8 @@ class ClusterJob:
 
     def _start_following(self) -> None:
         if self.cluster.allocation is not None:
-            self._watch = AllocationWatch(self.cluster, self._allocation_ended).start()
+            self._watch = AllocationWatch(self.cluster, self._allocation_ended,
+                                          report=lambda line: self._note(f"[distrun] {line}")).start()
         self._supervisor = threading.Thread(target=self._supervise, name="job-supervisor", daemon=True)
         self._supervisor.start()
 
@@ -270,7 +271,7 @@ class ClusterJob:
                 self.restarts += 1
                 # The root cause, as outcome() would name it: not whichever host's result came first
                 # (a rejoining rank that lost its store may end before the rank that failed on its own).
-                root = _root_cause(self._failures())
+                root = root_cause(self._failures())
                 failure = root[1] if root is not None else None
                 how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
                 why = f" after rank {failure.rank}: {failure.message}" if failure else ""
@@ -350,9 +351,13 @@ class ClusterJob:
                                 self._relay.offer(link, str(raw["path"]), int(raw["step"]))
                         self._events.put(decode_event(json.dumps(raw)))
                     if "result" in item:
-                        self._results[link.label] = item["result"]
-                        if item["result"].get("state") not in ("succeeded", "preempted"):
-                            self._cancel_attempt(f"{link.label} ended: {item['result'].get('state')}")
+                        elastic = self.spec is not None and self.spec.strategy.elastic
+                        result = self.elastic.result_of(link, item["result"]) if elastic else item["result"]
+                        self._results[link.label] = result
+                        if result.get("state") not in ("succeeded", "preempted", "lost"):
+                            self._cancel_attempt(f"{link.label} ended: {result.get('state')}")
+                        elif elastic and link is self._links[0] and result.get("state") == "succeeded":
+                            self.elastic.chief_finished(attempt_id)
         except HostError as exc:
             if self._detaching:
                 return
@@ -430,7 +435,7 @@ class ClusterJob:
             step, where = self._last_checkpoint or (0, "")
             raise Preempted(f"the allocation warned that it will end: every rank checkpointed at step {step} "
                             f"({where}) and stopped; after `distrun up`, the same command with --resume goes on")
-        root = _root_cause(self._failures())
+        root = root_cause(self._failures())
         if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
             why = f" ({self.stop_reason})" if self.stop_reason and not self._interrupted else ""
             raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)"
@@ -481,15 +486,3 @@ class ClusterJob:
             self.cancel("client exiting")
             self._supervisor.join(30)
         self.close()
-
-
-def _root_cause(failures: list[tuple[str, Failed | None]]) -> tuple[str, Failed | None] | None:
-    """What to blame, in this order: the earliest rank that failed on its own; a host whose
-    server was lost (its ranks died with it); the earliest rank that only lost a peer."""
-    real = [(label, f) for label, f in failures if f is not None and f.kind != PEER_LOST]
-    if real:
-        return min(real, key=lambda pair: pair[1].time)  # type: ignore[union-attr]
-    lost_hosts = [(label, f) for label, f in failures if f is None]
-    if lost_hosts:
-        return lost_hosts[0]
-    return min(failures, key=lambda pair: pair[1].time) if failures else None  # type: ignore[union-attr]

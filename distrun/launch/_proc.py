@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from distrun.launch._lines import LineBuffer
 from distrun.launch._starter import Handle
+from distrun.protocol.environment import CUT_OFF_EXIT_CODE
 
 __all__ = ["Proc", "describe_exit"]
 
@@ -25,6 +26,8 @@ class Proc:
 
 
 def describe_exit(returncode: int) -> str:
+    if returncode == CUT_OFF_EXIT_CODE:  # --elastic: the rank said so before it left
+        return "cut off from the job's store: its link was down longer than TCP waits"
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

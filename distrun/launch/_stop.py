@@ -18,8 +18,8 @@ from __future__ import annotations
 import threading
 import time
 
-from distrun.launch.api import PEER_LOST
 from distrun.protocol import Failed
+from distrun.protocol.root_cause import root_cause
 
 __all__ = ["StopDecision", "DEFAULT_KILL_AFTER_S"]
 
@@ -77,10 +77,7 @@ class StopDecision:
         return [failure for failure in failures if not self.part_of_stop(failure)]
 
     def root_cause(self, failures: list[Failed]) -> Failed | None:
-        """The job's first failure of its own: a rank's own failure beats one that only lost a
-        peer (``PEER_LOST``), and among equals the earliest wins."""
-        own = self.own(failures)
-        if not own:
-            return None
-        primary = [failure for failure in own if failure.kind != PEER_LOST] or own
-        return min(primary, key=lambda failure: failure.time)
+        """The failure to blame among the job's own, by the rule every place that names a failed
+        job uses (``protocol/root_cause``): one host here, so any one label does."""
+        blamed = root_cause(("", failure) for failure in self.own(failures))
+        return blamed[1] if blamed is not None else None

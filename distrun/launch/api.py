@@ -94,10 +94,6 @@ class WorkerSpec:
     def effective_world_size(self) -> int:
         return self.world_size if self.world_size is not None else self.local_world_size
 
-    @property
-    def hosts_rendezvous(self) -> bool:
-        return self.master_port is None
-
 
 @dataclass(frozen=True)
 class RunResult:

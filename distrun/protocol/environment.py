@@ -33,5 +33,8 @@ FLIGHT_RECORDER_ENTRIES = 2000
 #: A rank's exit code after it wrote a checkpoint and stopped because it was told the job would
 #: end (SIGUSR1: Slurm's warning before a time limit or a preemption). BSD's EX_TEMPFAIL: try again.
 PREEMPTED_EXIT_CODE = 75
-#: The signal that tells a ``preemptible`` job's ranks to checkpoint and stop (signal.SIGUSR1).
-PREEMPT_SIGNAL_NAME = "SIGUSR1"
+
+#: ``--elastic``: a rank's exit code when it found itself cut off from the job (its connection to
+#: the store broke, as a partition longer than TCP's patience leaves it). Not a failure: its
+#: launcher marks it lost and starts it again as a joiner, healed by a peer (issue 52).
+CUT_OFF_EXIT_CODE = 76

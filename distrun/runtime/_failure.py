@@ -31,7 +31,7 @@ def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | 
     if isinstance(exc, SyntaxError) and exc.filename:
         file, line = exc.filename, exc.lineno
     kind = _classify(exc, phase)
-    message = exc.message if isinstance(exc, DistrunError) else f"{type(exc).__name__}: {exc}"
+    message = exc.message if isinstance(exc, DistrunError) else f"{type(exc).__name__}: {_without_frames(str(exc))}"
     return Failed(
         rank=rank,
         time=time.time(),
@@ -43,6 +43,13 @@ def describe_failure(exc: BaseException, *, rank: int, recipe: str, step: int | 
         traceback="".join(traceback.format_exception(exc)),
         during=during,
     )
+
+
+def _without_frames(text: str) -> str:
+    """torch's C++ errors carry their C++ stack ("Exception raised from ... frame #0: ..."): the
+    message is what precedes it (the traceback keeps the whole)."""
+    head, _, _ = text.partition("\nException raised from ")
+    return head.rstrip()
 
 
 def _classify(exc: BaseException, phase: str) -> str:

@@ -185,7 +185,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     ended = False  # the run's end was settled and evaluated
     reporter.during = None  # from here a failure is at a step
     while not ended:
-        failed_at, switch = None, False
+        failed_at, switch, cause = None, False, ""
         try:
             if eval_due is not None:
                 last_eval, eval_due = run_eval(eval_due), None
@@ -226,8 +226,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             if not strategy.is_membership_change(exc):
                 raise
             failed_at, switch = time.monotonic(), isinstance(exc, MembershipSwitch)
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if failed_at is not None:  # outside the except: its traceback (and the DDP it holds) is gone
-            strategy.recover(failed_at, switch=switch)
+            strategy.recover(failed_at, switch=switch, cause=cause)
 
     strategy.settle()  # the run ends on one set of weights (diloco: a sync, unless one just landed)
     if ckpt_dir and last_saved != strategy.step:

@@ -34,10 +34,6 @@ class GpuProbe:
         except Exception:  # noqa: BLE001 - no package, no driver library, an old driver: torch's figure
             self._handle = None
 
-    @property
-    def has_nvml(self) -> bool:
-        return self._handle is not None
-
     def sample(self) -> tuple[float | None, float]:
         if self._handle is not None:
             try:

@@ -22,6 +22,7 @@ from distrun.protocol.secret import job_secret_from
 from distrun.protocol.environment import (
     CACHE_DIR_VAR,
     CHIEF_ADDR_VAR,
+    CUT_OFF_EXIT_CODE,
     ELASTIC_JOINER_VAR,
     EVAL_CHECKPOINT_VAR,
     INCARNATION_VAR,
@@ -147,6 +148,11 @@ def main() -> None:
             writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
                              first_step_time=None))
             _exit(0)
+        if type(exc).__name__ == "CutOff":  # --elastic: the job went on without us; a new process rejoins
+            writer.emit(Output(rank=launch.rank, time=time.time(), stream="stderr",
+                               line=f"[distrun] rank {launch.rank} {exc}; it leaves, to be started again as a joiner"))
+            sys.stderr.flush()
+            os._exit(CUT_OFF_EXIT_CODE)
         if isinstance(exc, KeyboardInterrupt):
             os._exit(130)
         if isinstance(exc, Preempted):  # every replica agreed on the step; its checkpoint is written

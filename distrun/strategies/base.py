@@ -91,6 +91,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         self._elastic = elastic
         self._committed_position = (0, 0)  # the data position after the last committed step (elastic heals it)
         self._healed_position: tuple[int, int] | None = None
+        self._recoveries_in_a_row = 0  # elastic: recoveries since the last committed step
         self._reporter = reporter
         self._step = ReplicaStep(step, lambda: self.device,
                                  all_reduce_max(lambda: self._distributed, lambda: self._collective_device),
@@ -309,6 +310,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
             raise
         self.step += 1
         if self._elastic is not None:
+            self._recoveries_in_a_row = 0  # progress: the cap on recoveries counts from here
             self._committed()
         self._after_step()
         self._report_step(result)

@@ -6,6 +6,11 @@ issue's attacker did: torch's store client (get the ps join counter, list the ke
 itself), and raw bytes. It must read nothing, and each job must end with exactly the
 parameters of the same job run without it. While the jobs run, every listening socket on
 every host is checked: none binds every interface.
+
+The attacker counts as refused only what a refusal raises (torch's store and network errors,
+timeouts, connection errors); anything else is reported and fails the test, so a changed
+torch signature cannot pass as "refused". Its control: the same code against a plain,
+unguarded TCPStore on a lab host reads that store's keys, in the same test.
 """
 
 from __future__ import annotations
@@ -29,8 +34,12 @@ ATTACKER = r'''
 import datetime, json, os, socket, sys, time
 import torch.distributed as dist
 
-hosts, until, stop = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2]), sys.argv[3]
-report = {"open": set(), "store_reads": [], "bytes_read": {}, "tries": 0}
+report = {"open": set(), "store_reads": [], "bytes_read": {}, "tries": 0, "unexpected": []}
+# What a store that refuses us raises; anything else is the test's failure, not a refusal.
+REFUSED = (dist.DistNetworkError, dist.DistStoreError, TimeoutError, ConnectionError)
+
+def unexpected(host, port, what, exc):
+    report["unexpected"].append(f"{host}:{port} {what}: {type(exc).__name__}: {exc}"[:300])
 
 def scan(host):
     found = []
@@ -44,14 +53,20 @@ def scan(host):
 def try_store(host, port):
     try:
         store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=1))
-    except Exception:
+    except REFUSED:
         return
-    for attempt in (lambda: store.list_keys(), lambda: store.get("ps/joins"), lambda: store.add("ps/joins", 1),
-                    lambda: store.get("elastic//generation"), lambda: store.num_keys()):
+    except Exception as exc:
+        unexpected(host, port, "TCPStore()", exc)
+        return
+    for name, attempt in (("list_keys", lambda: store.list_keys()), ("get", lambda: store.get("ps/joins")),
+                          ("add", lambda: store.add("ps/joins", 1)),
+                          ("get", lambda: store.get("elastic//generation")), ("num_keys", lambda: store.num_keys())):
         try:
             report["store_reads"].append(f"{host}:{port} {attempt()!r}"[:200])
-        except Exception:
+        except REFUSED:
             pass
+        except Exception as exc:
+            unexpected(host, port, name, exc)
 
 def try_raw(host, port):
     try:
@@ -69,6 +84,12 @@ def try_raw(host, port):
     if data:
         report["bytes_read"][f"{host}:{port}"] = data[:300].decode("latin-1")
 
+if sys.argv[1] == "--control":  # one store, tried once: the control
+    try_store(sys.argv[2], int(sys.argv[3]))
+    report["open"] = []
+    print(json.dumps(report))
+    sys.exit(0)
+hosts, until, stop = sys.argv[1].split(","), time.monotonic() + float(sys.argv[2]), sys.argv[3]
 while time.monotonic() < until and not os.path.exists(stop):  # the test says stop once the job is over
     for host in hosts:
         for port in scan(host):
@@ -119,9 +140,42 @@ def _run_attacked(lab: Lab, attacker_ns: str, argv: list[str]) -> tuple[subproce
             {name: sorted(found) for name, found in seen.items()})
 
 
+PLAIN_STORE = r'''
+import datetime, sys, time
+import torch.distributed as dist
+store = dist.TCPStore(sys.argv[1], 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+store.set("ps/joins", "7")
+print(store.port, flush=True)
+time.sleep(120)
+'''
+
+
+def _control(lab: Lab, attacker_ns: str) -> None:
+    """The attacker's own code reads a plain TCPStore on h2 (no secret, no front): what it
+    finds nothing in during the job, it would have found."""
+    ns, address = lab.hosts["h2"]
+    plain = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", PLAIN_STORE, address],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert plain.stdout is not None
+        port = plain.stdout.readline().strip()
+        assert port.isdigit(), plain.stderr.read() if plain.poll() is not None else port
+        done = subprocess.run(["ip", "netns", "exec", attacker_ns, sys.executable, str(lab.root / "attacker.py"),
+                               "--control", address, port], capture_output=True, text=True, timeout=60, cwd=REPO)
+    finally:
+        plain.kill()
+        plain.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["unexpected"] == [], report["unexpected"]
+    reads = " ".join(report["store_reads"])
+    assert "ps/joins" in reads and "b'7'" in reads and " 8" in reads, report["store_reads"]  # listed, read, added
+
+
 def _check(lab: Lab, run: subprocess.CompletedProcess, report: dict, listeners: dict[str, list[str]]) -> None:
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert report["tries"] > 0 and report["open"], "the attacker found the job's ports"
+    assert report["unexpected"] == [], report["unexpected"]  # only refusals: nothing else counts as one
     assert report["store_reads"] == [], report["store_reads"]
     for where, data in report["bytes_read"].items():  # a front or probe says who it is and asks for proof, no more
         assert data.startswith("\x00\x00\x00") and '"nonce"' in data and "ps/" not in data, (where, data)
@@ -165,6 +219,7 @@ def test_a_parameter_server_job_under_attack_ends_with_its_own_parameters(data_l
             "train", str(recipe), "--cluster", str(cluster), "--strategy", "ps", "--ps-sync", "--steps", "40",
             "--json", "--checkpoint-dir", str(tmp_path / "ps")])
     _check(lab, run, report, listeners)
+    _control(lab, attacker_ns)
     _same_parameters(lab, run, recipe, tmp_path / "one", "--steps", "40")
 
 
@@ -180,4 +235,5 @@ def test_an_elastic_multi_worker_job_under_attack_ends_with_its_own_parameters(d
             "train", str(recipe), "--cluster", str(cluster), "--elastic", "1:2", "--steps", "40", "--json",
             "--checkpoint-dir", str(tmp_path / "el"), "--", "--sleep-s", "0.3"])
     _check(lab, run, report, listeners)
+    _control(lab, attacker_ns)
     _same_parameters(lab, run, recipe, tmp_path / "two", "--strategy", "mirrored", "--replicas", "2", "--steps", "40")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 from tests._sshd import cluster_yaml
@@ -40,3 +41,17 @@ def test_doctor_rows_for_every_host_and_an_unreachable_one_is_a_row(lab: Lab) ->
         assert result.returncode == 6, result.stdout + result.stderr
         assert "10.199.0.250" in result.stdout and "down" in result.stdout
         assert f"{h1}" in result.stdout and "reached" in result.stdout
+
+        # h2 with no route to the chief (sshd still reached from the client): its row says it
+        # cannot reach the chief's port, and doctor exits 6 (a job would hang at its rendezvous).
+        h2_ns = lab.hosts["h2"][0]
+        subprocess.run(["ip", "-n", h2_ns, "route", "add", "unreachable", f"{h1}/32"], check=True)
+        try:
+            result = lab_cli(lab, "doctor", str(cluster), "--json")
+        finally:
+            subprocess.run(["ip", "-n", h2_ns, "route", "del", "unreachable", f"{h1}/32"], check=True)
+        assert result.returncode == 6, result.stdout + result.stderr
+        rows = {row["host"]: row for row in map(json.loads, result.stdout.splitlines())}
+        assert rows[h1]["reaches_chief"] is True and rows[h1]["status"] == "ok", rows[h1]
+        assert rows[h2]["reaches_chief"] is False and rows[h2]["status"] == "problem", rows[h2]
+        assert any(problem.startswith(f"cannot reach the chief {h1}:") for problem in rows[h2]["problems"]), rows[h2]

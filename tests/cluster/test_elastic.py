@@ -384,9 +384,69 @@ def test_chaos_killed_and_stopped_ranks_end_in_one_devices_parameters(elastic_la
     run_chaos(lab, cluster, one_device_at, seed=33, faults=4, steps=420, kinds=("kill", "stop"))
 
 
-def test_multi_worker_heals_to_one_devices_parameters_after_a_link_is_down_for_8_s(elastic_lab, one_device_at):
+def _partition(lab: Lab, host: str, seconds: float) -> None:
+    """``host``'s link down for ``seconds``, then up again."""
+    ns = lab.hosts[host][0]
+    subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
+    try:
+        time.sleep(seconds)
+    finally:
+        subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=True)
+
+
+def test_a_15_s_partition_heals_and_a_job_that_ends_during_one_succeeds(elastic_lab, one_device_at):
+    """Issue 52, both halves in one ``--elastic 1:3`` job of three hosts:
+
+    - h2's link is down for 15 s from step 30: its rank is fenced out, and comes back healed,
+      either on its own store connection or, where that connection broke (seen in 2 runs of 3:
+      "Failed to recv, got 0 bytes"), cut off: it leaves and is started again as a joiner;
+    - h3's link goes down for 15 s just before the last step: the other two finish every step,
+      and h3's rank, back too late, is stopped and named in ``ranks_lost``.
+
+    The job succeeds with one-device's parameters, no step lost, and no C++ frames. Before, the
+    first partition ended the job ``failed`` on rank 1's "Broken pipe" (exit 4)."""
     lab, cluster = elastic_lab
-    run_chaos(lab, cluster, one_device_at, seed=1, faults=1, steps=300, link_down_s=8, plan=[("link", "h2")])
+    recipe = _recipe(lab, "partition-15")
+    steps = 1000
+    job = _Job(lab, str(recipe), "--cluster", str(cluster), "--elastic", "1:3", "--steps", str(steps), "--json",
+               "--log-interval-s", "0.2", "--checkpoint-dir", str(recipe.parent / "ck"), "--", "--sleep-s", "0.03")
+    try:
+        job.read_until(lambda line: line["type"] == "step" and line["step"] >= 30, 120, "step 30")
+        _partition(lab, "h2", 15)
+        job.read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3, 120,
+                       "h2's rank back in the group")
+        rejoined_at = job.lines[-1]["step"]
+        assert rejoined_at < steps - 150, f"the job must run on after the rejoin (step {rejoined_at})"
+        job.read_until(lambda line: line["type"] == "step" and line["step"] >= steps - 45, 120, "the last steps")
+        _partition(lab, "h3", 15)
+        job.read_until(lambda line: line["type"] == "summary", 120, "the job's end")
+        job.proc.wait(timeout=30)
+    finally:
+        for ns, _address in lab.hosts.values():
+            subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=False)
+        if job.proc.poll() is None:
+            job.proc.kill()
+    stderr = "".join(job.stderr)
+    summary = job.lines[-1]
+    assert job.proc.returncode == 0 and summary["status"] == "succeeded", stderr[-3000:]
+    assert summary["steps"] == steps and summary["steps_lost"] == 0 and summary["restarts"] == 0, summary
+    assert summary["ranks_lost"] == [2] and summary["membership_changes"] >= 3, summary  # h2 left, back; h3 left
+    changes = [line for line in job.lines if line["type"] == "membership"]
+    h2 = lab.hosts["h2"][1]
+    assert changes[1]["joined"] == [f"rank 1 on {h2}"], changes
+    notes = [line["line"] for line in job.lines if line["type"] == "output"]
+    # h3 is lost: its server silent while the others finish (seen most), stopped once they did, or
+    # (its link back first) its ranks failed on connections to a store that is gone; lost each way,
+    # never the job's failure.
+    h3 = lab.hosts["h3"][1]
+    assert any(f"lost {h3} (" in note or f"the job finished every step without {h3}" in note
+               or f"{h3}'s ranks lost the job" in note for note in notes), "\n".join(notes[-20:])
+    assert "frame #" not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    results = next(line for line in job.lines if line["type"] == "results")
+    model = torch.load(results["checkpoint"], weights_only=True)["model"]
+    for key, tensor in one_device_at(steps).items():
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+    _no_training_processes(lab)
 
 
 @pytest.mark.bench
@@ -401,3 +461,5 @@ def test_chaos_long(elastic_lab, one_device_at):
     # job does not end before the next fault.
     run_chaos(lab, cluster, one_device_at, seed=seed, faults=faults, steps=30 + 60 * faults + 450 * links + 200,
               link_down_s=12)
+
+

@@ -79,6 +79,15 @@ RAISES_IN_RANK_0 = _TINY.format(samples=256, loss_body="""\
     if step == 3 and int(os.environ.get("RANK", "0")) == 0:
         raise ValueError("boom at step 3")""")
 
+# Every rank raises a backend error of torch's own DistError family from its third step on, every
+# peer alive: what a recurring gloo failure (a size mismatch) looks like to the fit loop.
+DIST_ERROR_EVERY_STEP = _TINY.format(samples=256, loss_body="""\
+    step = int(os.environ.setdefault("STEPS_SEEN", "0")) + 1
+    os.environ["STEPS_SEEN"] = str(step)
+    if step >= 3:
+        import torch.distributed as dist
+        raise dist.DistBackendError(f"simulated size mismatch at step {step}")""")
+
 # Slow enough to be interrupted mid-training.
 SLOW = _TINY.format(samples=4096, loss_body="    time.sleep(0.05)")
 
@@ -228,6 +237,32 @@ if RANK == _arg("--die-joining", -1) and os.environ.get("DISTRUN_INCARNATION", "
     _dist.init_process_group = _die_joining
 
 
+# `--cut-store R --cut-store-at N`: rank R (its first start) shuts down its own connections to the
+# job's store at its Nth step, as a partition longer than TCP waits leaves them: torch's store client
+# never reconnects, so the rank is cut off from the job.
+_CUT_RANK, _CUT_AT = _arg("--cut-store", -1), _arg("--cut-store-at", 0)
+
+
+def _cut_store():
+    import socket
+
+    if RANK != _CUT_RANK or calls != _CUT_AT or os.environ.get("DISTRUN_INCARNATION", "0") != "0":
+        return
+    port = int(os.environ["MASTER_PORT"])
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.getpeername()[1] == port:
+                sock.shutdown(socket.SHUT_RDWR)
+        except (OSError, IndexError, TypeError):
+            pass
+        finally:
+            sock.close()  # the duplicate only: the shut connection stays the store client's
+
+
 def model():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
@@ -238,6 +273,7 @@ def optimizer(params):
 
 def loss(outputs, batch):
     _step_faults()
+    _cut_store()
     return nn.functional.cross_entropy(outputs, batch[1])
 
 

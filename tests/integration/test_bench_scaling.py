@@ -8,6 +8,10 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.integration
 
+#: The environment of a run that must see no GPU, on a GPU machine too: distrun counts the GPUs in
+#: /proc/driver/nvidia/gpus limited by CUDA_VISIBLE_DEVICES (distrun/launch/_devices.py), and "" leaves none.
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
 
 @pytest.mark.bench
 def test_a_tiny_resnet50_run_reports_rows_and_the_ddp_ratio(tmp_path):
@@ -40,7 +44,7 @@ def test_replica_counts_double_up_to_the_maximum():
 
 
 def test_more_gpus_than_the_machine_has_is_a_clear_error():
-    result = run_cli("bench", "resnet50", "--gpus", "8")
+    result = run_cli("bench", "resnet50", "--gpus", "8", env=NO_GPU)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("error: --gpus 8: found 0 GPU(s) on this machine")
 
@@ -51,7 +55,7 @@ def test_more_gpus_than_the_machine_has_is_a_clear_error():
     (("--gpus", "1", "--device", "cpu"), "--gpus 1: found 0 GPU(s)"),
 ])
 def test_bad_scaling_flags_are_named(args, message):
-    result = run_cli("bench", "resnet18", *args)
+    result = run_cli("bench", "resnet18", *args, env=NO_GPU)
     assert result.returncode == 2 and message in result.stderr
 
 

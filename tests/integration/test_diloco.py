@@ -8,18 +8,10 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint, load_checkpoint
-from tests.conftest import run_cli, warm_module
+from tests.conftest import run_cli
 
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm(tmp_path_factory):
-    """This module's jobs start warm: its many jobs would otherwise spend most of their time importing
-    torch in every rank (tests/conftest.warm_module)."""
-    with warm_module(tmp_path_factory):
-        yield
-
-
-pytestmark = pytest.mark.integration
 
 #: SGD with momentum: linear in the gradient, so at H=1 with outer lr 1 and no outer momentum
 #: the mean of the replicas' steps is mirrored's, and so one-device's (each replica's buffer is

@@ -13,18 +13,11 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
-from tests.conftest import assert_no_processes, run_cli, warm_module
-from tests.integration._recipes import ELASTIC, RAISES_IN_RANK_1
+from tests.conftest import assert_no_processes, run_cli
+from tests.integration._recipes import DIST_ERROR_EVERY_STEP, ELASTIC, RAISES_IN_RANK_1
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _warm(tmp_path_factory):
-    """This module's jobs start warm, a restarted rank too: each job starts three to six rank
-    processes, which would otherwise spend most of its time importing torch (conftest.warm_module)."""
-    with warm_module(tmp_path_factory):
-        yield
 
 STEPS = 60
 
@@ -191,7 +184,7 @@ def test_a_recipe_error_still_fails_an_elastic_job(write_recipe, tmp_path):
     """Only a rank that vanishes is a change of membership; an exception is the recipe's."""
     result = _train(write_recipe(RAISES_IN_RANK_1), "--strategy", "mirrored", "--replicas", "2",
                     "--elastic", "1:2", "--steps", "20")
-    assert result.returncode != 0
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]  # TrainingError: a replica raised
     assert "boom at step 3" in result.stderr
     assert not [line for line in result.json_lines() if line["type"] == "membership"]
     assert_no_processes(str(tmp_path))
@@ -204,12 +197,47 @@ def test_a_recipe_error_that_reads_like_a_lost_peer_still_fails_the_job(write_re
                                       'raise RuntimeError("Connection refused by the feature store at step 3")')
     result = _train(write_recipe(recipe), "--strategy", "mirrored", "--replicas", "2", "--elastic", "1:2",
                     "--steps", "20")
-    assert result.returncode != 0, result.stdout[-2000:]
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]  # TrainingError: a replica raised
     assert "Connection refused by the feature store at step 3" in result.stderr
     assert ".py:" in result.stderr.splitlines()[-1], result.stderr[-500:]  # it names the recipe's line
     assert not [line for line in result.json_lines() if line["type"] == "membership"]
     assert_no_processes(str(tmp_path))
 
+
+
+def test_a_backend_error_with_every_peer_alive_fails_the_job_in_one_line(write_recipe, tmp_path):
+    """A ``DistError`` is a change of membership only where the record says the round is over: with
+    every peer alive it is the recipe's, and the job ends at once. Before, each one was taken for a
+    change of membership: recovered from, raised again, forever (as a gloo size mismatch did); with
+    only the cap of recoveries without progress, this job ends on ``NoProgress`` instead (checked)."""
+    result = _train(write_recipe(DIST_ERROR_EVERY_STEP), "--strategy", "mirrored", "--replicas", "2",
+                    "--elastic", "1:2", "--steps", "20")
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "simulated size mismatch at step 3" in result.stderr.splitlines()[-1], result.stderr[-1500:]
+    assert "Traceback" not in result.stderr and "NoProgress" not in result.stderr, result.stderr[-1500:]
+    assert not [line for line in result.json_lines() if line["type"] == "membership"]
+    assert_no_processes(str(tmp_path))
+
+
+def test_a_replica_cut_off_from_the_store_leaves_and_rejoins_as_a_joiner(tmp_path, one_device):
+    """Rank 2's store connections break at step 10 (what a partition longer than TCP waits leaves:
+    torch's store client never reconnects). It is cut off: it leaves with its own exit code, no
+    failure, and its launcher starts it again as a joiner, healed by a peer (issue 52: it failed the
+    job with "Broken pipe")."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--cut-store", "2", "--cut-store-at", "10",
+                    "--sleep-s", "0.2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    notes = [line["line"] for line in result.json_lines() if line["type"] == "output"]
+    assert any(note.startswith("[distrun] rank 2 cut off from the job: its connection to the store broke")
+               for note in notes), notes[-10:]
+    assert any("rank 2 lost (cut off from the job's store" in note and "starting it again" in note
+               for note in notes), notes[-10:]
+    assert [c["world_size"] for c in result.json_lines() if c["type"] == "membership"] == [2, 3]
+    assert "frame #" not in result.stderr, result.stderr[-2000:]
+    _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device)
 
 def test_a_lost_replica_with_compressed_gradients(tmp_path):
     """With a comm hook (bf16 on the wire), DDP is rebuilt for the new group and the hook attached anew."""

@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import REPO, run_cli, warm_module
+from tests.conftest import REPO, run_cli
 
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm(tmp_path_factory):
-    """This module's jobs start warm: its many jobs would otherwise spend most of their time importing
-    torch in every rank (tests/conftest.warm_module)."""
-    with warm_module(tmp_path_factory):
-        yield
-
-
-pytestmark = pytest.mark.integration
 
 GPT = str(REPO / "recipes" / "gpt.py")
 SMALL = ("--", "--layers", "2", "--width", "32", "--heads", "2", "--context", "32", "--lr", "3e-3")
@@ -84,6 +76,6 @@ def train_data(ctx):
     return [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
 """)
     result = run_cli("train", str(recipe), "--data-workers", "2")
-    assert result.returncode != 0
+    assert result.returncode == 3, result.stderr[-2000:]  # RecipeError: the recipe breaks the contract
     assert "--data-workers 2:" in result.stderr and "train_data is an iterable" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr

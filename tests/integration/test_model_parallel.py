@@ -11,18 +11,10 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint, load_checkpoint
-from tests.conftest import REPO, run_cli, warm_module
+from tests.conftest import REPO, run_cli
 
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm(tmp_path_factory):
-    """This module's jobs start warm: its many jobs would otherwise spend most of their time importing
-    torch in every rank (tests/conftest.warm_module)."""
-    with warm_module(tmp_path_factory):
-        yield
-
-
-pytestmark = pytest.mark.integration
 
 #: A two-block transformer (attention and an MLP per block) small enough for 4 ranks on 2 cores:
 #: every layer the plan names splits over 2 ranks; embeddings, norms and the head stay whole.

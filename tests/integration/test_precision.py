@@ -4,20 +4,12 @@ import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint, load_checkpoint
-from tests.conftest import REPO, run_cli, warm_module
+from tests.conftest import REPO, run_cli
 from tests.integration._recipes import EQUIV, FP16_OVERFLOW
 from tests.integration.test_equivalence import train
 
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
-@pytest.fixture(scope="module", autouse=True)
-def _warm(tmp_path_factory):
-    """This module's jobs start warm: its many jobs would otherwise spend most of their time importing
-    torch in every rank (tests/conftest.warm_module)."""
-    with warm_module(tmp_path_factory):
-        yield
-
-
-pytestmark = pytest.mark.integration
 
 # 96 samples at global batch 16: six full batches an epoch, so no step is weighted and
 # every step has the same shapes (no recompilation under --compile).

@@ -128,7 +128,7 @@ def test_a_rank_that_fails_inside_the_window_keeps_the_steps_it_profiled(write_r
     result = run_cli("train", str(write_recipe(RAISES_IN_RANK_1)), "-s", "mirrored", "--replicas", "2",
                      "--device", "cpu", "--steps", "8", "--checkpoint-dir", str(tmp_path / "ckpt"),
                      "--profile", "2:5", "--json")
-    assert result.returncode != 0
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]  # TrainingError: rank 1 raised
     profiled = [(line["rank"], line["start_step"], line["end_step"])
                 for line in result.json_lines() if line["type"] == "profile"]
     assert (1, 2, 2) in profiled

@@ -62,7 +62,7 @@ def test_a_plain_script_sees_every_variable_torchrun_sets(write_recipe):
 def test_an_error_file_written_by_record_names_the_failure(write_recipe, tmp_path):
     script = write_recipe(CHILD_FAILS)
     result = run_cli("train", str(script), "-s", "mirrored", "--replicas", "2", "--json")
-    assert result.returncode != 0
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]  # TrainingError: rank 1 exited 1
     failed = [line for line in result.json_lines() if line["type"] == "error"]
     assert failed and failed[0]["rank"] == 1, result.stdout[-2000:]
     assert failed[0]["message"] == "KeyError: 'shard 7 is missing'"

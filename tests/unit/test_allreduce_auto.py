@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -46,21 +45,33 @@ def group():
     dist.destroy_process_group()
 
 
-def _sleeping(seconds_per_mb: float):
-    def run(buffer: torch.Tensor) -> None:
-        time.sleep(seconds_per_mb * buffer.numel() * buffer.element_size() / 2**20)
-    return run
+class _Clock:
+    """The probe's clock: its seconds pass only as the stand-in all-reduces say, so the times the
+    probe compares are exact on any host (a loaded one stretched the sleeps it used before)."""
+
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def all_reduce_taking(self, seconds_per_mb: float):
+        def run(buffer: torch.Tensor) -> None:
+            self.now_s += seconds_per_mb * buffer.numel() * buffer.element_size() / 2**20
+        return run
 
 
 @pytest.mark.parametrize(("flat_s", "hier_s", "expected"), [
     (0.010, 0.005, "hierarchical"),
     (0.005, 0.010, "flat"),
     (0.010, 0.010 * (1 - MIN_GAIN / 4), "flat"),  # too close to leave DDP's own path
+    (0.010, 0.010 * (1 - 2 * MIN_GAIN), "hierarchical"),  # past the margin
 ])
 def test_the_probe_keeps_the_faster_and_reports_both(group, flat_s, hier_s, expected):
-    choice = probe([2**20, 2**20], flat=_sleeping(flat_s), hierarchical=_sleeping(hier_s), dtype=torch.float32,
-                   device=torch.device("cpu"), hosts=2, slots=2)
+    clock = _Clock()
+    choice = probe([2**20, 2**20], flat=clock.all_reduce_taking(flat_s), hierarchical=clock.all_reduce_taking(hier_s),
+                   dtype=torch.float32, device=torch.device("cpu"), hosts=2, slots=2, clock_s=clock)
     assert choice.algorithm == expected
-    assert choice.flat_ms == pytest.approx(2 * flat_s * 1e3, rel=0.5)
-    assert choice.hierarchical_ms == pytest.approx(2 * hier_s * 1e3, rel=0.5)
+    assert choice.flat_ms == pytest.approx(2 * flat_s * 1e3)  # two 1 MB buckets a pass
+    assert choice.hierarchical_ms == pytest.approx(2 * hier_s * 1e3)
     assert "2 bucket(s), 2.0 MB, 2 hosts x 2 ranks" in choice.reason

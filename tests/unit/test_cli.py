@@ -1,10 +1,28 @@
 """Command-line surface: help, planned commands, usage errors (no training started)."""
 
-import pytest
+import re
 
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from distrun.cli import app
+from distrun.launch._devices import visible_gpu_count
 from tests.conftest import RECIPES, run_cli
 
 MISSION = ("up", "down", "status", "train", "jobs", "attach", "logs", "cancel", "bench")
+
+#: The environment of a run that must see no GPU, on a GPU machine too: distrun counts the GPUs in
+#: /proc/driver/nvidia/gpus limited by CUDA_VISIBLE_DEVICES (distrun/launch/_devices.py), and "" leaves none.
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_no_gpu_hides_every_gpu_from_distruns_count(tmp_path):
+    """What the tests below that expect "no GPU found" rest on, checked against 8 GPUs as the driver lists them."""
+    for index in range(8):
+        (tmp_path / f"0000:{index:02x}:00.0").mkdir()
+    assert visible_gpu_count({}, proc_dir=str(tmp_path)) == 8
+    assert visible_gpu_count(NO_GPU, proc_dir=str(tmp_path)) == 0
 
 
 def test_help_lists_every_command_of_the_mission():
@@ -71,7 +89,7 @@ def test_cluster_commands_name_a_missing_or_invalid_file(command, tmp_path):
     ],
 )
 def test_bad_flags_are_one_line_errors_with_exit_2(args, fragment):
-    result = run_cli("train", str(RECIPES / "linear.py"), *args)
+    result = run_cli("train", str(RECIPES / "linear.py"), *args, env=NO_GPU)  # the replica counts are CPU's too
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0]
@@ -119,7 +137,7 @@ def test_warm_start_and_ttfs_flags_are_one_line_errors(args, fragment, tmp_path)
     if "c.yaml" in args:  # a cluster file that exists: read first, for its job: section
         (tmp_path / "c.yaml").write_text("hosts:\n  - {address: 10.0.0.1, roles: [chief, worker]}\n")
         args = [str(tmp_path / "c.yaml") if arg == "c.yaml" else arg for arg in args]
-    result = run_cli(*args)
+    result = run_cli(*args, env=NO_GPU)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], result.stderr
@@ -150,3 +168,36 @@ def test_json_ends_with_a_failed_summary_when_the_job_never_starts(args, code, f
     summary = result.summary
     assert summary["status"] == "failed" and fragment in summary["error"] and summary["steps"] == 0
     assert result.stderr.strip().splitlines()[-1] == f"error: {summary['error']}"
+
+
+def _commands(command, path=()):
+    """Every command and subcommand under ``command``, with the words that run it."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+#: Rich markup's escape for a bracket, which the rendered help shows as the bracket alone.
+_ESCAPED_BRACKET = re.compile(r"\\(\[)")
+#: A colour code, where the environment forces colour (FORCE_COLOR) even into a test's capture.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def test_every_bracketed_text_in_a_help_string_is_shown_by_help(monkeypatch):
+    """Rich markup takes `[wandb]` in `pip install 'distrun[wandb]'` for a style tag and drops it:
+    every `[...]` in a command's or option's help must come out of `--help` as written."""
+    monkeypatch.setenv("COLUMNS", "4000")  # one line per option: a bracket is never wrapped apart
+    runner = CliRunner()
+    walked = list(_commands(typer.main.get_command(app)))
+    assert {("train",), ("checkpoint", "export"), ("export", "slurm")} <= {path for path, _ in walked}
+    for path, command in walked:
+        helps = [command.help or ""] + [getattr(param, "help", None) or "" for param in command.params]
+        meant = [_ESCAPED_BRACKET.sub(r"\1", help_text) for help_text in helps]  # the text as the user should read it
+        bracketed = [text for help_text in meant for text in re.findall(r"\[[^\]]*\]", help_text)]
+        if not bracketed:
+            continue
+        result = runner.invoke(app, [*path, "--help"], color=False)
+        assert result.exit_code == 0, result.output
+        shown = " ".join(_ANSI.sub("", result.output).split())
+        missing = [text for text in bracketed if " ".join(text.split()) not in shown]
+        assert not missing, f"`distrun {' '.join(path)} --help` drops {missing}"

@@ -13,6 +13,7 @@ from distrun.config import JobSpec, StrategyName, parse_elastic
 from distrun.errors import ConfigError
 from distrun.protocol import MembershipChanged, Started, decode_event, encode_event
 from distrun.strategies.elastic.heal import _describe, _optimizer_state
+from distrun.strategies.elastic.replica import RECOVERIES_WITHOUT_PROGRESS, ElasticReplica, NoProgress
 from distrun.ui import render_progress, render_summary
 
 
@@ -105,3 +106,27 @@ def test_the_heal_manifest_is_json_and_rebuilds_adams_state():
         torch.testing.assert_close(fresh.state_dict()["state"][index]["exp_avg"],
                                    optimizer.state_dict()["state"][index]["exp_avg"])
     assert manifest["values"] == {"step": 7, "position": [0, 7]}
+
+
+class _Recovering(ElasticReplica):
+    """An elastic replica whose every recovery tries nothing: only the cap across recoveries acts."""
+
+    def __init__(self) -> None:
+        self._elastic = object()  # type: ignore[assignment]
+        self._recoveries_in_a_row = 0
+        self.step = 7
+        self.recovered = 0
+
+    def _recover_once(self, failed_at: float, *, switch: bool) -> None:
+        self.recovered += 1
+
+
+def test_recoveries_without_a_committed_step_end_at_the_cap_naming_the_last_cause():
+    replica = _Recovering()
+    for _ in range(RECOVERIES_WITHOUT_PROGRESS):
+        replica.recover(0.0, cause="DistNetworkError: Connection reset by peer")
+    assert replica.recovered == RECOVERIES_WITHOUT_PROGRESS
+    with pytest.raises(NoProgress, match=r"5 recoveries in a row and no step committed at step 8; the last "
+                                         r"failure: DistBackendError: size mismatch"):
+        replica.recover(0.0, cause="DistBackendError: size mismatch")
+    assert replica.recovered == RECOVERIES_WITHOUT_PROGRESS

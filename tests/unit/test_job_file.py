@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 import yaml
 
+from distrun.cli import app
 from distrun.config import parse_cluster
 from distrun.config.job_file import SECTIONS, parse_job_text
 from distrun.errors import ConfigError
@@ -46,13 +48,33 @@ def test_a_misspelt_or_misplaced_key_is_named_with_its_line_and_the_nearest(text
     assert caught.value.message.startswith(message), caught.value.message
 
 
+#: The keys whose flag breaks the rule, each with its one parameter: the flag is the section's own
+#: word (--strategy, --precision), or reads better so (--keep-checkpoints, not --checkpoint-keep).
+FLAG_OUTSIDE_THE_RULE = {
+    "strategy.name": "strategy",
+    "training.args": "recipe_args",
+    "precision.name": "precision",
+    "precision.compile": "compile_model",
+    "checkpoint.keep": "keep_checkpoints",
+    "sharding.within": "shard_within",
+}
+
+
 def test_every_section_key_is_a_flag_without_the_sections_word() -> None:
-    """The rule users guess by: `--checkpoint-dir` is checkpoint.dir, `--ps-tasks` is ps.tasks."""
+    """The rule users guess by: `--checkpoint-dir` is checkpoint.dir, `--ps-tasks` is ps.tasks.
+    Every key maps to one `distrun train` parameter, by the rule or by its entry above."""
+    train_params = {param.name for param in typer.main.get_command(app).commands["train"].params}
+    outside = set()
     for section in SECTIONS:
         for key, param in section.keys.items():
-            if key in ("name", "file", "args", "async", "within", "keep", "compile"):
-                continue  # the flag is the section's own word (--strategy, --cluster), or reads better so
-            assert param in (key, f"{section.name}_{key}", f"{key}_{section.name}") or key in param, (section.name, key)
+            path = f"{section.name}.{key}"
+            if path in FLAG_OUTSIDE_THE_RULE:
+                outside.add(path)
+                assert param == FLAG_OUTSIDE_THE_RULE[path], (path, param)
+            else:
+                assert param in (key, f"{section.name}_{key}", f"{key}_{section.name}"), (path, param)
+            assert param in train_params, (path, param)
+    assert outside == set(FLAG_OUTSIDE_THE_RULE), "an entry names a key that no section has"
 
 
 def test_a_cluster_files_job_section_is_read_with_its_lines(tmp_path: Path) -> None:

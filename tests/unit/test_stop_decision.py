@@ -214,11 +214,11 @@ def test_every_host_decides_before_any_is_killed_and_every_host_gets_the_kill(mo
 def test_a_restart_names_the_rank_that_failed_first_not_the_host_that_answered_first() -> None:
     """--elastic below MIN: a rejoining rank that lost its store ended (and was heard) first, but the
     restart line and the error name the rank that fell below the minimum, which failed earlier."""
-    from distrun.client.cluster_job import _root_cause
+    from distrun.protocol.root_cause import root_cause
 
     rejoiner = Failed(rank=1, time=2.25, kind="raised", message="DistNetworkError: Failed to recv, got 0 bytes")
     below = Failed(rank=0, time=2.05, kind="raised", message="BelowMinimum: 2 replica(s) left")
-    assert _root_cause([("h2", rejoiner), ("h1", below), ("h3", None)]) == ("h1", below)
+    assert root_cause([("h2", rejoiner), ("h1", below), ("h3", None)]) == ("h1", below)
 
 
 @pytest.mark.parametrize("text", [

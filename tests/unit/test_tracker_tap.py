@@ -108,6 +108,20 @@ def test_a_failing_tracker_is_reported_once_and_training_goes_on(capfd):
                    "training goes on, later failures of broken are not shown\n")
 
 
+def test_a_learning_rate_that_cannot_be_read_is_reported_once_and_the_steps_go_on(capfd):
+    tracker = Recording()
+    tap = TrackerTap(Writer(), [tracker], PARAMS)
+    tap.learning_rate = lambda: {}["lr"]  # as an optimizer whose param group lost its "lr"
+    for step in range(1, 4):
+        tap.emit(_step(step))
+    tap.close()
+    assert [call for call in tracker.calls if call[0] == "log_metrics"] == [
+        ("log_metrics", step, {"train/samples_per_s": 100.0, "train/loss": 0.5}) for step in range(1, 4)]
+    assert capfd.readouterr().err == (
+        "[distrun] --tracker rec: reading the learning rate failed (KeyError: 'lr'); train/learning_rate is "
+        "not logged while it fails, later failures are not shown\n")
+
+
 def test_a_failure_ends_the_runs_before_the_launcher_hears_of_it():
     tracker = Recording()
 

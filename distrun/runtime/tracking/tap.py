@@ -32,7 +32,7 @@ from typing import Any
 from distrun.config import JobSpec
 from distrun.errors import ConfigError
 from distrun.protocol import Checkpointed, Done, Eval, Event, Failed, Log, MembershipChanged, Step
-from distrun.runtime.tracking._calls import TrackerCalls, note
+from distrun.runtime.tracking._calls import TrackerCalls, note, one_line
 from distrun.runtime.tracking.api import RunParams, Tracker
 
 __all__ = ["TrackerTap", "tracker_tap", "FINISH_WAIT_S", "FAILED_WAIT_S", "SIGTERM_WAIT_S"]
@@ -54,6 +54,7 @@ class TrackerTap:
         self._trackers = tuple(trackers)
         self._log_checkpoint = log_checkpoint
         self._learning_rate: Any = None
+        self._learning_rate_failed = False  # its first failure is reported; the rest are not
         self._checkpoint: tuple[int, str] | None = None  # (step, path) of the newest one reported
         self._done = False
         self._finished = False
@@ -85,9 +86,25 @@ class TrackerTap:
             self._done = True
             self._each("log_summary", _summary(event))
         else:
-            for step, metrics in _metrics(event, self._learning_rate).items():
+            learning_rate = self._current_learning_rate() if isinstance(event, Step) else None
+            for step, metrics in _metrics(event, learning_rate).items():
                 if metrics:
                     self._each("log_metrics", step, metrics, event.time)
+
+    def _current_learning_rate(self) -> float | None:
+        """The optimizer's lr now, or None. A lookup that fails would fail every step, so the first
+        failure is reported (the chart's missing line has a reason) and the step's other figures go on."""
+        if self._learning_rate is None:
+            return None
+        try:
+            return float(self._learning_rate())
+        except Exception as exc:  # noqa: BLE001 - a missing learning rate never costs the step's figures
+            if not self._learning_rate_failed:
+                self._learning_rate_failed = True
+                names = ", ".join(tracker.name for tracker in self._trackers)
+                note(f"--tracker {names}: reading the learning rate failed ({type(exc).__name__}: {one_line(exc)}); "
+                     "train/learning_rate is not logged while it fails, later failures are not shown")
+            return None
 
     def end_runs_on_sigterm(self) -> None:
         """The launcher stops rank 0 with SIGTERM (another rank failed, the job was cancelled):
@@ -151,17 +168,15 @@ def _start(trackers: Sequence[Tracker], params: RunParams) -> None:
         raise
 
 
-def _metrics(event: Event, learning_rate: Any) -> dict[int, dict[str, float]]:
-    """The event's figures by step, under TensorBoard's names ({} for events without any)."""
+def _metrics(event: Event, learning_rate: float | None) -> dict[int, dict[str, float]]:
+    """The event's figures by step, under TensorBoard's names ({} for events without any);
+    ``learning_rate``: a Step's, when known."""
     if isinstance(event, Step):
         found = {"train/samples_per_s": float(event.samples_per_s)}
         if event.loss is not None:
             found["train/loss"] = float(event.loss)
         if learning_rate is not None:
-            try:
-                found["train/learning_rate"] = float(learning_rate())
-            except Exception:  # noqa: BLE001, S110 - a missing learning rate never costs the step's figures
-                pass
+            found["train/learning_rate"] = learning_rate
         return {event.step: found}
     if isinstance(event, Log):
         return {event.step: {name: float(value) for name, value in event.scalars.items()}} if event.scalars else {}

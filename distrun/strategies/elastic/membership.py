@@ -267,7 +267,7 @@ class Membership:
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
             if not self._watcher.is_alive():  # its store client failed: cut off, unless the store answers
-                return not self._stop.is_set() and not self._store_answers()
+                return not self._stop.is_set() and not self.store_answers()
             if time.monotonic() - self._read_at <= LOST_AFTER_S:  # a recent read: the record is current
                 return self._round_over.is_set()
             if time.monotonic() > deadline or self._round_over.wait(BEAT_S):
@@ -277,9 +277,10 @@ class Membership:
         """Whether the watcher has seen this member's round end (no wait: ``round_over`` waits)."""
         return self._round_over.is_set()
 
-    def _store_answers(self) -> bool:
+    def store_answers(self) -> bool:
         """Whether this member's own store client still gets an answer (then a recipe's error
-        stays the recipe's, though the watcher ended)."""
+        stays the recipe's, though the watcher ended). No: this member is cut off from the job
+        for good (torch's store client does not reconnect), and only a new process can rejoin."""
         try:
             self._store.check(["generation"])
         except RuntimeError:

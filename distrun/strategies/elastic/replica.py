@@ -13,12 +13,22 @@ the state transfer ``heal``'s. A strategy that holds an :class:`Elastic`:
   that failed is redone with the same samples.
 
 What counts as a change of membership, rather than the recipe's error: a joiner's switch;
-an error of the process group's own types (torch's ``DistError`` family: backend, network,
-store); or a ``RuntimeError`` (what gloo raises when a peer is gone) while the membership
-record says the round is over: a peer marked lost or silent, or another member's failed
-round (``Membership.round_over``). Never the text of an exception: a recipe's own
-``RuntimeError("... Connection refused ...")`` with every peer alive fails the job and
-names its line.
+or an error of the process group's own types (torch's ``DistError`` family: backend, network,
+store) or a plain ``RuntimeError`` (what gloo raises when a peer is gone), while the
+membership record says the round is over: a peer marked lost or silent, or another member's
+failed round (``Membership.round_over``). Never the text of an exception, and never its type
+alone: a recipe's own ``RuntimeError("... Connection refused ...")`` with every peer alive
+fails the job and names its line, and so does a backend error that recurs with every peer
+alive (a gloo size mismatch once recovered and failed forever: 84fc936).
+
+A member that finds its own connection to the store broken (a partition longer than TCP
+resends for: the store's host gave up on it) cannot rejoin from this process, since torch's
+store client never reconnects. It raises :class:`CutOff`; the process leaves with
+``CUT_OFF_EXIT_CODE``, no failure, and its launcher starts it again as a joiner.
+
+Recoveries are capped twice: a change of membership met inside a recovery is tried again up
+to ``RECOVERY_TRIES`` times, and ``RECOVERIES_WITHOUT_PROGRESS`` recoveries in a row with no
+step committed between them fail the member (:class:`NoProgress`), naming the last cause.
 
 Why the model is held by an :class:`ElasticModel`: the recipe (or distrun's fit loop)
 keeps the object ``prepare`` returned, while DDP must be rebuilt over each new group.
@@ -38,11 +48,33 @@ from torch import nn
 from distrun.strategies.elastic.heal import heal
 from distrun.strategies.elastic.membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
-__all__ = ["Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "RECOVERY_TRIES",
-           "is_collective_failure"]
+__all__ = ["CutOff", "Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "NoProgress",
+           "RECOVERIES_WITHOUT_PROGRESS", "RECOVERY_TRIES", "is_collective_failure"]
 
 #: Recoveries in a row before a change of membership fails this member (and the job).
 RECOVERY_TRIES = 3
+#: Recoveries (each up to ``RECOVERY_TRIES`` tries) with no committed step between them before
+#: the member fails: a failure that recurs on every step is not healed by one more round. The
+#: longest run seen in the chaos test was 2 (a link dropped right after a rejoin).
+RECOVERIES_WITHOUT_PROGRESS = 5
+
+
+class NoProgress(RuntimeError):
+    """Recovery after recovery, and no step committed between them: the member gives up."""
+
+
+class CutOff(RuntimeError):
+    """This member's store connection is broken: the job went on without it, and only a new
+    process (its launcher starts one, as a joiner) can come back."""
+
+
+def cut_off(exc: BaseException, membership: Membership) -> CutOff | None:
+    """``exc``, a change of membership met while recovering, as :class:`CutOff` where this
+    member's own store client no longer answers (every further try would fail alike)."""
+    if membership.store_answers():
+        return None
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return CutOff(f"cut off from the job: its connection to the store broke ({type(exc).__name__}: {first})")
 
 
 class MembershipSwitch(RuntimeError):
@@ -78,9 +110,9 @@ def is_collective_failure(exc: BaseException, membership: Membership) -> bool:
     by the exception's type and the membership record, never by its text."""
     if isinstance(exc, MembershipSwitch):
         return True
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    return type(exc) is RuntimeError and membership.round_over()
+    if not isinstance(exc, getattr(dist, "DistError", ())) and type(exc) is not RuntimeError:
+        return False
+    return membership.round_over()
 
 
 class Elastic:
@@ -120,7 +152,12 @@ class Elastic:
                 # Another member lost while our first group formed: the others go on to the
                 # next round (``next_round``) and wait there for us, a live member; so do we.
                 failures += 1
-                if failures == RECOVERY_TRIES or not is_collective_failure(exc, self.membership):
+                if not is_collective_failure(exc, self.membership):
+                    raise
+                lost = cut_off(exc, self.membership)
+                if lost is not None:
+                    raise lost from None
+                if failures == RECOVERY_TRIES:
                     raise
                 self.membership.drop_group()
                 opened = self.membership.open_round(failed=True)
@@ -211,6 +248,7 @@ class ElasticReplica:
     _reporter: Any
     _committed_position: tuple[int, int]
     _healed_position: tuple[int, int] | None
+    _recoveries_in_a_row: int
     step: int
     epoch: int
     name: str
@@ -224,7 +262,7 @@ class ElasticReplica:
         """Under ``--elastic``: ``exc`` means a peer is gone or joins, and :meth:`recover` goes on."""
         return self._elastic is not None and is_collective_failure(exc, self._elastic.membership)
 
-    def recover(self, failed_at: float, *, switch: bool = False) -> None:
+    def recover(self, failed_at: float, *, switch: bool = False, cause: str = "") -> None:
         """Go on after a change of membership, from the state the members hold in memory.
 
         Drop the group, join the next round, put DDP on the new group, then heal model,
@@ -239,15 +277,27 @@ class ElasticReplica:
         with it the job): a heal that fails changes no member's state (``heal.broadcast_tensors``),
         so each try starts from what the members committed. Seen in the chaos test: a link
         dropped right after a rejoin ended the job.
+
+        ``cause``: the failure's one-line description, named if this recovery is the
+        ``RECOVERIES_WITHOUT_PROGRESS``-th in a row with no step committed since the first.
         """
         if self._elastic is None:
             raise RuntimeError("recover() is for --elastic jobs")
+        self._recoveries_in_a_row += 1
+        if self._recoveries_in_a_row > RECOVERIES_WITHOUT_PROGRESS:
+            raise NoProgress(f"{RECOVERIES_WITHOUT_PROGRESS} recoveries in a row and no step committed at step "
+                             f"{self.step + 1}; the last failure: {cause or 'a joiner asked for a new round'}")
         for tried in range(1, RECOVERY_TRIES + 1):
             try:
                 self._recover_once(failed_at, switch=switch)
                 return
             except Exception as exc:  # noqa: BLE001 - only a change of membership is tried again
-                if tried == RECOVERY_TRIES or not self.is_membership_change(exc):
+                if not self.is_membership_change(exc):
+                    raise
+                lost = cut_off(exc, self._elastic.membership)
+                if lost is not None:
+                    raise lost from None
+                if tried == RECOVERY_TRIES:
                     raise
             switch = False  # the next try follows a failure, not a joiner's switch
 
