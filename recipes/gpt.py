@@ -14,6 +14,11 @@ tokenizer to agree on across hosts. The last tenth of the text is held out for e
 
 distrun reports tokens/s from ``tokens_per_sample`` and, on a GPU, MFU (model FLOPs per second
 over the devices' peak) from ``flops_per_token``, in the live view and the summary.
+
+The learning rate warms up linearly over ``--warmup`` steps, then follows a cosine down to a
+tenth of ``--lr`` at ``--decay-steps`` (the default run's 200 steps), and stays there: GPT-2's
+and nanoGPT's schedule. distrun steps ``scheduler`` once per optimizer step, under every
+strategy, and keeps its place in the checkpoints; pass ``-- --decay-steps N`` with ``--steps N``.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ _parser.add_argument("--layers", type=int, default=4)
 _parser.add_argument("--width", type=int, default=128, help="the model dimension")
 _parser.add_argument("--heads", type=int, default=4)
 _parser.add_argument("--context", type=int, default=128, help="tokens per sample")
-_parser.add_argument("--lr", type=float, default=1e-3)
+_parser.add_argument("--lr", type=float, default=1e-3, help="the peak learning rate, after the warm-up")
+_parser.add_argument("--warmup", type=int, default=10, help="steps of linear warm-up")
+_parser.add_argument("--decay-steps", type=int, default=200, help="the step the cosine decay ends at")
 ARGS = _parser.parse_args(sys.argv[1:])
 
 VOCAB = 256
@@ -145,6 +152,18 @@ def flops_per_token(gpt: GPT) -> float:
 
 def optimizer(params):
     return torch.optim.AdamW(params, lr=ARGS.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _lr_factor(step: int) -> float:
+    """The multiple of ``--lr`` at ``step`` (from 0): linear warm-up, cosine decay to 0.1, then flat."""
+    if step < ARGS.warmup:
+        return (step + 1) / ARGS.warmup
+    progress = min(1.0, (step - ARGS.warmup) / max(1, ARGS.decay_steps - ARGS.warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor)
 
 
 def loss(outputs: torch.Tensor, batch) -> torch.Tensor:

@@ -97,15 +97,20 @@ class HostLink:
         return connect(self.remote, self.state, self.label)
 
     def call(self, op: str, **args: Any) -> dict[str, Any]:
-        assert self._control is not None
         with self._lock:
-            return self._control.call(op, **args)
+            return self._connected().call(op, **args)
 
     def call_waiting(self, op: str, wait_s: float, **args: Any) -> dict[str, Any]:
         """``call`` that waits up to ``wait_s`` for the answer (``ServerClient.call_waiting``)."""
-        assert self._control is not None
         with self._lock:
-            return self._control.call_waiting(op, wait_s, **args)
+            return self._connected().call_waiting(op, wait_s, **args)
+
+    def _connected(self) -> ServerClient:
+        """The control connection; a host error while there is none (``--elastic``: a lost host's
+        server is being waited for, and a stop of the job reaches it there)."""
+        if self._control is None:
+            raise HostError(self.label, "no connection to its worker server (lost; not back yet)")
+        return self._control
 
     def close(self) -> None:
         if self._control is not None:

@@ -71,6 +71,7 @@ class JobTracker:
         self._rates: dict[int, tuple[float, int]] = {}  # rank -> (time, pushes or updates) of the last figure
         self._seen: dict[int, float] = {}
         self._total_steps: int | None = None
+        self._lr: float | None = None  # the chief's newest step's learning rate (a fit recipe's)
         self._eval: dict[str, float] = {}
         self._checkpoint: str | None = None
         self._resumed: Resumed | None = None
@@ -119,6 +120,8 @@ class JobTracker:
                                           steps_per_s=self._rate(event.rank, event.time, event.pushes, row.steps_per_s))
             if event.total_steps is not None:
                 self._total_steps = event.total_steps
+            if event.rank == 0 and event.lr is not None:
+                self._lr = event.lr
             if self._first_step_at is None:
                 self._first_step_at = event.time
             self._last_step_at = time.time()
@@ -246,6 +249,7 @@ class JobTracker:
             straggler_line=describe_stragglers(rows, self._stragglers.slow),
             mesh=self._mesh,
             sync_line=self._syncs.line(),
+            lr=self._lr,
             **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 

@@ -22,6 +22,7 @@ from distrun.config.job import (
 )
 from distrun.config._observe import TRACKERS, check_trackers, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
+from distrun.config._predict import PREDICT_VAR, PredictSpec
 
 __all__ = [
     "evaluator_spec",
@@ -56,4 +57,6 @@ __all__ = [
     "check_trackers",
     "parse_profile",
     "parse_tracker_uris",
+    "PREDICT_VAR",
+    "PredictSpec",
 ]

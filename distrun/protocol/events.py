@@ -117,6 +117,9 @@ class Step(Event):
     #: tells a slow rank from the ranks that wait for it (docs/debugging.md#slow-ranks).
     step_ms: float | None = None
     compute_ms: float | None = None
+    #: The learning rate the newest step used (the first param group's; a recipe's scheduler moves
+    #: it). None where unknown: a custom loop, a plain script, a JSON line from before it was sent.
+    lr: float | None = None
 
 
 @dataclass(frozen=True)

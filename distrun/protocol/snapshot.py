@@ -74,6 +74,7 @@ class JobSnapshot:
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
     mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2, "pp": 1}); None: one rank a replica
     sync_line: str | None = None  # --strategy diloco: outer steps so far and the newest sync's bytes and seconds
+    lr: float | None = None  # the chief's newest Step event's learning rate (a fit recipe's; None: unknown)
 
     @property
     def samples_per_s(self) -> float:

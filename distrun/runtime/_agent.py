@@ -17,7 +17,7 @@ import threading
 from datetime import timedelta
 
 from distrun.protocol.environment import AGENT_FD_VAR, STORE_FD_VAR
-from distrun.runtime._process import LaunchEnv, die_with_parent
+from distrun.runtime._process import LaunchEnv, die_with_parent, incarnation_id
 from distrun.strategies.elastic.membership import STORE_PREFIX
 
 #: How long a client's call may wait on a key (the same bound the ranks use).
@@ -41,6 +41,6 @@ def serve_agent() -> None:
             parts = line.split(maxsplit=3)
             if len(parts) >= 3 and parts[0] == b"lost" and parts[1].isdigit() and parts[2].isdigit():
                 why = parts[3].decode("utf-8", "replace").strip() if len(parts) == 4 else "lost"
-                marks.set(f"lost/{int(parts[1])}/{int(parts[2])}", why or "lost")
+                marks.set(f"lost/{int(parts[1])}/{incarnation_id(int(parts[2]))}", why or "lost")
                 marks.add("lost_count", 1)
     threading.Event().wait()  # the launcher closed its end: it is stopping, and kills us next

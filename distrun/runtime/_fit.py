@@ -22,6 +22,7 @@ from distrun.runtime._move import to_device
 from distrun.runtime._nonfinite import NonFiniteGuard
 from distrun.runtime._preempt import Preempted, PreemptWatch
 from distrun.runtime._reporter import EventReporter
+from distrun.runtime._schedule import build_schedule
 from distrun.strategies import InputContext, MembershipSwitch, Strategy
 
 
@@ -73,11 +74,16 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     with strategy.scope():
         model = recipe.model()
         reporter.during = "building the optimizer"
-        optimizer = recipe.optimizer(model.parameters())
+        optimizer = recipe_optimizer = recipe.optimizer(model.parameters())
     if strategy.is_chief:
         _report_workload(recipe, model, strategy, spec, reporter)
     reporter.during = "preparing the model for the strategy"
     model, optimizer = strategy.prepare(model, optimizer)
+    reporter.during = "building the learning-rate scheduler"
+    # After prepare: on the optimizers the strategy steps (rebuilt on shards, one per --pp stage).
+    schedule = strategy.lr_schedule = build_schedule(recipe, strategy, spec, recipe_optimizer)
+    if schedule is not None and strategy.joined:  # a joiner, healed by a peer: the schedule its source held
+        schedule.load_state_dict(strategy.healed_lr_schedule, strategy.step)
     reporter.during = "loading the data"
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.training.seed)
@@ -120,7 +126,19 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     guard = NonFiniteGuard(spec.training.on_nonfinite, strategy)
     preempt = PreemptWatch(spec.preemptible)
-    reporter.learning_rate = lambda: optimizer.param_groups[0]["lr"]  # --tensorboard's train/learning_rate
+    # The lr each step used (read after optimizer.step: a step pre-hook may set it), for the step
+    # events, --tensorboard and the trackers; None where this replica has no groups to read.
+    groups = (schedule.schedulers[0].optimizer.param_groups if schedule is not None
+              else getattr(optimizer, "param_groups", None))
+    used_lr: list[Any] = [None]
+
+    def read_lr() -> Any:
+        """The first group's lr as it is: a tensor lr is copied, not read (no device sync per step;
+        the reporter reads it only for the steps it sends)."""
+        lr = groups[0]["lr"] if groups else None
+        return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+    reporter.learning_rate = lambda: used_lr[0] if used_lr[0] is not None else read_lr()
 
     def one_number(loss: Any) -> None:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:  # backward takes one number, any shape
@@ -130,8 +148,12 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         batch = to_device(batch, device)
         optimizer.zero_grad(set_to_none=True)
         loss = strategy.forward_backward(model, batch, loss_fn, forward=forward, check=one_number)
-        if guard.update_allowed(loss):
+        allowed = guard.update_allowed(loss)
+        if allowed:
             optimizer.step()
+        used_lr[0] = read_lr()
+        if schedule is not None:  # once per applied update, after it (a skipped one does not move it)
+            schedule.after_step(allowed)
         return loss
 
     last_eval: dict[str, float] = {}
@@ -170,6 +192,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         if strategy.is_chief:
             emit_eval(strategy.step, epoch, result)
         evaluated_at = strategy.step
+        if schedule is not None:  # ReduceLROnPlateau: stepped with the monitored metric
+            schedule.after_eval(result)
         return result
 
     def end_of_run(epoch: int) -> None:

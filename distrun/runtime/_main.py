@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from distrun.config import JobSpec, RecipeKind, StrategyName, inspect_recipe
+from distrun.config import JobSpec, PredictSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Output, Started
 from distrun.protocol.secret import job_secret_from
@@ -25,7 +25,6 @@ from distrun.protocol.environment import (
     CUT_OFF_EXIT_CODE,
     ELASTIC_JOINER_VAR,
     EVAL_CHECKPOINT_VAR,
-    INCARNATION_VAR,
     JOB_SPEC_VAR,
     PREEMPTED_EXIT_CODE,
 )
@@ -33,7 +32,7 @@ from distrun.runtime._failure import describe_failure
 from distrun.runtime._flight_recorder import allow_supervisor_to_trace, start_dump_listener
 from distrun.runtime._heartbeat import start_heartbeat
 from distrun.runtime._preempt import Preempted, install_preempt_handler
-from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, match_thread_env
+from distrun.runtime._process import EventWriter, LaunchEnv, die_with_parent, incarnation_id, match_thread_env
 from distrun.runtime._error_file import prepare_error_file, recorded_failure, remove_error_file
 from distrun.runtime._recipe import load_module, prepare_sys_path
 from distrun.runtime._reporter import EventReporter, to_float
@@ -115,6 +114,19 @@ def main() -> None:
         def emit_eval(step: int, epoch: int, metrics: dict[str, float]) -> None:
             writer.emit(Eval(rank=launch.rank, time=time.time(), step=step, epoch=epoch, metrics=metrics))
 
+        predicting = PredictSpec.from_env(os.environ)
+        if predicting is not None:  # distrun predict: a checkpoint's model over predict_data, then leave
+            from distrun.runtime._predict import predict
+
+            batches = predict(module, strategy, spec, reporter, predicting)
+            reporter.flush()
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=batches, final_loss=None,
+                             samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time,
+                             peak_mem_mb=reporter.peak_mem_mb(), net_bytes_sent=reporter.net_bytes_sent()))
+            strategy.close()
+            if spec.strategy.name.collective:
+                _leave_together(launch, store)
+            _exit(0)
         checkpoint = os.environ.get(EVAL_CHECKPOINT_VAR)
         if checkpoint:  # the evaluator role: one checkpoint, then leave
             from distrun.runtime._evaluator import evaluate_checkpoint
@@ -352,7 +364,7 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
     membership = Membership(lambda: _store_client(launch), None if joiner else launch.rank, timeout=_STORE_TIMEOUT,
                             backend="nccl" if device.type == "cuda" else "gloo",
                             device=device if device.type == "cuda" else None, who=_who(launch),
-                            launch_rank=launch.rank, incarnation=int(os.environ.get(INCARNATION_VAR, "0")))
+                            launch_rank=launch.rank, incarnation=incarnation_id())
     elastic = Elastic(membership, min_members=spec.strategy.elastic_min, max_members=spec.strategy.elastic_max,
                       expect=launch.world_size)
     if not joiner:

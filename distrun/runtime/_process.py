@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from distrun.protocol import Event, encode_event
-from distrun.protocol.environment import EVENT_FD_VAR, PARENT_PID_VAR, STORE_FD_VAR
+from distrun.protocol.environment import EVENT_FD_VAR, INCARNATION_VAR, PARENT_PID_VAR, STORE_FD_VAR, SUPERVISOR_PID_VAR
 
 _PR_SET_PDEATHSIG = 1
 
@@ -94,3 +94,25 @@ class EventWriter:
                 self._file.write(data)
             except BrokenPipeError:
                 self._file = None
+
+
+def incarnation_id(count: int | None = None) -> str:
+    """This process's start of its launcher rank (or the ``count``-th start, as the agent names a
+    rank its launcher saw die), unique across launchers: ``PID-START.N``, the launcher's pid and
+    start time (clock ticks since boot) and the respawn count.
+
+    ``--elastic``: the agent marks a dead rank lost by it (``elastic/lost/RANK/ID``) and members
+    wait for no member so marked. The count alone restarts at 0 with a new launcher (a worker
+    server restarted by ``distrun up``), whose first rank then read as the lost rank its old
+    launcher's first start was: the others closed a round without it (seen in issue 52's chaos
+    run, as ``BelowMinimum`` with a live member).
+    """
+    if count is None:
+        count = int(os.environ.get(INCARNATION_VAR, "0"))
+    pid = os.environ.get(SUPERVISOR_PID_VAR, "")
+    try:
+        with open(f"/proc/{int(pid)}/stat", encoding="ascii") as fh:
+            start = fh.read().rsplit(")", 1)[1].split()[19]  # field 22: starttime
+    except (OSError, ValueError, IndexError):
+        start = "?"
+    return f"{pid or '?'}-{start}.{count}"

@@ -64,14 +64,17 @@ class EventReporter:
         self._wait_s = 0.0  # ...and the part of it spent waiting for peers
         self._wait_known = True  # ...when every step of the window said (else no compute time is sent)
         self.profile: Any = None  # --profile: a ProfileWindow told of each step
+        self._learning_rate: Any = None
 
     @property
     def learning_rate(self) -> Any:
-        return getattr(self._writer, "learning_rate", None)
+        return self._learning_rate
 
     @learning_rate.setter
     def learning_rate(self, source: Any) -> None:
-        """A callable giving the optimizer's current lr; only ``--tensorboard``'s writer reads it."""
+        """A callable giving the lr of the newest step (None where unknown): each Step event carries
+        it, and ``--tensorboard``'s and the trackers' taps read it."""
+        self._learning_rate = source
         if hasattr(self._writer, "learning_rate"):
             self._writer.learning_rate = source
 
@@ -200,8 +203,18 @@ class EventReporter:
                 peak_mem_mb=peak,
                 step_ms=round(step_s / steps * 1e3, 3) if steps else None,
                 compute_ms=round(max(step_s - wait_s, 0.0) / steps * 1e3, 3) if steps and known else None,
+                lr=self._current_lr(),
             )
         )
+
+    def _current_lr(self) -> float | None:
+        """The newest step's lr, or None: a lookup that fails (a custom optimizer) never stops a step."""
+        if self._learning_rate is None:
+            return None
+        try:
+            return to_float(self._learning_rate())
+        except Exception:  # noqa: BLE001 - the lr is a figure to show, not the run
+            return None
 
     def net_bytes_sent(self) -> int | None:
         """Bytes this host sent on its network interfaces (not loopback) since this rank started."""

@@ -71,6 +71,16 @@ class JobRecord:
                 self.log = None
             self.changed.notify_all()
 
+    def set_aside(self) -> None:
+        """An ended record's files renamed ``result.N.json``/``events.N.ndjson``, so a new record of
+        the same job starts here (``--elastic``: this host's ranks rejoin after they ended)."""
+        number = 1
+        while (self.folder / f"result.{number}.json").exists():
+            number += 1
+        for name, kept in (("result.json", f"result.{number}.json"), ("events.ndjson", f"events.{number}.ndjson")):
+            if (self.folder / name).exists():
+                (self.folder / name).rename(self.folder / kept)
+
     def decide_stop(self, reason: str) -> bool:
         """Remember why the job stops (the first reason wins); True the first time."""
         with self.changed:

@@ -137,8 +137,10 @@ class JobManager:
             job = self._jobs.get(job_id)
         if job is not None and args.get("join") and job.launcher is None and job.result is not None:
             # --elastic: this host's ranks ended here while the client could not reach it (a link down
-            # past the lease); they join the running job again as new members, in a new record.
+            # past the lease); they join the running job again as new members, in a new record (the
+            # ended one's files set aside: its result.json made every such join "exists").
             self._forget(job)
+            job.set_aside()
             job = None
         if job is None:
             job = self._new_job(job_id)

@@ -185,6 +185,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
             if self.is_chief:
                 print(f"[{self.name}] activation checkpointing ({mode}): {units.description}", flush=True)
         model, optimizer = self._wrap(model if self._compiles_units else self._step.root(model), optimizer)
+        self._wrapped_optimizer = optimizer
         stepping = self._stepping_optimizer(optimizer)
         if self._step.settings.clip_grad_norm and stepping is not None:
             clip_before_step(stepping, self._step.settings.clip_grad_norm)
@@ -200,6 +201,16 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         """The torch optimizer that really steps this replica's parameters (what --clip-grad-norm
         hooks), in what ``_wrap`` returned; None where this replica steps none."""
         return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+    #: What ``_wrap`` returned for the optimizer (before fp16's wrapper): see :meth:`lr_optimizers`.
+    _wrapped_optimizer: Any = None
+
+    def lr_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose groups' lr this replica's updates use, after ``prepare``:
+        what a recipe's ``scheduler`` must be built on (sharded, --tp and --pp rebuild the
+        recipe's optimizer; --pp has one per stage). Empty where this replica steps none."""
+        optimizer = self._wrapped_optimizer
+        return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
 
     def unwrap(self, model: nn.Module | None = None) -> nn.Module:
         """The plain module under any wrapper, torch.compile's and DDP's (what checkpoints store)."""

@@ -109,6 +109,11 @@ class CentralStorageStrategy(Strategy):
         also computes: waiting and computing are not told apart there, so no figure is claimed."""
         return None
 
+    def lr_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The chief's optimizer: the only one that steps (the other replicas have none)."""
+        inner = self._stepping_optimizer(self._wrapped_optimizer)
+        return [inner] if inner is not None else []
+
     def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         """The chief's optimizer, on the central parameters and the averaged gradients."""
         return optimizer._inner if isinstance(optimizer, _CentralOptimizer) else None

@@ -165,6 +165,13 @@ class ModelParallelStrategy(ShardedStrategy):
         container = PipelineParts(self._parts)
         if optimizer is None:
             return container, None
+        hooked = any(getattr(optimizer, table, None) for table in ("_optimizer_step_pre_hooks",
+                                                                   "_optimizer_step_post_hooks"))
+        if len(self._parts) > 1 and hooked:
+            # One optimizer per stage: the recipe's hook would run once per stage, each step.
+            raise RecipeError(f"--pp-schedule {schedule} puts {len(self._parts)} stages on a rank, each stepped by "
+                              "its own optimizer, so the optimizer's step hook would run that many times a step; "
+                              "use a schedule with one stage per rank (1f1b, gpipe), or scheduler(optimizer)")
         optimizers = [rebuild_optimizer(optimizer, part, names, part=True) for part in self._parts]
         for stage_optimizer in optimizers:
             self._wait_for_copies(stage_optimizer)
@@ -288,6 +295,12 @@ class ModelParallelStrategy(ShardedStrategy):
     def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         """Under --pp the PipelineOptimizer clips over every stage itself."""
         return None if self.pipeline is not None else super()._stepping_optimizer(optimizer)
+
+    def lr_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Under --pp, one optimizer per stage this rank holds, stepped together."""
+        if isinstance(self._wrapped_optimizer, PipelineOptimizer):
+            return list(self._wrapped_optimizer.optimizers)
+        return super().lr_optimizers()
 
     # -- checkpoints: each stage's pieces under the whole model's names ---------------
 

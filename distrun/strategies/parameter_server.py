@@ -34,7 +34,9 @@ from torch import nn
 
 from distrun.config import DEFAULT_PS_PARTITION_MB
 from distrun.errors import TrainingError
-from distrun.strategies.ps.channel import Channel, Op, describe_state, open_worker_channels, receive_state
+from distrun.strategies.checkpoint.catalog import latest_checkpoint
+from distrun.strategies.ps.channel import (Channel, Op, describe_state, lr_factor_word, open_worker_channels,
+                                          receive_state)
 from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
@@ -57,12 +59,17 @@ class _PushOptimizer:
     """Stands in for the recipe's optimizer on a worker: ``step()`` pushes gradients.
 
     The recipe's own optimizer object is kept (never stepped here) for its
-    hyperparameters and its ``state_dict`` layout, which checkpoints reuse.
+    hyperparameters and its ``state_dict`` layout, which checkpoints reuse. Its lr is this
+    worker's: a scheduler built on it (or a step pre-hook) moves it, and each push carries it
+    to the ps tasks as a factor of the recipe's lr. Its step hooks run around each push, as
+    they would around a step: a push the fp16 scaler drops runs no post-hook.
     """
 
     def __init__(self, strategy: ParameterServerStrategy, inner: Any) -> None:
         self._strategy = strategy
         self.inner = inner
+        groups = inner.param_groups if isinstance(inner, torch.optim.Optimizer) else []
+        self._base_lr = groups[0]["lr"] if groups else None  # the recipe's, before any scheduler moved it
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -72,7 +79,20 @@ class _PushOptimizer:
         zero_grads(self._strategy._params, set_to_none)
 
     def step(self) -> None:
-        self._strategy._push()
+        inner = self.inner
+        hooked = isinstance(inner, torch.optim.Optimizer)
+        if hooked:
+            for hook in list(inner._optimizer_step_pre_hooks.values()):
+                hook(inner, (), {})
+        if self._strategy._push(self._lr_factor()) and hooked:
+            for hook in list(inner._optimizer_step_post_hooks.values()):
+                hook(inner, (), {})
+
+    def _lr_factor(self) -> float:
+        """This worker's lr over the recipe's: what the ps tasks apply its push with."""
+        if not self._base_lr:
+            return 1.0
+        return float(self.inner.param_groups[0]["lr"]) / float(self._base_lr)
 
     def state_dict(self) -> dict[str, Any]:
         return self._strategy._gather_optimizer_state()
@@ -178,14 +198,16 @@ class ParameterServerStrategy(Strategy):
         unpack_into([f.to(self.device) for f in flats], targets)
 
     @torch.no_grad()
-    def _push(self) -> None:
+    def _push(self, lr_factor: float = 1.0) -> bool:
+        """Push this step's gradients, applied at ``lr_factor`` times the recipe's lr; False when
+        the fp16 scaler dropped them."""
         touched = self._touched
         self._touched = []
         if self._overflowed(touched):
             self._stale = True  # no push, so no reply with parameters: the next step pulls them
-            return
+            return False
         with _ps_link():
-            self._send_gradients(touched)
+            self._send_gradients(touched, lr_factor)
             for task, channel in enumerate(self._channels):
                 applied, done, staleness, *_rest = channel.recv_header()
                 self._receive_dense(task, channel)  # the next step's parameters, in the same reply
@@ -194,6 +216,7 @@ class ParameterServerStrategy(Strategy):
                 self._done = self._done or bool(done)
         self._pushes += 1
         self._stale = False
+        return True
 
     def _overflowed(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> bool:
         """fp16: unscale this worker's gradients, dense and embedding rows; True means skip the push.
@@ -210,7 +233,7 @@ class ParameterServerStrategy(Strategy):
         scaler.update(overflow)
         return overflow
 
-    def _send_gradients(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    def _send_gradients(self, touched: list[tuple[str, torch.Tensor, torch.Tensor]], lr_factor: float) -> None:
         """One PUSH to every ps task: its dense shards' gradients, then its embedding rows'."""
         assert self._layout is not None
         for task, channel in enumerate(self._channels):
@@ -218,7 +241,8 @@ class ParameterServerStrategy(Strategy):
             for ref in self._layout.dense(task):
                 param = self._params[ref.index]
                 grads.append(ref.view(param.grad) if param.grad is not None else ref.view(torch.zeros_like(param)))
-            channel.send_header(Op.PUSH, self._version, self._limit)  # the reply brings the next parameters
+            # The reply brings the next parameters.
+            channel.send_header(Op.PUSH, self._version, self._limit, lr_factor_word(lr_factor))
             channel.send_values(*[g.cpu() for g in pack(grads)])
             for ref in self._layout.sparse(task):
                 lo, hi = ref.shard.rows  # type: ignore[misc]
@@ -368,9 +392,19 @@ class ParameterServerStrategy(Strategy):
         return super().save(directory, keep=keep, wait=wait)
 
     def restore(self, directory: Any) -> dict[str, Any]:
-        if not self.is_chief:
-            return {}  # the ps tasks hold every worker until the chief has loaded them
+        if not self.is_chief:  # the ps tasks hold every worker until the chief has loaded them
+            if self.lr_schedule is not None:  # each worker goes on from the chief's schedule
+                path = latest_checkpoint(directory)
+                if path is not None:
+                    data = self._read_checkpoint(path)
+                    self.lr_schedule.load_state_dict(data.get("lr_scheduler"), int(data.get("step", 0)))
+            return {}
         return super().restore(directory)
+
+    def lr_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The recipe's optimizer: never stepped here, but its lr is what each push carries."""
+        inner = self._wrapped_optimizer.inner if isinstance(self._wrapped_optimizer, _PushOptimizer) else None
+        return [inner] if isinstance(inner, torch.optim.Optimizer) else []
 
     def _after_restore(self) -> None:
         """Send the loaded parameters and optimizer state to the ps tasks that own them."""

@@ -31,6 +31,7 @@ def render_progress(snapshot: JobSnapshot) -> RenderableType:
         f"  {fmt_rate(snapshot.samples_per_s)} samples/s now",  # the summary's is the mean after step 1
         f"  {fmt_rate(snapshot.tokens_per_s)} tokens/s" if snapshot.tokens_per_s is not None else "",
         f"  MFU {snapshot.mfu:.1%}" if snapshot.mfu is not None else "",
+        f"  lr {snapshot.lr:.3g}" if snapshot.lr is not None else "",
         f"  elapsed {fmt_seconds(snapshot.elapsed_s)}",
         f"  ETA {fmt_seconds(snapshot.eta_s)}",
     )

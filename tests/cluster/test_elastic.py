@@ -113,6 +113,7 @@ class _Job:
     output, so a job that goes quiet fails ``read_until`` at its deadline rather than blocking it)."""
 
     def __init__(self, lab: Lab, *args: str) -> None:
+        self._log = lab.root / f"job-{time.monotonic_ns()}.jsonl"  # everything it said, kept for a failure
         self.proc = subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", "train",
                                       *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
         self.lines: list[dict] = []
@@ -136,10 +137,14 @@ class _Job:
             except queue.Empty:
                 said = [x for x in self.lines if x["type"] == "membership"
                         or (x["type"] == "output" and x["line"].startswith("[distrun]"))]
-                raise AssertionError(f"{what} did not happen within {within_s} s; the job said: {said[-10:]} "
+                self._log.write_text("".join(json.dumps(x) + "\n" for x in self.lines) + "".join(self.stderr))
+                raise AssertionError(f"{what} did not happen within {within_s} s (all it said: {self._log}); "
+                                     f"the job said: {said[-10:]} "
                                      f"{''.join(self.stderr)[-2000:]}") from None
             if line is None:
-                raise AssertionError(f"the job ended before {what}: {''.join(self.stderr)[-3000:]}")
+                self._log.write_text("".join(json.dumps(x) + "\n" for x in self.lines) + "".join(self.stderr))
+                raise AssertionError(f"the job ended before {what} (all it said: {self._log}): "
+                                     f"{''.join(self.stderr)[-3000:]}")
             self.lines.append(line)
             if predicate(line):
                 return
@@ -250,26 +255,25 @@ def test_a_worker_host_added_to_the_cluster_file_joins_up_to_max(elastic_lab) ->
     _no_training_processes(lab)
 
 
-def test_diloco_holds_while_a_hosts_link_is_down_for_8_s(elastic_lab) -> None:
-    """diloco --elastic 2:3 on three hosts; h3's link goes down for 8 s mid-run. The others find it
-    gone at a sync and go on; it is fenced out while cut off, and once its link is back (and TCP's
-    retransmission reaches the store) it rejoins at a sync, its server followed again from where
-    its stream broke. Every outer step is taken once and none is lost."""
+def _diloco_holds_across_a_partition(elastic_lab, link_down_s: float) -> None:
+    """diloco --elastic 2:3 on three hosts; h3's link goes down for ``link_down_s`` mid-run. The
+    others find it gone at a sync and go on; it is fenced out while cut off, and once its link is
+    back it rejoins at a sync: on its own store connection (TCP's retransmission reaches the store),
+    cut off and started again as a joiner where that connection broke, or submitted again where its
+    server cancelled the job nobody followed. Every outer step is taken once and none is lost."""
     lab, cluster = elastic_lab
-    recipe = _recipe(lab, "diloco-link")
-    steps, every = 400, 10
+    recipe = _recipe(lab, f"diloco-link-{link_down_s:.0f}")
+    every = 10
+    steps = 400 + int(link_down_s * 14 // every * every)  # ~14 steps a second while h3 is gone
     job = _Job(lab, str(recipe), "--cluster", str(cluster), "--strategy", "diloco", "--elastic", "2:3",
                "--sync-every", str(every), "--steps", str(steps), "--json", "--no-fetch", "--log-interval-s", "0.5",
                "--", "--sleep-s", "0.07")
-    h3_ns = lab.hosts["h3"][0]
     try:
         job.read_until(lambda line: line.get("type") == "sync" and line["step"] >= 30, 120, "the sync of step 30")
-        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "down"], check=True)
-        time.sleep(8)
-        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "up"], check=True)
-        job.read_until(lambda line: line.get("type") == "summary", 240, "the job's end")
+        _partition(lab, "h3", link_down_s)
+        job.read_until(lambda line: line.get("type") == "summary", 240 + link_down_s, "the job's end")
     finally:
-        subprocess.run(["ip", "-n", h3_ns, "link", "set", "eth0", "up"], check=False)
+        subprocess.run(["ip", "-n", lab.hosts["h3"][0], "link", "set", "eth0", "up"], check=False)
         if job.proc.poll() is None:
             job.proc.kill()
     summary = job.lines[-1]
@@ -277,14 +281,26 @@ def test_diloco_holds_while_a_hosts_link_is_down_for_8_s(elastic_lab) -> None:
     changes = [line for line in job.lines if line["type"] == "membership"]
     h3 = lab.hosts["h3"][1]
     assert [c["world_size"] for c in changes] == [2, 3], changes
-    assert changes[0]["left"] == [f"rank 2 on {h3} (its beat stopped: its host or launcher is gone)"], changes
+    assert changes[0]["left"][0].startswith(f"rank 2 on {h3} ("), changes
     assert changes[1]["joined"] == [f"rank 2 on {h3}"] and changes[1]["step"] % every == 0, changes
     notes = [line["line"] for line in job.lines if line["type"] == "output" and line["rank"] == -1]
-    assert any("is back, its ranks still in the job" in note for note in notes), notes
+    assert any(f"{h3} is back" in note for note in notes), notes
     syncs = [line["step"] for line in job.lines if line["type"] == "sync"]
     assert syncs == list(range(every, steps + every, every)), syncs
     assert (summary["steps"], summary["outer_steps"], summary["steps_lost"]) == (steps, steps // every, 0)
+    assert summary["membership_changes"] >= 2 and summary["ranks_lost"] == [], summary
     _no_training_processes(lab)
+
+
+def test_diloco_holds_while_a_hosts_link_is_down_for_8_s(elastic_lab) -> None:
+    _diloco_holds_across_a_partition(elastic_lab, 8)
+
+
+@pytest.mark.bench
+@pytest.mark.parametrize("link_down_s", [15, 45])
+def test_diloco_holds_across_a_long_partition(elastic_lab, link_down_s) -> None:
+    """Issue 52's partitions under diloco (`-m bench`: a 15 s one runs in the suite under multi-worker)."""
+    _diloco_holds_across_a_partition(elastic_lab, link_down_s)
 
 
 # -- chaos: a seeded schedule of faults on the non-chief hosts, one at a time, each tied to a step
@@ -315,12 +331,53 @@ def chaos_schedule(seed: int, faults: int, kinds: tuple[str, ...] = CHAOS_KINDS)
     return plan[:faults]
 
 
+def chaos_long_schedule(seed: int, faults: int) -> list[tuple[str, str, float]]:
+    """(kind, host, link seconds) for each fault, from ``seed``: kills, SIGSTOPs and 15-45 s
+    partitions on h2 and h3, and a server restart on a host after every 3 of the others there: each
+    of those may use one of its launcher's 3 respawns, and a restarted server's launcher has 3 anew."""
+    import random
+
+    rng = random.Random(seed)
+    plan: list[tuple[str, str, float]] = []
+    since_restart = {"h2": 0, "h3": 0}
+    while len(plan) < faults:
+        host = rng.choice(("h2", "h3"))
+        if since_restart[host] == 3:
+            plan.append(("server", host, 0.0))
+            since_restart[host] = 0
+            continue
+        kind = rng.choice(CHAOS_KINDS)
+        plan.append((kind, host, float(rng.randint(15, 45)) if kind == "link" else 0.0))
+        since_restart[host] += 1
+    return plan
+
+
+def chaos_steps(plan: list[tuple[str, str, float]], steps_per_s: float = 30.0) -> int:
+    """Steps enough for ``plan``: the job must still run when its last fault is injected (two members
+    train on at ``steps_per_s`` while a fault lasts, then the third rejoins), and a margin after."""
+    lasts_s = {"kill": 5.0, "stop": 9.0, "server": 15.0, "link": 8.0}
+    return int(30 + sum(60 + steps_per_s * (lasts_s[kind] + seconds) for kind, _host, seconds in plan) * 1.3) + 300
+
+
+def _restart_server(lab: Lab, cluster: Path, job: _Job, host: str) -> None:
+    """SIGKILL ``host``'s worker server (its ranks die with it), wait for the group to go on without
+    them, then bring it back with ``distrun up``: its ranks are submitted again as joiners."""
+    groups = sum(line["type"] == "membership" for line in job.lines)
+    state = lab.workdir / "elastic" / lab.hosts[host][1] / "server.json"
+    os.kill(json.loads(state.read_text())["pid"], signal.SIGKILL)
+    job.read_until(lambda line: line["type"] == "membership" and sum(x["type"] == "membership" for x in job.lines)
+                   > groups, 60, f"the group without {host}")
+    up = lab_cli(lab, "up", str(cluster), "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+
+
 def run_chaos(lab: Lab, cluster: Path, one_device_at, *, seed: int, faults: int, steps: int,
-              link_down_s: float = 8.0, plan: list[tuple[str, str]] | None = None,
-              kinds: tuple[str, ...] = CHAOS_KINDS) -> str:
-    """One ``--elastic 2:3`` multi-worker job while ``chaos_schedule(seed, faults)`` is injected: a
-    fault once the job passes its step, the next once the group is whole again. The job must end
-    with one-device's parameters and lose no step. Returns the line for the docs."""
+              link_down_s: float = 8.0, plan: list[tuple[str, str]] | list[tuple[str, str, float]] | None = None,
+              kinds: tuple[str, ...] = CHAOS_KINDS, atol: float = 1e-6) -> str:
+    """One ``--elastic 2:3`` multi-worker job while ``chaos_schedule(seed, faults)`` (or ``plan``)
+    is injected: a fault once the job passes its step, the next once the group is whole again. A
+    plan's entry may give its partition's seconds (else ``link_down_s``). The job must end with
+    one-device's parameters and lose no step. Returns the line for the docs."""
     recipe = _recipe(lab, f"chaos-{seed}-{faults}")
     pids = recipe.parent / "pids"
     pids.mkdir()
@@ -333,28 +390,28 @@ def run_chaos(lab: Lab, cluster: Path, one_device_at, *, seed: int, faults: int,
     survived = 0  # faults after which the group was whole again
     try:
         whole_at = 0  # the step at which the group was last whole again
-        for index, (kind, host) in enumerate(plan):
+        for index, (kind, host, *seconds) in enumerate(plan):
             at = max(30 + 60 * index, whole_at + 30)
             job.read_until(lambda line: line["type"] == "step" and line["step"] >= at, 120, f"step {at}")
             rank = list(lab.hosts).index(host)  # one slot a host: h2 runs rank 1, h3 rank 2
             step = job.lines[-1]["step"]
             groups = sum(line["type"] == "membership" for line in job.lines)
-            ns = lab.hosts[host][0]
             if kind == "kill":
                 os.kill(int((pids / str(rank)).read_text()), signal.SIGKILL)
             elif kind == "stop":  # the others go on within a second; its launcher kills it after 5 s stopped
                 os.kill(int((pids / str(rank)).read_text()), signal.SIGSTOP)
+            elif kind == "server":
+                _restart_server(lab, cluster, job, host)
             else:
-                subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "down"], check=True)
-                time.sleep(link_down_s)
-                subprocess.run(["ip", "-n", ns, "link", "set", "eth0", "up"], check=True)
-            injected.append((kind, host, step))
+                _partition(lab, host, seconds[0] if seconds else link_down_s)
+            injected.append((kind if kind != "link" else f"link {seconds[0] if seconds else link_down_s:.0f} s",
+                             host, step))
             job.read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3
                            and sum(x["type"] == "membership" for x in job.lines) > groups + 1,
                            120, f"the group whole again after {kind} on {host} at step {step}")
             whole_at = job.lines[-1]["step"]
             survived += 1
-        job.read_until(lambda line: line["type"] == "summary", 300, "the job's end")
+        job.read_until(lambda line: line["type"] == "summary", max(300.0, steps / 15), "the job's end")
         job.proc.wait(timeout=30)
     finally:
         for _, (ns, _) in lab.hosts.items():
@@ -367,7 +424,8 @@ def run_chaos(lab: Lab, cluster: Path, one_device_at, *, seed: int, faults: int,
     results = next(line for line in job.lines if line["type"] == "results")
     model = torch.load(results["checkpoint"], weights_only=True)["model"]
     for key, tensor in one_device_at(steps).items():
-        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=atol,
+                                   msg=lambda text, key=key: f"{key}: {text}")
     line = (f"chaos (seed {seed}): {len(injected)} faults injected ({', '.join(f'{k} {h} @{s}' for k, h, s in injected)}), "
             f"{survived} survived, {summary['steps_lost']} steps lost, {summary['membership_changes']} membership "
             f"changes, {steps} steps in {time.monotonic() - started:.0f} s, one-device's parameters")
@@ -382,6 +440,17 @@ def test_chaos_killed_and_stopped_ranks_end_in_one_devices_parameters(elastic_la
     next test's; interleaved with these they are not yet survived (issue 33, left open)."""
     lab, cluster = elastic_lab
     run_chaos(lab, cluster, one_device_at, seed=33, faults=4, steps=420, kinds=("kill", "stop"))
+
+
+def test_a_restarted_servers_rank_is_not_taken_for_its_lost_predecessor(elastic_lab, one_device_at):
+    """h3's rank is killed (its agent marks that start lost), then h3's server is restarted: the new
+    launcher's first start of rank 2 must not read as the lost one. Before, it did (the mark was
+    ``lost/RANK/N`` with N counted per launcher), so when h2's rank was killed next, the chief
+    closed its round without the live rank 2 and the job failed ``BelowMinimum`` (issue 52's chaos
+    run, at its 12th fault). Now a start is named by its launcher's pid and start time too."""
+    lab, cluster = elastic_lab
+    run_chaos(lab, cluster, one_device_at, seed=0, faults=3, steps=700,
+              plan=[("kill", "h3"), ("server", "h3"), ("kill", "h2")])
 
 
 def _partition(lab: Lab, host: str, seconds: float) -> None:
@@ -447,6 +516,30 @@ def test_a_15_s_partition_heals_and_a_job_that_ends_during_one_succeeds(elastic_
     for key, tensor in one_device_at(steps).items():
         torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
     _no_training_processes(lab)
+
+
+@pytest.mark.bench
+def test_multi_worker_heals_after_a_45_s_partition(elastic_lab, one_device_at):
+    """Issue 52's longest partition under multi-worker (`-m bench`; the suite runs a 15 s one above):
+    h2's rank is cut off, or its server cancels the job nobody followed; either way it is back in
+    the group, and the job ends with one-device's parameters and no step lost."""
+    lab, cluster = elastic_lab
+    run_chaos(lab, cluster, one_device_at, seed=1, faults=1, steps=30 + 45 * 30 + 300, link_down_s=45,
+              plan=[("link", "h2")])
+
+
+@pytest.mark.bench
+@pytest.mark.timeout(3600)
+def test_chaos_twenty_faults(elastic_lab, one_device_at):
+    """The documented figure for issue 52: DISTRUN_CHAOS_FAULTS faults (default 20) of every kind,
+    15-45 s partitions and server restarts among them, seed DISTRUN_CHAOS_SEED (52)."""
+    lab, cluster = elastic_lab
+    plan = chaos_long_schedule(int(os.environ.get("DISTRUN_CHAOS_SEED", "52")),
+                               int(os.environ.get("DISTRUN_CHAOS_FAULTS", "20")))
+    # atol: 15,000 steps whose all-reduces sum in another order at each group size leave fp32 noise
+    # (measured: 1.3e-5 at most, on weights up to 9); a step lost or taken twice moves them ~1e-2.
+    run_chaos(lab, cluster, one_device_at, seed=int(os.environ.get("DISTRUN_CHAOS_SEED", "52")), faults=len(plan),
+              steps=chaos_steps(plan), plan=plan, atol=1e-4)
 
 
 @pytest.mark.bench

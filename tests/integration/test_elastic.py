@@ -239,6 +239,32 @@ def test_a_replica_cut_off_from_the_store_leaves_and_rejoins_as_a_joiner(tmp_pat
     assert "frame #" not in result.stderr, result.stderr[-2000:]
     _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device)
 
+
+SCHEDULED = ELASTIC + """
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.2 * step))
+"""
+
+
+def test_a_lost_replica_rejoins_with_the_learning_rate_schedule_where_it_was(tmp_path):
+    """The schedule's state travels with a heal: rank 2, killed at step 10 and healed as a joiner,
+    and the survivors all step the source's schedule, so the job ends with the parameters of
+    one device on the same schedule (an lr that changes every step: one step off fails it)."""
+    recipe = tmp_path / "scheduled.py"
+    recipe.write_text(SCHEDULED)
+    alone = _train(recipe, "--strategy", "one-device", "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "one"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2", "--die-at", "10",
+                    "--once", str(tmp_path / "once"), "--sleep-s", "0.2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [c["world_size"] for c in result.json_lines() if c["type"] == "membership"] == [2, 3]
+    reference = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    _no_step_lost_and_one_devices_parameters(result, tmp_path, reference["model"])
+    healed = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)
+    assert healed["lr_scheduler"]["last_epoch"] == reference["lr_scheduler"]["last_epoch"] == STEPS
+
 def test_a_lost_replica_with_compressed_gradients(tmp_path):
     """With a comm hook (bf16 on the wire), DDP is rebuilt for the new group and the hook attached anew."""
     recipe = tmp_path / "elastic.py"

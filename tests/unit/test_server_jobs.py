@@ -150,3 +150,18 @@ def test_a_local_jobs_record_ends_lost_when_its_client_goes(tmp_path: Path) -> N
     (row,) = manager.list({})["jobs"]
     assert (row["job"], row["state"], row["recipe"], row["world_size"]) == ("local-y", "lost", "r.py", 2)
     assert "ended without a result" in row["error"]
+
+
+def test_an_ended_record_set_aside_leaves_room_for_a_rejoining_record(tmp_path: Path) -> None:
+    """--elastic: a host whose ranks ended (a link down past the lease) rejoins in a new record of the
+    same job; the ended one's files move aside, numbered, so the new one's result.json is its own."""
+    from distrun.server._job_record import JobRecord
+
+    for number in (1, 2):
+        record = JobRecord("j", tmp_path)
+        record.record_note("ran")
+        record.finish("stopped", {"state": "stopped", "run": number})
+        record.set_aside()
+        assert not (tmp_path / "result.json").exists() and not (tmp_path / "events.ndjson").exists()
+        assert f'"run": {number}' in (tmp_path / f"result.{number}.json").read_text()
+        assert "ran" in (tmp_path / f"events.{number}.ndjson").read_text()

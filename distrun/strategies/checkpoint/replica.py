@@ -42,6 +42,9 @@ class CheckpointReplica:
     epoch: int
     name: str
     restored_from: Path | None
+    #: The fit loop's learning-rate schedule (``runtime/_schedule.LrSchedule``), when the recipe has
+    #: one: its state is every checkpoint's ``lr_scheduler``, and ``restore`` puts it back.
+    lr_schedule: Any = None
 
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
@@ -79,6 +82,8 @@ class CheckpointReplica:
         scaler = self._step.scaler_state()
         if scaler is not None:
             meta["scaler"] = scaler
+        if self.lr_schedule is not None:
+            meta["lr_scheduler"] = self.lr_schedule.state_dict()
         return meta
 
     def save(self, directory: str | Path, *, keep: int = 3, wait: bool = False) -> Path | None:
@@ -178,6 +183,8 @@ class CheckpointReplica:
             self._dataset.seek(self.epoch, int(data.get("batch_in_epoch", 0)))
         set_rng_state(data.get("rng") or {}, self.device)
         self._step.load_scaler_state(data.get("scaler"))
+        if self.lr_schedule is not None:  # after the optimizer's state, whose groups carry an lr too
+            self.lr_schedule.load_state_dict(data.get("lr_scheduler"), self.step)
         self._load_comm_state(data.get("comm"))
         self._after_restore()
         return data

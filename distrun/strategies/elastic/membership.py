@@ -116,13 +116,14 @@ class Membership:
 
     def __init__(self, store_factory: Callable[[], Any], member_id: int | None, *, timeout: timedelta,
                  backend: str = "gloo", device: torch.device | None = None, who: str = "",
-                 launch_rank: int | None = None, incarnation: int = 0) -> None:
+                 launch_rank: int | None = None, incarnation: str = "0") -> None:
         """``member_id``: the launcher's rank for a first member; None for a joiner (a
         restarted rank, a new host), which takes a fresh id from the store.
         ``backend``/``device``: the default group each round opens (gloo, or nccl and its GPU).
         ``who``: how events name this member ("rank 2 on 10.0.0.3"). ``launch_rank`` and
-        ``incarnation``: which start of which launcher rank this is: its launcher's agent
-        marks exactly that one lost when it dies (``elastic/lost/RANK/INCARNATION``)."""
+        ``incarnation``: which start of which launcher rank this is, unique across launchers
+        (``runtime/_process.incarnation_id``): its launcher's agent marks exactly that one lost
+        when it dies (``elastic/lost/RANK/INCARNATION``)."""
         self._store_factory = store_factory
         self._store = dist.PrefixStore(STORE_PREFIX, store_factory())
         self._watch_store = dist.PrefixStore(STORE_PREFIX, store_factory())

@@ -249,6 +249,10 @@ class ElasticReplica:
     _committed_position: tuple[int, int]
     _healed_position: tuple[int, int] | None
     _recoveries_in_a_row: int
+    lr_schedule: Any
+    #: The learning-rate schedule's state a heal brought (a joiner heals before its schedule is built:
+    #: the fit loop loads this into it then); None where no heal carried one.
+    healed_lr_schedule: dict[str, Any] | None = None
     step: int
     epoch: int
     name: str
@@ -337,9 +341,13 @@ class ElasticReplica:
                       load_optimizer_state=self._load_optimizer_state, device=self._collective_device,
                       round_ended=elastic.membership.round_ended,
                       values={"step": self.step, "position": list(self._committed_position),
-                              "scaler": self._step.scaler_state()})
+                              "scaler": self._step.scaler_state(),
+                              "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None})
         self.step = int(values["step"])
         self._step.load_scaler_state(values["scaler"])
+        self.healed_lr_schedule = values.get("lr_schedule")
+        if self.lr_schedule is not None:  # the source's, skipped steps and all (a count would miss them)
+            self.lr_schedule.load_state_dict(self.healed_lr_schedule, self.step)
         self._resplit(round_, (int(values["position"][0]), int(values["position"][1])))
 
     def _resplit(self, round_: Any, position: tuple[int, int]) -> None:

@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import os
+import struct
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -46,7 +48,7 @@ from distrun.protocol.wire import mac
 
 __all__ = ["Channel", "Op", "HEADER_LEN", "MAX_JSON_BYTES", "CHIEF_OPS", "PeerRefused", "open_worker_channels",
            "accept_channel", "watch_joins", "describe_state", "receive_state", "check_header", "prove_worker",
-           "check_worker"]
+           "check_worker", "lr_factor_word", "push_lr_factor"]
 
 HEADER_LEN = 8
 _FP16_MAX = 65504.0
@@ -154,7 +156,8 @@ class Op:
     """Header word 0: what a worker asks of a ps task (see ``check_header`` for each one's words)."""
 
     PULL = 1  # dense parameters and the version they are at
-    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); the reply is a PULL's
+    PUSH = 2  # gradients (dense, then touched rows of partitioned embeddings); the reply is a PULL's.
+    # Words: the version pulled, the chief's step budget, the worker's lr factor (lr_factor_word).
     ROWS = 3  # rows of a partitioned embedding
     STATE = 4  # everything, for a checkpoint
     LOAD = 5  # everything, from a checkpoint
@@ -192,6 +195,22 @@ def check_header(words: list[int], *, chief: bool, sparse_slots: int, max_rows: 
     if op in (Op.PULL, Op.STATE, Op.LOAD, Op.FINISH, Op.BYE):
         return (op,)
     raise PeerRefused(f"unknown op {op}")
+
+
+def lr_factor_word(factor: float) -> int:
+    """A PUSH's word 3: the pushing worker's lr over the recipe's (its scheduler's factor), as the
+    bits of a float64. The ps task applies the push with its groups' lr times it."""
+    return struct.unpack("<q", struct.pack("<d", float(factor)))[0]
+
+
+def push_lr_factor(words: list[int]) -> float:
+    """Word 3 of a checked PUSH header: the lr factor (0 bits, a worker that sends none: 1.0)."""
+    if words[3] == 0:
+        return 1.0
+    factor = struct.unpack("<d", struct.pack("<q", words[3]))[0]
+    if not math.isfinite(factor) or factor < 0:
+        raise PeerRefused(f"PUSH: an lr factor must be a finite number >= 0. Received: {factor}")
+    return factor
 
 
 def prove_worker(channel: Channel, secret: bytes, worker: int) -> None:

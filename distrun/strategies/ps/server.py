@@ -38,6 +38,7 @@ from distrun.strategies.ps.channel import (
     accept_channel,
     check_header,
     describe_state,
+    push_lr_factor,
     receive_state,
     watch_joins,
 )
@@ -64,6 +65,8 @@ class ParameterServer:
         self._dense_specs = flat_specs([tuple(self._tensors[i].shape) for i in self._dense],
                                        [self._tensors[i].dtype for i in self._dense])
         self._optimizer = make_optimizer(list(self._tensors)) if self._tensors else None
+        #: The recipe's lr per group: a push is applied at these times its worker's lr factor.
+        self._base_lrs = [group["lr"] for group in self._optimizer.param_groups] if self._optimizer else []
         self._sync = sync
         self._max_staleness = max_staleness
         self._cond = threading.Condition()
@@ -71,7 +74,8 @@ class ParameterServer:
         self._limit: int | None = None
         self._clocks: dict[int, int] = {}  # connected worker connection -> pushes counted for it
         self._workers: dict[int, int] = {}  # connection -> worker index
-        self._round: dict[int, tuple[int, list[torch.Tensor | None]]] = {}  # connection -> (worker, grads)
+        #: connection -> (worker, grads, lr factor)
+        self._round: dict[int, tuple[int, list[torch.Tensor | None], float]] = {}
         self._round_number = 0
         self._expected_workers = expected_workers
         self._joined: set[int] = set()  # worker indices that ever connected
@@ -113,12 +117,12 @@ class ParameterServer:
         max_rows = max((self._tensors[i].shape[0] for i in self._sparse), default=0)
         try:
             while True:
-                op, *args = check_header(channel.recv_header(), chief=worker == 0, sparse_slots=len(self._sparse),
-                                         max_rows=max_rows)
+                words = channel.recv_header()
+                op, *args = check_header(words, chief=worker == 0, sparse_slots=len(self._sparse), max_rows=max_rows)
                 if op == Op.PULL:
                     self._pull(channel, connection)
                 elif op == Op.PUSH:
-                    self._push(channel, connection, pulled=args[0], limit=args[1])
+                    self._push(channel, connection, pulled=args[0], limit=args[1], lr_factor=push_lr_factor(words))
                 elif op == Op.ROWS:
                     self._rows(channel, slot=args[0], count=args[1])
                 elif op == Op.STATE:
@@ -166,7 +170,7 @@ class ParameterServer:
     def _ahead(self, connection: int) -> int:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
 
-    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int) -> None:
+    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int, lr_factor: float = 1.0) -> None:
         flats = [channel.recv_values((numel,), dtype) for numel, dtype in self._dense_specs]
         grads: list[torch.Tensor | None] = [None] * len(self._tensors)
         dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
@@ -189,7 +193,7 @@ class ParameterServer:
             if not self.done and connection in self._clocks:
                 self._clocks[connection] += 1
                 if self._sync:
-                    self._round[connection] = (self._workers[connection], grads)
+                    self._round[connection] = (self._workers[connection], grads, lr_factor)
                     mine = self._round_number
                     self._close_round_if_complete()
                     while self._round_number == mine and not self.done:
@@ -197,7 +201,7 @@ class ParameterServer:
                         self._close_round_if_complete()  # the join grace may have run out
                 else:
                     staleness = self.applied - pulled
-                    self._apply(grads)
+                    self._apply(grads, lr_factor)
                     self._cond.notify_all()
             # The reply carries the parameters the worker's next step needs: no separate pull.
             flats = self._current_parameters(connection)
@@ -217,18 +221,22 @@ class ParameterServer:
         if not self._all_joined():
             return
         if not self.done:
-            contributions = [grads for _worker, grads in sorted(self._round.values(), key=lambda pair: pair[0])]
+            ordered = sorted(self._round.values(), key=lambda entry: entry[0])
+            contributions = [grads for _worker, grads, _factor in ordered]
             mean: list[torch.Tensor | None] = []
             for i, tensor in enumerate(self._tensors):
                 parts = [grads[i] for grads in contributions if grads[i] is not None]
                 mean.append(torch.stack(parts).sum(0) / len(contributions) if parts else torch.zeros_like(tensor))
-            self._apply(mean)
+            self._apply(mean, ordered[0][2])  # the workers of a round are at the same step: the first's lr
         self._round = {}
         self._round_number += 1
         self._cond.notify_all()
 
-    def _apply(self, grads: list[torch.Tensor | None]) -> None:
+    def _apply(self, grads: list[torch.Tensor | None], lr_factor: float = 1.0) -> None:
+        """One optimizer step with ``grads``, at the pushing worker's lr (its scheduler's factor)."""
         if self._optimizer is not None:
+            for group, base in zip(self._optimizer.param_groups, self._base_lrs):
+                group["lr"] = base * lr_factor
             for tensor, grad in zip(self._tensors, grads):
                 tensor.grad = grad
             self._optimizer.step()

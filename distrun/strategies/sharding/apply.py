@@ -6,7 +6,11 @@ needs it at once, so freeing and gathering it again would be wasted work.
 
 ``fully_shard`` replaces each parameter with a sharded one (a DTensor) under the same
 name. An optimizer built before holds the old tensors, so it is rebuilt: the same class,
-the same groups and hyperparameters, each group's parameters found again by name.
+the same groups and hyperparameters (every per-group option, the recipe's own keys too), each
+group's parameters found again by name. What the recipe set on the object is carried over:
+its hooks (a step pre-hook that sets the lr is a schedule) and attributes the constructor does
+not set. A ``step`` or ``zero_grad`` replaced on the object would still act on the old tensors,
+so it is refused in one line, never dropped.
 """
 
 from __future__ import annotations
@@ -80,4 +84,40 @@ def rebuild_optimizer(optimizer: Any, model: nn.Module, names: dict[int, str], *
     # only what it takes; each group already carries every value.
     accepted = inspect.signature(type(optimizer).__init__).parameters
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if open_ended or k in accepted})
+    _refuse_replaced_methods(optimizer)
+    rebuilt = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if open_ended or k in accepted})
+    _carry_over(optimizer, rebuilt)
+    return rebuilt
+
+
+#: The optimizer's own hook tables (``register_step_pre_hook`` and the rest): carried over in order.
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+
+
+def _refuse_replaced_methods(optimizer: torch.optim.Optimizer) -> None:
+    """A method set on the instance (a wrapper around the old ``step``, or what an lr scheduler
+    built on it installs) is bound to the old tensors: carrying it would step those."""
+    for name in ("step", "zero_grad"):
+        if name not in vars(optimizer):
+            continue
+        if getattr(vars(optimizer)[name], "_wrapped_by_lr_sched", False):
+            raise RecipeError("the optimizer has an lr scheduler built on it, which distrun's rebuilt optimizer "
+                              "(on the sharded parameters) would not follow; define scheduler(optimizer) in the "
+                              "recipe instead, and distrun builds it on the optimizer it steps")
+        raise RecipeError(f"the optimizer's {name} was replaced on the object; distrun rebuilds the optimizer on "
+                          f"the sharded parameters and cannot carry a replaced {name} over: use "
+                          "register_step_pre_hook/register_step_post_hook, or a subclass")
+
+
+def _carry_over(old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """The recipe's hooks and its own attributes on ``old``, onto ``new``. Hooks are called with
+    the optimizer that steps, so a hook that reads its ``optimizer`` argument acts on ``new``."""
+    for table in _HOOKS:
+        hooks = getattr(old, table, None)
+        if hooks:
+            getattr(new, table).update(hooks)
+    for name, value in vars(old).items():
+        if name not in vars(new):  # set by the recipe, not by the constructor
+            setattr(new, name, value)

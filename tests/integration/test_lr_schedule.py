@@ -1,0 +1,174 @@
+"""A recipe's ``scheduler(optimizer)`` (issue 47): stepped once per optimizer step under every
+layout, so each ends with one-device's parameters; its state in every checkpoint, plain and
+sharded, so a resume on another layout goes on where it left; ReduceLROnPlateau stepped with
+the evaluation; a recipe optimizer's step hook carried through the rebuild of sharded, --tp and
+--pp; bad input in one line.
+
+The schedule changes the lr at every step, so a schedule stepped twice a step, or not at all,
+or built on an optimizer the strategy does not step, ends elsewhere (and says another lr)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distrun.strategies import latest_checkpoint, load_checkpoint
+from tests.conftest import run_cli
+from tests.integration.test_model_parallel import TRANSFORMER
+from tests.integration.test_nonfinite import NAN_AT_5
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
+
+TOLERANCE = 2e-4  # test_model_parallel's bound against one-device after the same steps
+STEPS = 12
+LR = 0.01
+
+FACTOR = '''
+
+def _factor(step):
+    """Warm-up over 3 steps, then a decay: a different lr at every step."""
+    return min(1.0, (step + 1) / 3) * 0.85 ** max(0, step - 2)
+'''
+
+SCHEDULED = TRANSFORMER + FACTOR + '''
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
+'''
+
+#: The same lr at every step, set by a step pre-hook on the recipe's optimizer (the issue's user
+#: wrote the schedule this way): sharded, --tp and --pp rebuild the optimizer and must keep it.
+HOOKED = TRANSFORMER.replace("""def optimizer(params):
+    return torch.optim.AdamW(params, lr=0.01)""", """def optimizer(params):
+    opt = torch.optim.AdamW(params, lr=0.01)
+    taken = [0]
+
+    def schedule(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            group["lr"] = 0.01 * _factor(taken[0])
+        taken[0] += 1
+
+    opt.register_step_pre_hook(schedule)
+    return opt""") + FACTOR
+
+
+def _factor(step: int) -> float:
+    return min(1.0, (step + 1) / 3) * 0.85 ** max(0, step - 2)
+
+
+def _train(recipe, ckpt, *flags, steps=STEPS):
+    result = run_cli("train", str(recipe), "--json", "--steps", str(steps), "--checkpoint-dir", str(ckpt), *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, load_checkpoint(latest_checkpoint(ckpt))
+
+
+def _close(a, b, what):
+    assert set(a) == set(b), f"{what}: {sorted(set(a) ^ set(b))}"
+    for key, tensor in b.items():
+        torch.testing.assert_close(a[key], tensor, rtol=0, atol=TOLERANCE, msg=f"{what}: {key}")
+
+
+def _step_lrs(result):
+    """Rank 0's step events: step -> the lr it used."""
+    return {line["step"]: line["lr"] for line in result.json_lines() if line["type"] == "step" and line["rank"] == 0}
+
+
+@pytest.fixture(scope="module")
+def recipes(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lr")
+    (folder / "scheduled.py").write_text(SCHEDULED)
+    (folder / "hooked.py").write_text(HOOKED)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def one_device(recipes, tmp_path_factory):
+    """The reference: 12 steps on one device with the schedule."""
+    result, data = _train(recipes / "scheduled.py", tmp_path_factory.mktemp("one"))
+    lrs = _step_lrs(result)
+    # Step k used the lr of k - 1 scheduler steps: the schedule moves once per step, after it.
+    assert lrs[1] == pytest.approx(LR * _factor(0)) and lrs[STEPS] == pytest.approx(LR * _factor(STEPS - 1)), lrs
+    assert data["lr_scheduler"]["last_epoch"] == STEPS
+    return result, data
+
+
+@pytest.mark.parametrize("flags", [
+    ("-s", "mirrored", "--replicas", "2"),
+    ("-s", "sharded", "--replicas", "2"),
+    ("-s", "central-storage", "--replicas", "2"),
+    ("-s", "mirrored", "--tp", "2"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
+    ("-s", "parameter-server", "--replicas", "1", "--ps-sync"),
+], ids=["mirrored", "sharded", "central-storage", "tp", "pp", "ps"])
+def test_a_schedule_ends_with_one_devices_parameters(recipes, one_device, tmp_path, flags):
+    reference, one = one_device
+    result, data = _train(recipes / "scheduled.py", tmp_path / "ck", *flags)
+    _close(data["model"], one["model"], f"{' '.join(flags)} vs one-device")
+    assert _step_lrs(result)[STEPS] == pytest.approx(LR * _factor(STEPS - 1))
+    assert data["lr_scheduler"]["last_epoch"] == STEPS, data["lr_scheduler"]
+    assert result.summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=TOLERANCE)
+
+
+def test_a_resume_on_another_layout_goes_on_with_the_schedule(recipes, one_device, tmp_path):
+    """Stopped at step 6 of 12 under sharded x2 (the schedule's state in the sharded checkpoint's
+    JSON), resumed on one device: where the uninterrupted run ends."""
+    _, one = one_device
+    ckpt = tmp_path / "ck"
+    _train(recipes / "scheduled.py", ckpt, "-s", "sharded", "--replicas", "2", steps=6)
+    result, data = _train(recipes / "scheduled.py", ckpt, "--resume")
+    _close(data["model"], one["model"], "sharded x2 to step 6, one-device to 12, vs one-device")
+    lrs = _step_lrs(result)
+    assert min(lrs) == 7 and lrs[7] == pytest.approx(LR * _factor(6)), lrs
+    assert data["lr_scheduler"]["last_epoch"] == STEPS
+
+
+@pytest.mark.parametrize("flags", [
+    ("-s", "sharded", "--replicas", "2"),
+    ("-s", "mirrored", "--tp", "2"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
+], ids=["sharded", "tp", "pp"])
+def test_an_optimizers_step_hook_survives_the_rebuild(recipes, one_device, tmp_path, flags):
+    """The hook sets the schedule's lr before each step: one-device's scheduled parameters."""
+    _, one = one_device
+    result, data = _train(recipes / "hooked.py", tmp_path / "ck", *flags)
+    _close(data["model"], one["model"], f"hooked {' '.join(flags)} vs one-device with scheduler()")
+    assert _step_lrs(result)[STEPS] == pytest.approx(LR * _factor(STEPS - 1))
+
+
+PLATEAU = TRANSFORMER + '''
+
+def scheduler(optimizer):
+    # Nothing is ever better by 10: every evaluation after the first halves the lr.
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=10,
+                                                      threshold_mode="abs")
+'''
+
+
+def test_reduce_on_plateau_steps_with_each_evaluation_and_bad_input_is_one_line(write_recipe, tmp_path):
+    """Evaluations at steps 2, 4 and 6: the first sets the best, the next two halve the lr (after
+    step 4 and after step 6), whatever the steps did."""
+    result, data = _train(write_recipe(PLATEAU), tmp_path / "ck", "--eval-every", "2", steps=6)
+    lrs = _step_lrs(result)
+    assert lrs[1] == pytest.approx(LR) and lrs[6] == pytest.approx(LR / 2), lrs
+    assert data["lr_scheduler"]["_last_lr"] == [pytest.approx(LR / 4)], data["lr_scheduler"]
+    assert data["optimizer"]["param_groups"][0]["lr"] == pytest.approx(LR / 4)
+
+    not_one = write_recipe(TRANSFORMER + "\n\ndef scheduler(optimizer):\n    return optimizer\n", "not_one.py")
+    refused = run_cli("train", str(not_one), "--steps", "2")
+    assert refused.returncode == 3, refused.stderr[-2000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "scheduler() returned AdamW; it must return a torch.optim.lr_scheduler.LRScheduler" in last, last
+    assert "not_one.py" in last, last
+
+
+def test_a_skipped_update_does_not_move_the_schedule(write_recipe, tmp_path):
+    """--on-nonfinite skip drops step 5's update on every replica: the schedule moves 11 times in
+    12 steps, as the fp16 scaler's skipped steps do not move it either (they never reach the
+    optimizer's step)."""
+    recipe = write_recipe(NAN_AT_5 + "\n\ndef scheduler(optimizer):\n"
+                          "    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9 ** step)\n")
+    result, data = _train(recipe, tmp_path / "ck", "-s", "mirrored", "--replicas", "2", "--on-nonfinite", "skip")
+    assert data["lr_scheduler"]["last_epoch"] == 11, data["lr_scheduler"]
+    assert data["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.05 * 0.9 ** 11)
+    lrs = _step_lrs(result)
+    assert lrs[12] == pytest.approx(0.05 * 0.9 ** 10), lrs  # step 12 used the lr of 10 applied updates
