@@ -5,7 +5,7 @@ arithmetic, and the raw TCP link probe reading the rate the link was shaped to. 
 is not asserted. The documented figure (P3 in docs/performance.md) is the same test with
 
     DISTRUN_BENCH_HOSTS=4 DISTRUN_BENCH_SIZES=1,4,16,64 DISTRUN_BENCH_REPEATS=3 \\
-        python3 -m pytest tests/cluster/test_bench_allreduce.py -s
+        python3 -m pytest -m bench tests/cluster/test_bench_allreduce.py -s
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Run by `pytest -m bench` (not the default suite), it runs on unshaped links and 
 compression trains (digits accuracy, a falling loss). Speed is not asserted. The
 documented figure (P5 in docs/performance.md) is the same test on 50 Mbit/s links:
 
-    DISTRUN_BENCH_RATE_MBIT=50 python3 -m pytest tests/cluster/test_bench_compression.py -s
+    DISTRUN_BENCH_RATE_MBIT=50 python3 -m pytest -m bench tests/cluster/test_bench_compression.py -s
 """
 
 from __future__ import annotations

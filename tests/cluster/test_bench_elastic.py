@@ -5,7 +5,7 @@ elastic with no restart and no step lost, the restart path with one restart from
 checkpoint. Speed is not asserted. The documented figure (docs/performance.md) is this
 test's output:
 
-    python3 -m pytest tests/cluster/test_bench_elastic.py -s
+    python3 -m pytest -m bench tests/cluster/test_bench_elastic.py -s
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ def _recipe(lab: Lab, name: str) -> Path:
     return folder / "elastic.py"
 
 
-def _no_training_processes(lab: Lab) -> None:
-    deadline = time.monotonic() + 10
+def _no_training_processes(lab: Lab, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
     while training_pids(lab):
         assert time.monotonic() < deadline, f"training processes left: {training_pids(lab)}"
         time.sleep(0.1)
@@ -515,7 +515,9 @@ def test_a_15_s_partition_heals_and_a_job_that_ends_during_one_succeeds(elastic_
     model = torch.load(results["checkpoint"], weights_only=True)["model"]
     for key, tensor in one_device_at(steps).items():
         torch.testing.assert_close(model[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
-    _no_training_processes(lab)
+    # h3's ranks, where its server was silent as the job ended, are its server's to stop: once its
+    # link is back, it sees no one follows the job, and cancels it after its 10 s lease.
+    _no_training_processes(lab, within_s=40)
 
 
 @pytest.mark.bench

@@ -262,8 +262,14 @@ class Membership:
         its watcher read the store again, and the job ended on that member's "Connection reset
         by peer" instead of healing it. A watcher that ended (its store client failed) or never
         read within the timeout: the member is cut off from the job, which is a change of membership.
+        A watcher already ended decides at once: its record will not change (it waited ``wait_s``
+        for nothing, twice in a recovery, and a cancelled job's rank outlived the stop's first phase).
         """
-        if self._round_over.wait(wait_s):
+        waited_until = time.monotonic() + wait_s
+        while not self._round_over.wait(min(BEAT_S * 2, wait_s)):
+            if not self._watcher.is_alive() or time.monotonic() >= waited_until:
+                break
+        if self._round_over.is_set():
             return True
         deadline = time.monotonic() + self._timeout.total_seconds()
         while True:
