@@ -24,6 +24,7 @@ from distrun.runtime._preempt import Preempted, PreemptWatch
 from distrun.runtime._reporter import EventReporter
 from distrun.runtime._schedule import build_schedule
 from distrun.strategies import InputContext, MembershipSwitch, Strategy
+from distrun.strategies.elastic.replica import one_line
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             if not strategy.is_membership_change(exc):
                 raise
             failed_at, switch = time.monotonic(), isinstance(exc, MembershipSwitch)
-            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            cause = one_line(exc)
         if failed_at is not None:  # outside the except: its traceback (and the DDP it holds) is gone
             strategy.recover(failed_at, switch=switch, cause=cause)
 

@@ -48,7 +48,7 @@ from torch import nn
 from distrun.strategies.elastic.heal import heal
 from distrun.strategies.elastic.membership import BEAT_S, JobFinished, LateForRound, Membership, Round
 
-__all__ = ["CutOff", "Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "NoProgress",
+__all__ = ["CutOff", "one_line", "Elastic", "ElasticModel", "ElasticReplica", "MembershipChange", "MembershipSwitch", "NoProgress",
            "RECOVERIES_WITHOUT_PROGRESS", "RECOVERY_TRIES", "is_collective_failure"]
 
 #: Recoveries in a row before a change of membership fails this member (and the job).
@@ -68,13 +68,18 @@ class CutOff(RuntimeError):
     process (its launcher starts one, as a joiner) can come back."""
 
 
+def one_line(exc: BaseException) -> str:
+    """``Type: first line``: torch's errors run on with C++ frames; a cause is named by its head."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def cut_off(exc: BaseException, membership: Membership) -> CutOff | None:
     """``exc``, a change of membership met while recovering, as :class:`CutOff` where this
     member's own store client no longer answers (every further try would fail alike)."""
     if membership.store_answers():
         return None
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return CutOff(f"cut off from the job: its connection to the store broke ({type(exc).__name__}: {first})")
+    return CutOff(f"cut off from the job: its connection to the store broke ({one_line(exc)})")
 
 
 class MembershipSwitch(RuntimeError):
