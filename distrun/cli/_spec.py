@@ -49,7 +49,8 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
         step_flags = [flag for flag, used in (("--compile", rest.get("compile")),
                                               ("--precision", rest.get("precision", "fp32") != "fp32"),
                                               ("--compression", rest.get("compression", "none") != "none"),
-                                              ("--clip-grad-norm", rest.get("clip_grad_norm") is not None)) if used]
+                                              ("--clip-grad-norm", rest.get("clip_grad_norm") is not None),
+                                              ("--accumulate", rest.get("accumulate", 1) != 1)) if used]
         if step_flags:
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
                              "a plain script owns its model and loop: call torch.compile / torch.autocast / "

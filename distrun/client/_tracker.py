@@ -44,7 +44,14 @@ def tracker_settings(spec: JobSpec) -> dict[str, Any]:
     precision = spec.precision
     return {"precision": precision.name, "compile_mode": precision.compile_mode if precision.compile else None,
             "compression": str(spec.communication.compression_spec), "allreduce": spec.communication.allreduce,
-            "mesh": spec.mesh if spec.parallel.ranks_per_replica > 1 else None}
+            "mesh": spec.mesh if spec.parallel.ranks_per_replica > 1 else None,
+            "micro_batch": _micro_batch(spec)}
+
+
+def _micro_batch(spec: JobSpec) -> tuple[int, int] | None:
+    """``--accumulate N``: (a micro-batch's samples on a replica, N); None without accumulation."""
+    per_replica, parts = spec.per_replica_batch_size, spec.training.accumulate
+    return (per_replica // parts, parts) if per_replica is not None and parts > 1 else None
 
 
 class JobTracker:
@@ -53,11 +60,12 @@ class JobTracker:
     def __init__(self, recipe: str, strategy: str, replicas: int, started_at: float | None = None,
                  host_of_rank: Callable[[int], str] | None = None, ps_tasks: int = 0, precision: str = "fp32",
                  compile_mode: str | None = None, compression: str = "none", allreduce: str = "flat",
-                 mesh: dict[str, int] | None = None) -> None:
+                 mesh: dict[str, int] | None = None, micro_batch: tuple[int, int] | None = None) -> None:
         """``replicas`` training ranks, then ``ps_tasks`` parameter-server ranks; ``compile_mode``
         is None unless the job runs with ``--compile``; ``mesh``: --tp's degrees (a replica of
         several ranks: the summary's ``replicas`` is then its ``dp``)."""
         self._mesh = dict(mesh) if mesh else None
+        self._micro_batch = micro_batch  # --accumulate: (samples a replica's micro-batch, micro-batches a step)
         self._recipe = recipe
         self._strategy = strategy
         self._compression = compression
@@ -250,6 +258,7 @@ class JobTracker:
             mesh=self._mesh,
             sync_line=self._syncs.line(),
             lr=self._lr,
+            micro_batch=self._micro_batch,
             **self._throughput(sum(r.samples_per_s for r in rows if r.role == "worker")),
         )
 
@@ -266,6 +275,8 @@ class JobTracker:
             strategy=self._strategy,
             replicas=self._mesh["dp"] if self._mesh else self._replicas,
             mesh=self._mesh,
+            micro_batch_size=self._micro_batch[0] if self._micro_batch else None,
+            accumulate=self._micro_batch[1] if self._micro_batch else 1,
             steps=steps,
             final_loss=chief.final_loss if chief else (last.loss if last is not None else None),
             samples_per_s=chief.samples_per_s if chief else workers_rate,

@@ -103,6 +103,9 @@ class TrainingSection:
     seed: int = 0
     #: fit recipes: DataLoader worker processes per rank reading train_data (0: in the rank).
     data_workers: int = 0
+    #: ``--accumulate N``: each replica's share of a global batch in N micro-batches, one forward and
+    #: backward each, the gradients synchronised once and the optimizer stepped once per global batch.
+    accumulate: int = 1
     #: ``--eval-every N``: fit recipes with ``eval_data`` evaluate every N steps (and always at the end).
     eval_every: int | None = None
     #: ``--clip-grad-norm MAX``: the gradients' global norm clipped to MAX before each step.

@@ -174,6 +174,7 @@ def _validate(spec: JobSpec) -> None:
     _positive("--checkpoint-every", checkpoint.every)
     _positive("--keep-checkpoints", checkpoint.keep)
     _positive("--eval-every", training.eval_every)
+    _positive("--accumulate", training.accumulate)
     if training.data_workers < 0:
         raise ConfigError(f"--data-workers: expected 0 or more worker processes. Received: {training.data_workers}")
     if strategy.device not in ("cpu", "cuda"):
@@ -189,6 +190,16 @@ def _validate(spec: JobSpec) -> None:
         raise ConfigError(
             f"--global-batch-size {training.global_batch_size} is not divisible by {strategy.replicas} replicas; "
             f"choose a multiple of {strategy.replicas}"
+        )
+    if training.accumulate > 1 and strategy.name is StrategyName.PARAMETER_SERVER:
+        raise ConfigError(f"--accumulate {training.accumulate}: parameter-server workers push each batch as it "
+                          "comes (asynchronous); give a larger --global-batch-size instead")
+    batch = training.global_batch_size
+    if batch is not None and training.accumulate > 1 and batch % (strategy.replicas * training.accumulate):
+        raise ConfigError(
+            f"--accumulate {training.accumulate}: --global-batch-size {batch} does not split into "
+            f"{strategy.replicas} replica(s) x {training.accumulate} micro-batches; choose a multiple of "
+            f"{strategy.replicas * training.accumulate}"
         )
     if (checkpoint.resume or checkpoint.every) and not checkpoint.dir:
         flag = "--resume" if checkpoint.resume else "--checkpoint-every"

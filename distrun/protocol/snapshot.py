@@ -75,6 +75,7 @@ class JobSnapshot:
     mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2, "pp": 1}); None: one rank a replica
     sync_line: str | None = None  # --strategy diloco: outer steps so far and the newest sync's bytes and seconds
     lr: float | None = None  # the chief's newest Step event's learning rate (a fit recipe's; None: unknown)
+    micro_batch: tuple[int, int] | None = None  # --accumulate: (a replica's micro-batch samples, micro-batches a step)
 
     @property
     def samples_per_s(self) -> float:
@@ -169,6 +170,10 @@ class JobSummary:
     outer_steps: int | None = None
     sync_mb: float | None = None
     sync_blocked_s: float | None = None
+    #: ``--accumulate N``: the samples of one micro-batch on a replica (a forward and backward), and N;
+    #: None and 1 without accumulation.
+    micro_batch_size: int | None = None
+    accumulate: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

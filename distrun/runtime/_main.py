@@ -348,7 +348,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
                           device=device, seed=spec.training.seed, node_rank=launch.node_rank)
     step = StepSettings(precision=spec.precision.name, compile=spec.precision.compile,
                         compile_mode=spec.precision.compile_mode, clip_grad_norm=spec.training.clip_grad_norm,
-                        activation_checkpointing=parallel.activation_checkpointing)
+                        activation_checkpointing=parallel.activation_checkpointing,
+                        accumulate=spec.training.accumulate)
     return make_strategy(name.value, replica, reporter, step=step, **options)
 
 

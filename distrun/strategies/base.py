@@ -34,6 +34,7 @@ from distrun.strategies.parallel.activation import checkpoint_units
 from distrun.strategies.sharding.units import pick_units
 from distrun.strategies.step.clipping import clip_before_step
 from distrun.strategies.step.precision import all_reduce_max
+from distrun.strategies.step.accumulation import gradient_sync, split_batch
 from distrun.strategies.step.settings import ReplicaStep, StepSettings
 from distrun.strategies.step.sync_clock import SyncClock
 
@@ -349,9 +350,23 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         A custom loop's step calls it too: under ``--pp`` the pipeline's schedule does it,
         microbatch by microbatch (a rank holds stages, which cannot be called as one model),
         and the same loop runs unchanged under every other layout."""
+        parts = self._step.settings.accumulate
+        if parts == 1:
+            return self._forward_backward_one(model, batch, loss_fn, forward, check, self.batch_weight)
+        # --accumulate: each micro-batch weighted by its share of the rows; only the last backward syncs.
+        losses = []
+        for index, (chunk, share) in enumerate(split_batch(batch, parts)):
+            with gradient_sync(model, index == parts - 1):
+                loss = self._forward_backward_one(model, chunk, loss_fn, forward, check, self.batch_weight * share)
+            losses.append(loss.float() * share)
+        return torch.stack(losses).sum()  # the replica batch's mean loss
+
+    def _forward_backward_one(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                              forward: Callable[[nn.Module, Any], Any] | None, check: Callable[[Any], None],
+                              weight: float) -> torch.Tensor:
+        """One (micro-)batch's forward, loss and backward, its gradients scaled by ``weight``."""
         loss = loss_fn((forward or _inputs_first)(model, batch), batch)
         check(loss)
-        weight = self.batch_weight
         (loss * weight if weight != 1.0 else loss).backward()
         return loss.detach()
 

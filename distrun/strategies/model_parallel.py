@@ -223,9 +223,10 @@ class ModelParallelStrategy(ShardedStrategy):
     def distribute_dataset(self, dataset: Any, global_batch_size: int, **kwargs: Any) -> Any:
         distributed = super().distribute_dataset(dataset, global_batch_size, **kwargs)
         if self.pipeline is not None:
-            rows = global_batch_size // self.num_replicas
+            rows = global_batch_size // self.num_replicas // self._step.settings.accumulate  # one micro-batch's
             if rows % self._microbatches:
-                raise ConfigError(f"--microbatches {self._microbatches}: a replica's batch of {rows} does not split "
+                batch = "micro-batch" if self._step.settings.accumulate > 1 else "batch"
+                raise ConfigError(f"--microbatches {self._microbatches}: a replica's {batch} of {rows} does not split "
                                   "into equal microbatches")
             self.pipeline.set_batch_rows(rows)
         return distributed
@@ -233,18 +234,25 @@ class ModelParallelStrategy(ShardedStrategy):
     def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
                          forward: Callable[[nn.Module, Any], Any] | None = None,
                          check: Callable[[Any], None] = lambda loss: None) -> torch.Tensor:
-        if self.pipeline is None and self._loss_parallel:
-            with loss_parallel():  # the loss and its backward on each rank's slice of the logits
-                loss = super().forward_backward(model, batch, loss_fn, forward=forward, check=check)
-            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-        elif self.pipeline is None:
-            loss = super().forward_backward(model, batch, loss_fn, forward=forward, check=check)
-        else:
+        if self.pipeline is not None:
             self._check_chain(batch)
-            loss = self.pipeline.train_step(batch, loss_fn, self.batch_weight, check)
+        loss = super().forward_backward(model, batch, loss_fn, forward=forward, check=check)
         if not self._gradients_checked:
             self._check_sequence_gradients()
         return loss
+
+    def _forward_backward_one(self, model: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], torch.Tensor],
+                              forward: Callable[[nn.Module, Any], Any] | None, check: Callable[[Any], None],
+                              weight: float) -> torch.Tensor:
+        """A (micro-)batch: through the pipeline's schedule under --pp, else the model's forward
+        (under --loss-parallel, the loss on each rank's slice of the logits)."""
+        if self.pipeline is not None:
+            return self.pipeline.train_step(batch, loss_fn, weight, check)
+        if not self._loss_parallel:
+            return super()._forward_backward_one(model, batch, loss_fn, forward, check, weight)
+        with loss_parallel():
+            loss = super()._forward_backward_one(model, batch, loss_fn, forward, check, weight)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     def _check_sequence_gradients(self) -> None:
         """--sequence-parallel, after the first backward: a module the plan left out saw a slice of

@@ -116,6 +116,8 @@ def _replica_table(snapshot: JobSnapshot) -> Table:
     """One row per rank; under --tp the title shows the mesh and a column each rank's place in it."""
     mesh = snapshot.mesh
     title = f"{snapshot.recipe} · {snapshot.strategy}" + (f" · {describe_mesh(mesh)}" if mesh else "")
+    if snapshot.micro_batch:  # --accumulate
+        title += f" · micro-batch {snapshot.micro_batch[0]} × {snapshot.micro_batch[1]}"
     table = Table(title=title, title_justify="left", expand=False)
     hosts = any(row.host for row in snapshot.rows)
     gpu = any(row.gpu_util is not None for row in snapshot.rows)  # NVML figures: a GPU % column
@@ -147,6 +149,9 @@ def render_summary(summary: JobSummary) -> RenderableType:
     else:
         table.add_row("strategy", f"{summary.strategy} × {summary.replicas}")
     table.add_row("steps", str(summary.steps))
+    if summary.micro_batch_size is not None:
+        table.add_row("micro-batch", f"{summary.micro_batch_size} samples a replica, {summary.accumulate} a step "
+                                     "(--accumulate)")
     if summary.outer_steps is not None:  # diloco: --steps counts inner steps
         table.add_row("outer steps", f"{summary.outer_steps} ({summary.sync_mb:.2f} MB sent by rank 0, "
                                      f"{summary.sync_blocked_s:.2f} s waited)")

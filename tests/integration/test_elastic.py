@@ -276,3 +276,18 @@ def test_a_lost_replica_with_compressed_gradients(tmp_path):
     assert [c["world_size"] for c in result.json_lines() if c["type"] == "membership"] == [2, 3]
     assert result.summary["steps"] == STEPS and result.summary["steps_lost"] == 0
     assert_no_processes(str(tmp_path))
+
+
+def test_a_rank_lost_in_its_second_micro_batch_redoes_the_whole_global_step(tmp_path, one_device):
+    """--accumulate 2: rank 2 dies in step 10's second micro-batch (its 20th loss), after the first
+    left gradients behind. The survivors redo step 10 whole, on 9 rows a replica (5 + 4): the job
+    ends with one-device's parameters, no step lost."""
+    recipe = tmp_path / "elastic.py"
+    recipe.write_text(ELASTIC)
+    result = _train(recipe, "--strategy", "mirrored", "--replicas", "3", "--elastic", "1:3", "--steps", str(STEPS),
+                    "--accumulate", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--", "--die-rank", "2",
+                    "--die-at", "20", "--once", str(tmp_path / "once"), "--sleep-s", "0.1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    changes = [line for line in result.json_lines() if line["type"] == "membership"]
+    assert changes and changes[0]["step"] == 9 and changes[0]["world_size"] == 2, changes
+    _no_step_lost_and_one_devices_parameters(result, tmp_path, one_device)

@@ -93,20 +93,26 @@ def one_device(recipes, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags", [
-    ("-s", "mirrored", "--replicas", "2"),
-    ("-s", "sharded", "--replicas", "2"),
-    ("-s", "central-storage", "--replicas", "2"),
-    ("-s", "mirrored", "--tp", "2"),
-    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
+    ("-s", "mirrored", "--replicas", "2", "--accumulate", "2"),
+    ("-s", "sharded", "--replicas", "2", "--accumulate", "2"),
+    ("-s", "central-storage", "--replicas", "2", "--accumulate", "4"),
+    ("-s", "mirrored", "--tp", "2", "--accumulate", "4"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b", "--accumulate", "2"),
     ("-s", "parameter-server", "--replicas", "1", "--ps-sync"),
-], ids=["mirrored", "sharded", "central-storage", "tp", "pp", "ps"])
+], ids=["mirrored-acc2", "sharded-acc2", "central-storage-acc4", "tp-acc4", "pp-acc2", "ps"])
 def test_a_schedule_ends_with_one_devices_parameters(recipes, one_device, tmp_path, flags):
+    """With --accumulate, at the same global batch of 8 with no accumulation on one device: the
+    optimizer and the schedule step once per global batch, not once per micro-batch."""
     reference, one = one_device
     result, data = _train(recipes / "scheduled.py", tmp_path / "ck", *flags)
     _close(data["model"], one["model"], f"{' '.join(flags)} vs one-device")
     assert _step_lrs(result)[STEPS] == pytest.approx(LR * _factor(STEPS - 1))
     assert data["lr_scheduler"]["last_epoch"] == STEPS, data["lr_scheduler"]
     assert result.summary["final_loss"] == pytest.approx(reference.summary["final_loss"], abs=TOLERANCE)
+    if "--accumulate" in flags:
+        parts = int(flags[flags.index("--accumulate") + 1])
+        replicas = int(flags[flags.index("--replicas") + 1]) if "--replicas" in flags else 1
+        assert (result.summary["micro_batch_size"], result.summary["accumulate"]) == (8 // replicas // parts, parts)
 
 
 def test_a_resume_on_another_layout_goes_on_with_the_schedule(recipes, one_device, tmp_path):

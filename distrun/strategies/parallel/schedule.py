@@ -98,7 +98,10 @@ class Pipeline:
         pipeline_stages = [PipelineStage(module, index, stages, device, group=group) for index, module in self._parts]
         cls = SCHEDULES[schedule]
         runs = pipeline_stages if len(pipeline_stages) > 1 else pipeline_stages[0]
-        self._schedule = cls(runs, n_microbatches=microbatches, loss_fn=self._microbatch_loss)
+        # scale_grads=False: each microbatch's loss carries its own weight. torch's default divides
+        # every gradient by the microbatch count at the end of a step, which would also shrink what
+        # an earlier --accumulate micro-batch left in .grad.
+        self._schedule = cls(runs, n_microbatches=microbatches, loss_fn=self._microbatch_loss, scale_grads=False)
         self._step: dict[str, Any] = {}  # the batch being trained: what the loss of each microbatch needs
 
     def set_batch_rows(self, rows: int) -> None:
@@ -133,8 +136,8 @@ class Pipeline:
         return mean.float()
 
     def _microbatch_loss(self, outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The loss of the microbatch holding ``rows`` of the batch, weighted so that the schedule's
-        mean over microbatches is the batch weight times the mean over the real rows."""
+        """The loss of the microbatch holding ``rows`` of the batch, weighted so that the sum over
+        microbatches is the batch weight times the mean over the real rows."""
         step = self._step
         kept = rows[rows < step["real"]]
         if kept.numel() == 0:  # all padding: no gradient, but a backward all the same
@@ -142,7 +145,7 @@ class Pipeline:
         loss = step["loss_fn"](_rows(outputs, torch.nonzero(rows < step["real"]).flatten()), _rows(step["batch"], kept))
         step["check"](loss)
         step["sums"].append(loss.detach().double() * kept.numel())
-        return loss * (self._microbatches * step["weight"] * kept.numel() / step["real"])
+        return loss * (step["weight"] * kept.numel() / step["real"])
 
     # -- evaluation -----------------------------------------------------------
 

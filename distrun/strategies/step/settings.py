@@ -32,6 +32,7 @@ class StepSettings:
     compile_mode: str = "default"
     clip_grad_norm: float | None = None  # --clip-grad-norm: the gradients' global norm, at most
     activation_checkpointing: str = "none"  # none | full | selective, on each unit (parallel/activation.py)
+    accumulate: int = 1  # --accumulate: micro-batches per replica batch (step/accumulation.py)
 
 
 class ReplicaStep:
