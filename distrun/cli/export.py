@@ -12,7 +12,8 @@ from distrun.cli._app import app, stderr
 from distrun.cli._spec import build_spec
 from distrun.client import pack
 from distrun.client.cluster_job import training_hosts
-from distrun.client.k8s import K8sJob, job_name, manifests, write
+from distrun.client._hosts import ps_hosts
+from distrun.client.k8s import K8sJob, job_name, manifests, pod_gpus, write
 from distrun.client.slurm_batch import SlurmBatch, sbatch_script
 from distrun.config import RecipeKind, Role, StrategyName, inspect_recipe, load_cluster
 from distrun.errors import UsageError
@@ -34,41 +35,77 @@ _DEBUG = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel
 
 @export_app.command("k8s")
 def k8s(
-    cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="The cluster file: one pod per worker host entry."),
+    cluster_file: Path = typer.Argument(..., metavar="CLUSTER", help="The cluster file: one pod per worker host entry (and per ps host under parameter-server)."),
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe; its folder is bundled into a ConfigMap."),
     recipe_args: list[str] = _RECIPE_ARGS,
-    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker (every worker host) | mirrored | one-device (the first).", rich_help_panel="Job"),
+    strategy: str = typer.Option("multi-worker", "--strategy", "-s", help="multi-worker (every worker host) | parameter-server (worker hosts, and a ps pod per ps host) | mirrored | one-device (the first).", rich_help_panel="Job"),
     out: Path = typer.Option(Path("k8s"), "-o", "--out", help="Folder for the manifests (one YAML file each).", rich_help_panel="Output"),
     image: str = typer.Option("distrun:latest", "--image", help="A standard image with distrun installed (docs/kubernetes.md).", rich_help_panel="Kubernetes"),
     namespace: str | None = typer.Option(None, "--namespace", help="metadata.namespace of every object.", rich_help_panel="Kubernetes"),
+    gpus_per_pod: int | None = typer.Option(None, "--gpus-per-pod", help="nvidia.com/gpu each worker pod asks for, one rank each (0: CPU pods). Required where a worker host has gpus: auto.", rich_help_panel="Kubernetes"),
+    restarts: int = typer.Option(3, "--restarts", help="Times the job may fail and start again (backoffLimit: this x the pods); a pod lost to its node does not count.", rich_help_panel="Checkpoints and restarts"),
+    checkpoint_dir: str | None = typer.Option(None, "--checkpoint-dir", help="Checkpoints go here in every pod (absolute); a restarted job resumes from the newest.", rich_help_panel="Checkpoints and restarts"),
+    checkpoint_pvc: str | None = typer.Option(None, "--checkpoint-pvc", help="The PersistentVolumeClaim mounted at --checkpoint-dir (ReadWriteMany where several pods write); without it, an emptyDir (lost with the pod).", rich_help_panel="Checkpoints and restarts"),
+    checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps.", rich_help_panel="Checkpoints and restarts"),
+    grace_s: int = typer.Option(60, "--grace-s", help="With --checkpoint-dir: terminationGracePeriodSeconds, the time a pod has from SIGTERM (a drain, a preemption) to checkpoint at one agreed step and stop.", rich_help_panel="Checkpoints and restarts"),
+    ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: synchronous rounds (one update per step from every worker).", rich_help_panel="Job"),
     steps: int | None = _STEPS,
     epochs: int | None = _EPOCHS,
     global_batch_size: int | None = _GLOBAL_BATCH,
     include: list[Path] = _INCLUDE,
     debug: bool = _DEBUG,
 ) -> None:
-    """Write Kubernetes manifests for RECIPE on CLUSTER's worker hosts: ConfigMap, headless Service, Indexed Job."""
+    """Write Kubernetes manifests for RECIPE on CLUSTER's hosts: Secret, ConfigMap, headless Service,
+    NetworkPolicy and an Indexed Job (and an Indexed Job of ps pods under parameter-server)."""
     cluster = load_cluster(cluster_file)
     name = StrategyName.parse(strategy)
-    if name is StrategyName.PARAMETER_SERVER:
-        raise UsageError("export k8s: --strategy parameter-server is not exported yet (its ps pods need a role of "
-                         "their own); use multi-worker")
     hosts = tuple(host for host in training_hosts(cluster, name) if Role.WORKER in host.roles)
-    slots = {host.slots or host.gpus or 1 for host in hosts}
+    ps = ps_hosts(cluster) if name is StrategyName.PARAMETER_SERVER else ()
+    if name is StrategyName.PARAMETER_SERVER and not ps:
+        raise UsageError(f"export k8s: {cluster_file}: --strategy parameter-server needs hosts with the ps role "
+                         "(one ps pod each)")
+    gpus = pod_gpus(hosts, gpus_per_pod, str(cluster_file))
+    slots = {host.slots or gpus or 1 for host in hosts}
     if len(slots) != 1:
         raise UsageError(f"export k8s: {cluster_file}: every worker host needs the same slots (one pod template); "
                          f"they have {', '.join(map(str, sorted(slots)))}")
     per_pod = slots.pop()
-    gpus = any(host.gpus for host in hosts)
+    if gpus and per_pod > gpus:
+        raise UsageError(f"export k8s: {cluster_file}: {per_pod} slots on pods of {gpus} GPU(s): one rank per GPU")
+    if checkpoint_pvc and not checkpoint_dir:
+        raise UsageError("--checkpoint-pvc: mounted at --checkpoint-dir, which is not given")
+    if checkpoint_dir is not None and not checkpoint_dir.startswith("/"):
+        raise UsageError(f"--checkpoint-dir: a path in the pods, where the volume mounts: expected an absolute "
+                         f"path. Received: {checkpoint_dir}")
+    if restarts < 0:
+        raise UsageError(f"--restarts: expected 0 or more. Received: {restarts}")
     spec = build_spec(recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=name.value, device="cuda" if gpus else "cpu",
                       replicas=len(hosts) * per_pod, gpus=len(hosts) * per_pod if gpus else 0, steps=steps,
-                      epochs=epochs, global_batch_size=global_batch_size, seed=None, checkpoint_dir=None,
-                      checkpoint_every=None)
+                      epochs=epochs, global_batch_size=global_batch_size, seed=None,
+                      checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
+                      checkpoint_every=checkpoint_every, ps_tasks=len(ps), ps_sync=ps_sync)
+    if checkpoint_dir is not None:  # a path in the pods, not here
+        spec = spec.replace(checkpoint_dir=checkpoint_dir)
+    # A drained pod's SIGTERM: every rank checkpoints at one agreed step (as at Slurm's warning)
+    # where distrun runs the loop and the replicas can agree (not parameter-server's workers).
+    drain = bool(checkpoint_dir) and name is not StrategyName.PARAMETER_SERVER \
+        and inspect_recipe(spec.recipe).kind is RecipeKind.FIT
+    if drain:
+        spec = spec.replace(preemptible=True)
+    if not 1 <= grace_s <= 3600:
+        raise UsageError(f"--grace-s: expected 1 to 3600 seconds. Received: {grace_s}")
     bundle = pack(Path(spec.recipe), include)
-    job = K8sJob(name=job_name(cluster, recipe), hosts=hosts, slots=per_pod, image=image, namespace=namespace)
+    job = K8sJob(name=job_name(cluster, recipe), hosts=hosts, slots=per_pod, image=image, namespace=namespace,
+                 gpus=gpus, ps_tasks=len(ps), checkpoint_dir=checkpoint_dir, checkpoint_pvc=checkpoint_pvc,
+                 restarts=restarts, checkpoint_on_sigterm=drain, grace_s=grace_s)
     for path in write(manifests(job, spec, bundle), out):
         typer.echo(str(path))
-    stderr.print(f"note: {len(hosts)} pod(s) of {per_pod} process(es); `kubectl apply -f {out}`", markup=False)
+    if checkpoint_dir and not checkpoint_pvc:
+        stderr.print(f"warning: --checkpoint-dir {checkpoint_dir} is an emptyDir: its checkpoints are lost with their "
+                     "pod, so a pod replaced after a node failure starts from step 0; give --checkpoint-pvc NAME "
+                     "to resume", markup=False)
+    what = f"{len(hosts)} pod(s) of {per_pod} process(es)" + (f" on {gpus} GPU(s) each" if gpus else " on CPU")
+    stderr.print(f"note: {what}{f' + {len(ps)} ps pod(s)' if ps else ''}; `kubectl apply -f {out}`", markup=False)
 
 
 @export_app.command("slurm")

@@ -19,6 +19,7 @@ from distrun.strategies.communication.allreduce_auto import ddp_bucket_bytes, kn
 from distrun.strategies.communication.compression import CommCompression
 from distrun.strategies.elastic.replica import ElasticModel
 from distrun.strategies.communication.hierarchical import HierarchicalAllReduce
+from distrun.strategies.step import sync_batch_norm
 from distrun.strategies.step.precision import PRECISION_DTYPES
 from distrun.strategies.base import Strategy
 
@@ -42,7 +43,7 @@ class MirroredStrategy(Strategy):
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         model = model.to(self.device)
         if self._sync_batch_norm:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = sync_batch_norm.convert(model, self.device)  # torch's on CUDA, ours on CPU
         ddp = self._ddp(model)
         if self._elastic is not None:  # DDP is rebuilt at each new round; the holder stays
             self._holder = ElasticModel(ddp)
