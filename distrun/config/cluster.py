@@ -15,6 +15,7 @@ The format (docs/cluster.md)::
     python: /opt/venv/bin/python
     workdir: ~/.distrun
     setup: ["pip install -q distrun"]
+    requirements: requirements.txt    # or a list; wheels: and index: beside it (config/_environment)
     env: {NCCL_DEBUG: WARN}
     network: {interface: eth0, port_range: [29500, 29600]}
     hosts:
@@ -38,6 +39,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from distrun.config._environment import ENVIRONMENT_KEYS, EnvironmentSpec, parse_environment
 from distrun.config._hosts import (
     DEFAULT_PYTHON,
     DEFAULT_WORKDIR,
@@ -63,6 +65,7 @@ from distrun.errors import ConfigError
 
 __all__ = [
     "ClusterSpec",
+    "EnvironmentSpec",
     "HostSpec",
     "SshSpec",
     "NetworkSpec",
@@ -103,6 +106,8 @@ class ClusterSpec:
     #: The file's ``job:`` section: default options of every `distrun train --cluster` on it
     #: (below the command line and ``--config``, above the recipe's ``defaults``).
     job: tuple[JobOption, ...] = ()
+    #: ``requirements:``/``wheels:``: each host's environment, built by `up` (None: the host's python as is).
+    environment: EnvironmentSpec | None = None
 
     @property
     def label(self) -> str:
@@ -120,6 +125,12 @@ class ClusterSpec:
         commands and SFTP start, because a quoted ``~`` is never expanded.
         """
         return _join_remote(self.workdir, self.name, host.state_id)
+
+    @property
+    def environments_dir(self) -> str:
+        """Where hosts keep the environments `up` builds (``workdir/.envs``, shared by the clusters
+        on that workdir: an environment is named by its content; a cluster name never starts with '.')."""
+        return _join_remote(self.workdir, ".envs")
 
     def require_strategy(self, strategy: str) -> None:
         """Fail early (exit 2, naming the file) when the hosts cannot run ``strategy``."""
@@ -144,7 +155,8 @@ def _join_remote(workdir: str, *parts: str) -> str:
 
 # --------------------------------------------------------------------------- parsing
 
-_TOP_KEYS = ("name", "scheduler", "slurm", "ssh", "python", "workdir", "setup", "env", "network", "hosts", "job")
+_TOP_KEYS = ("name", "scheduler", "slurm", "ssh", "python", "workdir", "setup", *ENVIRONMENT_KEYS, "env", "network",
+             "hosts", "job")
 _SCHEDULERS = ("ssh", "slurm")
 _SSH_KEYS = ("user", "port", "identity_file", "known_hosts", "connect_timeout_s", "accept_new_host_keys")
 _HOST_KEYS = ("address", "roles", "gpus", "slots", "ssh", "python")
@@ -223,6 +235,7 @@ class _Parser:
         python = self.python(top.get("python", DEFAULT_PYTHON), "python")
         workdir = self.workdir(top.get("workdir", DEFAULT_WORKDIR))
         setup = self.setup(top.get("setup"))
+        environment = parse_environment(top, self.err, self.base_dir)
         env = self.env(top.get("env"))
         network = self.network(top.get("network"))
         scheduler = top.get("scheduler", "ssh")
@@ -245,7 +258,8 @@ class _Parser:
                 raise self.err("hosts", "is required: list the machines of the cluster")
             hosts = self.hosts(top["hosts"], ssh, python)
         return ClusterSpec(name=name, hosts=hosts, workdir=workdir, setup=setup, env=MappingProxyType(env),
-                           network=network, source=self.doc.source, slurm=slurm, job=job_options(self.doc, "job"))
+                           network=network, source=self.doc.source, slurm=slurm, job=job_options(self.doc, "job"),
+                           environment=environment)
 
     def slurm(self, value: Any, ssh: SshSpec, python: str) -> SlurmSpec:
         raw = self.mapping(value, "slurm", SLURM_KEYS)

@@ -11,12 +11,18 @@ failure a ``HostError`` that starts with the host's name:
   opts in with ``ssh.accept_new_host_keys: true`` (then it is appended to
   known_hosts, never silently); a changed key is always refused;
 - sshd throttling is retried with backoff: MaxStartups drops new connections
-  before the banner, MaxSessions refuses channels past its limit.
+  before the banner, MaxSessions refuses channels past its limit;
+- a port that accepts TCP but never sends an SSH banner (another service, a hung
+  sshd) is one line, ``gpu-1:22: no SSH server answered within 10 s``, not taken
+  for throttling: throttling closes the connection at once, silence waits out the
+  timeout. paramiko's own logging (tracebacks from its transport thread) is kept
+  from printing.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import socket
 import threading
@@ -32,6 +38,11 @@ from distrun.links.api import RawResult, Result, command_line, last_line
 from distrun.protocol.wire import Stream
 
 T = TypeVar("T")
+
+# paramiko logs a traceback per failed handshake from its own thread; distrun's one-line errors
+# say what happened, so none of it reaches the terminal.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
 
 #: Attempts when sshd throttles (MaxStartups, MaxSessions); the waits double from the first.
 THROTTLE_ATTEMPTS = 7
@@ -134,6 +145,7 @@ class Connection:
                 sock.close()
                 raise HostKeyError(self.label, f"cannot read known_hosts {ssh.known_hosts}: {exc}") from None
         client.set_missing_host_key_policy(_HostKeyPolicy(self.host))
+        started = time.monotonic()
         try:
             client.connect(
                 self.host.address, port=ssh.port, username=ssh.user, sock=sock,
@@ -158,8 +170,14 @@ class Connection:
             raise HostUnreachable(self.label, f"authentication refused for user {ssh.user or os.environ.get('USER', '?')} "
                                         f"with {how} ({exc})") from None
         except (paramiko.SSHException, EOFError, ConnectionResetError) as exc:
-            client.close()
-            if "banner" in str(exc).lower() or isinstance(exc, (EOFError, ConnectionResetError)):
+            transport = client.get_transport()
+            silent = not getattr(transport, "remote_version", "")  # no banner came; paramiko then says
+            client.close()                                       # "No existing session" or "...banner"
+            banner = "banner" in str(exc).lower()
+            if silent and time.monotonic() - started >= timeout_s * 0.9:  # silence, not a refusal
+                raise HostUnreachable(f"{self.host.address}:{ssh.port}",
+                                      f"no SSH server answered within {timeout_s:g} s") from None
+            if banner or isinstance(exc, (EOFError, ConnectionResetError)):
                 raise _Throttled(str(exc)) from None
             if "no authentication methods" in str(exc).lower():
                 raise HostUnreachable(self.label, "no SSH key to log in with: set ssh.identity_file or start an agent") from None
