@@ -93,9 +93,11 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
             host_of_rank: Callable[[int], str] | None = None,
             after: Callable[[JobSummary], dict[str, Any]] | None = None,
-            stream: JsonStream | None = None) -> JobSummary | None:
+            stream: JsonStream | None = None,
+            decorate: Callable[[JobSummary], JobSummary] | None = None) -> JobSummary | None:
     """Render the job to its end and return its summary (a failure raises, after printing it);
-    ``after(summary)`` runs before the summary is printed (results home)."""
+    ``after(summary)`` runs before the summary is printed (results home); ``decorate(summary)``
+    adds what only the command knows (``--strategy auto``'s plan)."""
     if stream is not None:
         stream.summary_printed = True  # from here on the summary is this function's to print
     mode = _mode(json_output)
@@ -117,6 +119,8 @@ def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
                 raise
             finally:
                 summary = summary or job.summary(status, error)
+                if decorate is not None:
+                    summary = decorate(summary)
                 if after is not None:
                     _results_home(after, summary, json_output)
     finally:

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape  # help is rich markup: "distrun[wandb]" would lose "[wandb]" as a style tag
 
 from distrun.cli._app import app, stderr
+from distrun.cli._auto import AUTO, choose, with_measured
 from distrun.cli._job_file import job_from_files
 from distrun.cli._run import JsonStream, print_json, run_job
 from distrun.cli._spec import (
@@ -50,6 +51,13 @@ def _filled(params: dict[str, Any]) -> dict[str, Any]:
     out = dict(params)
     if out.get("strategy") is None:
         out["strategy"] = default_strategy(out.get("cluster_file") is not None)
+    if out["strategy"] == AUTO and out.get("cluster_file") is None:  # the layout auto would choose, to pin
+        choice = choose(Path(out["recipe"]), replicas=out.get("replicas"), device=out.get("device", "auto"),
+                        global_batch_size=out.get("global_batch_size"), seed=out.get("seed"),
+                        recipe_args=tuple(out.get("recipe_args") or ()), given=out)
+        for line in choice.lines:
+            stderr.print(line, markup=False, soft_wrap=True)
+        out.update(choice.flags)
     try:
         info = inspect_recipe(str(Path(out["recipe"]).expanduser()))
     except DistrunError:  # its own error comes when it runs
@@ -73,7 +81,7 @@ def train(
     ctx: typer.Context,
     recipe: Path = typer.Argument(..., metavar="RECIPE", help="The recipe: fit-style, custom loop (main(strategy)) or a plain torchrun script."),
     recipe_args: list[str] = typer.Argument(None, metavar="RECIPE_ARGS", help="Arguments after `--` go to the recipe (sys.argv[1:]).", show_default=False),
-    strategy: str | None = typer.Option(None, "--strategy", "-s", help="one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device) | diloco (replicas sync every --sync-every steps: for slow links). Default: one-device here, multi-worker with --cluster."),
+    strategy: str | None = typer.Option(None, "--strategy", "-s", help="auto (distrun measures the model, the memory and the links, and chooses the layout: docs/strategies.md#auto) | one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device) | diloco (replicas sync every --sync-every steps: for slow links). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
@@ -143,6 +151,24 @@ def train(
     try:
         if strategy is None:  # a cluster means all of it: every worker host
             strategy = default_strategy(cluster_file is not None)
+        plan = None
+        if strategy == AUTO:  # the planner chooses the layout before the job is built
+            if cluster_file is not None:
+                raise UsageError("--strategy auto: on a cluster the planner is not built yet (it probes and "
+                                 "budgets this machine only); name a strategy, or run `distrun plan` here")
+            choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
+                            seed=seed, recipe_args=tuple(recipe_args or ()),
+                            given={"tp": tp, "pp": pp, "microbatches": microbatches,
+                                   "activation_checkpointing": activation_checkpointing, "accumulate": accumulate})
+            for line in choice.lines:
+                stderr.print(line, markup=False, soft_wrap=True)
+            plan, chosen = choice.plan, dict(choice.flags)
+            strategy, replicas, device = chosen.pop("strategy"), chosen.pop("replicas"), chosen.pop("device")
+            tp, pp = chosen.get("tp", tp), chosen.get("pp", pp)
+            pp_schedule = chosen.get("pp_schedule", pp_schedule)
+            microbatches = chosen.get("microbatches", microbatches)
+            activation_checkpointing = chosen.get("activation_checkpointing", activation_checkpointing)
+            accumulate = chosen.get("accumulate", accumulate)
         observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
                                 experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
                                 checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
@@ -190,7 +216,8 @@ def train(
                 else:
                     stderr.print(f"job {local_job.job_id}: listed on the local server (`distrun jobs`, `logs`, "
                                  "`stacks`, `cancel` reach it)", markup=False)
-            return run_job(local_job, json_output=json_output, stream=stream)
+            return run_job(local_job, json_output=json_output, stream=stream,
+                           decorate=(lambda summary: with_measured(plan, summary)) if plan is not None else None)
         if cold:
             raise UsageError("--cold is for local jobs; a cluster's servers always fork from their warm interpreter")
         if replicas is not None:

@@ -174,6 +174,9 @@ class JobSummary:
     #: None and 1 without accumulation.
     micro_batch_size: int | None = None
     accumulate: int = 1
+    #: ``--strategy auto``: the chosen layout (the job file's keys), its predicted peak and step time,
+    #: every candidate's verdict, and the run's measured peak and step time beside them.
+    plan: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": "summary", **dataclasses.asdict(self)}

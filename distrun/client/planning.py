@@ -1,0 +1,146 @@
+"""``--strategy auto`` and ``distrun plan`` on this machine: probe, budget, decide, report.
+
+The probe runs in its own process (``distrun.runtime.plan_probe``: torch never enters the
+client), with the threads one rank of the job gets. The budget is each rank's share of what the
+job may use: on a GPU the device's free memory (one GPU a rank); on CPU the memory cgroup this
+command runs in (the ranks run inside it too, so they share its limit), else the host's
+available memory, divided among the ranks. The link between local ranks is the loopback the
+probe timed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distrun.errors import RecipeError, UsageError
+from distrun.launch._oom import cgroup_of
+from distrun.planner.choose import Decision, decide
+from distrun.planner.cost import Link, ModelProfile, Prediction, Resources
+
+__all__ = ["Plan", "memory_budget", "plan_local"]
+
+#: The probe's own limit: a recipe whose model takes longer than this to build and step twice
+#: is named, not waited for.
+PROBE_TIMEOUT_S = 120.0
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decision and what it took to reach it."""
+
+    decision: Decision
+    resources: Resources
+    profile: ModelProfile
+    global_batch: int
+    decide_s: float
+    probe_s: float
+    budget_source: str  # "cgroup memory.limit_in_bytes", "MemAvailable", "GPU free memory"
+
+    def lines(self) -> list[str]:
+        """The block printed before step 1: the choice, its prediction, up to three runners-up."""
+        chosen = self.decision.chosen
+        out = [f"auto: {chosen.layout.describe()}: predicted peak {chosen.peak_bytes / MB:,.0f} MB a rank "
+               f"(budget {self.resources.budget_bytes / MB:,.0f} MB, {self.budget_source}), "
+               f"{chosen.step_s:.3g} s/step; decided in {self.decide_s:.1f} s"]
+        for prediction, verdict in self.runners_up():
+            out.append(f"  not {prediction.layout.describe()}: {verdict}")
+        return out
+
+    def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
+        """The best of each other kind of layout (strategy and pipeline depth), best first."""
+        seen = {_kind(self.decision.chosen)}
+        picked = []
+        for prediction, verdict in self.decision.ranked[1:]:
+            if _kind(prediction) not in seen:
+                seen.add(_kind(prediction))
+                picked.append((prediction, verdict))
+        return picked[:count]
+
+    def summary_object(self, measured_peak_mb: float | None, measured_step_s: float | None) -> dict[str, Any]:
+        """The ``--json`` summary's ``plan``: the chosen layout in the job file's keys, and every
+        candidate's prediction and verdict; the run's own figures beside them."""
+        chosen = self.decision.chosen
+        return {
+            "chosen": chosen.layout.job_file(),
+            "predicted_peak_mb": round(chosen.peak_bytes / MB, 1),
+            "predicted_step_s": chosen.step_s,
+            "decide_s": round(self.decide_s, 3),
+            "probe_s": round(self.probe_s, 3),
+            "budget_mb": round(self.resources.budget_bytes / MB, 1),
+            "candidates": [{"layout": p.layout.describe(), "predicted_peak_mb": round(p.peak_bytes / MB, 1),
+                            "predicted_step_s": p.step_s, "verdict": verdict}
+                           for p, verdict in self.decision.ranked],
+            "measured_peak_mb": measured_peak_mb,
+            "measured_step_s": measured_step_s,
+        }
+
+
+def _kind(prediction: Prediction) -> tuple[str, int]:
+    return prediction.layout.strategy, prediction.layout.pp
+
+
+def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tuple[int, str]:
+    """One rank's budget in bytes, and where it came from."""
+    if device == "cuda" and device_free_bytes:
+        return int(device_free_bytes), "GPU free memory"
+    group = cgroup_of(os.getpid())
+    limit = group.limit_bytes() if group is not None else None
+    if limit is not None:
+        return limit // ranks, f"memory cgroup {group.name} limit, shared by {ranks} rank(s)"
+    available = _mem_available()
+    return available // ranks, f"MemAvailable, shared by {ranks} rank(s)"
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise UsageError("--strategy auto: /proc/meminfo has no MemAvailable, so the memory budget is unknown")
+
+
+def _run_probe(request: dict[str, Any], recipe: Path) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "distrun.runtime.plan_probe", json.dumps(request)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(request["threads"])}
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
+    except subprocess.TimeoutExpired:
+        raise RecipeError(f"{recipe}: --strategy auto's probe (build the model, two steps) took over "
+                          f"{PROBE_TIMEOUT_S:.0f} s") from None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    reply = json.loads(lines[-1]) if lines else None
+    if reply is None:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RecipeError(f"{recipe}: --strategy auto's probe failed: {last}", detail=done.stderr)
+    if "error" in reply:
+        where = f"{reply['location'][0]}:{reply['location'][1]}: " if reply.get("location") else f"{recipe}: "
+        raise RecipeError(f"{where}the probe of --strategy auto failed building or stepping the model: "
+                          f"{reply['error']}", detail=reply.get("detail"))
+    return reply
+
+
+def plan_local(recipe: Path, *, ranks: int, global_batch: int, seed: int, device: str,
+               args: tuple[str, ...] = (), evaluates: bool = False) -> Plan:
+    """Probe ``recipe`` here and decide its layout over ``ranks`` local ranks at ``global_batch``."""
+    started = time.perf_counter()
+    threads = max(1, (os.cpu_count() or 1) // ranks) if device != "cuda" else max(1, os.cpu_count() or 1)
+    request = {"recipe": str(recipe), "args": list(args), "global_batch_size": global_batch,
+               "rows": max(1, global_batch // ranks), "seed": seed, "threads": threads,
+               "ranks_here": ranks if device != "cuda" else 1, "evaluates": evaluates,
+               "device": "cuda" if device == "cuda" else "cpu"}
+    reply = _run_probe(request, recipe)
+    profile = ModelProfile(**reply["profile"])
+    budget, source = memory_budget(ranks, device, reply.get("device_free_bytes"))
+    link = Link(reply["link"]["bytes_per_s"], reply["link"]["latency_s"])
+    resources = Resources(ranks=ranks, hosts=1, budget_bytes=budget, within_host=link, **reply.get("overheads", {}))
+    decision = decide(profile, resources, global_batch)
+    return Plan(decision, resources, profile, global_batch, time.perf_counter() - started,
+                float(reply.get("probe_s", 0.0)), source)

@@ -1,0 +1,227 @@
+"""The cost model: a rank's peak memory and a step's time for one layout, from measured inputs.
+
+Pure arithmetic on three value objects, so tests call it directly and the CLI (which never
+imports torch) can decide with it:
+
+- :class:`ModelProfile`: what the probe measured on one device of the real hardware (the
+  recipe's own model and optimizer: parameter, gradient and optimizer-state bytes; a sample's
+  forward-and-backward time and the activation bytes it keeps, with and without checkpointing;
+  the process's own footprint);
+- :class:`Resources`: the ranks the job was given, each rank's memory budget, and the links;
+- :class:`Layout`: one candidate, in the job file's keys.
+
+Memory per rank (bytes):
+
+- mirrored (DDP): footprint + parameters + gradients twice (``.grad`` and DDP's buckets) +
+  optimizer state + a micro-batch's activations;
+- sharded (FSDP2 over n ranks): footprint + (parameters + gradients + optimizer state) / n + the
+  largest unit unsharded twice (the one computing and the one prefetched) and its gradient +
+  activations;
+- ``--pp p``: each stage 1/p of the mirrored terms; a stage keeps up to ``min(p, m)``
+  microbatches' activations in flight under 1F1B (all ``m`` under GPipe);
+- full activation checkpointing keeps the units' inputs (measured) plus one unit's activations,
+  recomputed in backward.
+
+Step time: compute (a replica's samples times the measured per-sample time, divided over the
+pipeline's stages, plus the recomputed forward under checkpointing), plus the communication
+left exposed: a ring all-reduce moves ``2(n-1)/n`` of the gradient bytes; FSDP all-gathers the
+parameters twice (forward, backward) and reduce-scatters the gradients once; a pipeline pays
+its bubble ``(p-1)/(m+p-1)`` of the schedule and an activation hop per microbatch and boundary,
+forward and backward, over the slowest link it crosses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BUDGET_SHARE", "Layout", "Link", "ModelProfile", "Prediction", "Resources", "fits", "predict"]
+
+#: A layout whose predicted peak passes this share of the budget is out: the rest is headroom for
+#: the allocator's fragmentation and what the model does not see (the issue's 90%).
+BUDGET_SHARE = 0.9
+#: Share of a ring all-reduce that DDP hides behind backward (buckets reduce while later layers
+#: still compute). Measured on this project's CPU machine (docs/performance.md); the rest is exposed.
+DDP_OVERLAP = 0.0
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the probe measured, on one device, for the recipe's model and optimizer."""
+
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    #: the units sharded and checkpointing work on (``shard_units``, else the top-level children).
+    units: int
+    largest_unit_bytes: int
+    #: forward + backward of one sample, with the threads a rank gets (seconds): the slope of two
+    #: batch sizes' times; ``overhead_s`` is their intercept, what every forward and backward costs.
+    compute_s_per_sample: float
+    #: the forward alone, which full checkpointing runs again in backward (seconds a sample).
+    forward_s_per_sample: float
+    activation_bytes_per_sample: int
+    checkpointed_activation_bytes_per_sample: int
+    #: the process before the model: the interpreter, torch, the runtime (bytes).
+    base_bytes: int
+    #: ``pp_chain``'s length (0: the recipe cannot be pipelined), and the largest activation that
+    #: crosses between two of its parts, a sample's (bytes).
+    chain_parts: int = 0
+    boundary_bytes_per_sample: int = 0
+    device: str = "cpu"
+    overhead_s: float = 0.0  # what every forward and backward costs beyond its samples (s)
+    optimizer_s: float = 0.0  # the optimizer's step over the whole model (s)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's measured rate (bytes/s) and one message's latency (s)."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        return nbytes / self.bytes_per_s + messages * self.latency_s
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the job was given: its ranks over hosts, each rank's memory budget, and the links."""
+
+    ranks: int
+    hosts: int
+    budget_bytes: int  # one rank's
+    within_host: Link
+    between_hosts: Link | None = None  # the slowest pair's; None on one host
+    #: each layout's fixed costs, timed on a tiny model among the probe's ranks (planner/overheads.py):
+    #: a DDP step, an FSDP2 unit's gathers and reduction, a pipeline microbatch's sends and Python.
+    ddp_step_s: float = 0.0
+    shard_unit_s: float = 0.0
+    microbatch_s: float = 0.0
+
+    @property
+    def ranks_per_host(self) -> int:
+        return max(1, self.ranks // max(1, self.hosts))
+
+    def slowest(self, group: int) -> Link:
+        """The link a collective over ``group`` consecutive ranks is bound by."""
+        if self.between_hosts is None or group <= self.ranks_per_host:
+            return self.within_host
+        return self.between_hosts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate, in the job file's sections' keys (so a chosen one can be pinned)."""
+
+    strategy: str  # mirrored | multi-worker | sharded
+    replicas: int
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    microbatches: int = 0  # 0: --pp's default, the stage count
+    activation_checkpointing: str = "none"
+    accumulate: int = 1
+
+    def describe(self) -> str:
+        """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``... --accumulate 2``."""
+        text = f"{self.strategy} x{self.replicas}" if self.pp == 1 else f"{self.strategy} --pp {self.pp} " \
+            f"({self.pp_schedule}, {self.microbatches or self.pp} microbatches)" + (
+                f" x{self.replicas}" if self.replicas > 1 else "")
+        if self.activation_checkpointing != "none":
+            text += f" --activation-checkpointing {self.activation_checkpointing}"
+        if self.accumulate > 1:
+            text += f" --accumulate {self.accumulate}"
+        return text
+
+    def job_file(self) -> dict[str, dict[str, Any]]:
+        """The job file's sections for this layout: ``strategy``, ``parallel``, ``training``."""
+        parallel: dict[str, Any] = {"pp": self.pp, "activation_checkpointing": self.activation_checkpointing}
+        if self.pp > 1:
+            parallel |= {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches or self.pp}
+        return {"strategy": {"name": self.strategy, "replicas": self.replicas}, "parallel": parallel,
+                "training": {"accumulate": self.accumulate}}
+
+    def flags(self) -> dict[str, Any]:
+        """The layout as ``distrun train``'s parameter names (what ``build_spec`` takes)."""
+        return {"strategy": self.strategy, "replicas": self.replicas, "pp": self.pp,
+                "pp_schedule": self.pp_schedule, "microbatches": self.microbatches if self.pp > 1 else 0,
+                "activation_checkpointing": self.activation_checkpointing, "accumulate": self.accumulate}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted peak (bytes, the highest rank) and step time (s), with the parts that
+    make them, so a runner-up can say why it lost."""
+
+    layout: Layout
+    peak_bytes: int
+    step_s: float
+    compute_s: float
+    exposed_comm_s: float
+    parts: dict[str, int] = field(default_factory=dict)  # memory: name -> bytes
+
+    @property
+    def comm_share(self) -> float:
+        return self.exposed_comm_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def _activations(profile: ModelProfile, samples: float, checkpointing: str) -> float:
+    """Bytes a rank keeps for backward over ``samples`` samples of a forward."""
+    if checkpointing == "full":  # the units' inputs, plus one unit's activations recomputed at a time
+        return samples * (profile.checkpointed_activation_bytes_per_sample
+                          + profile.activation_bytes_per_sample / max(1, profile.units))
+    return samples * profile.activation_bytes_per_sample
+
+
+def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_batch: int) -> Prediction:
+    """``layout``'s highest rank's peak memory and its step time, at ``global_batch`` samples a step."""
+    replicas, pp = layout.replicas, layout.pp
+    samples = global_batch / replicas  # a replica's share of a step
+    micro = samples / layout.accumulate  # one forward's
+    state = profile.parameter_bytes + profile.gradient_bytes + profile.optimizer_bytes
+    recompute = profile.forward_s_per_sample if layout.activation_checkpointing == "full" else 0.0
+    compute = (samples * (profile.compute_s_per_sample + recompute) + layout.accumulate * profile.overhead_s
+               + profile.optimizer_s)
+    parts: dict[str, float] = {"footprint": profile.base_bytes}
+    comm = 0.0
+    if pp > 1:
+        m = layout.microbatches or pp
+        in_flight = m if layout.pp_schedule == "gpipe" else min(pp, m)
+        parts["state"] = (state + profile.gradient_bytes) / pp
+        parts["activations"] = _activations(profile, micro / m, layout.activation_checkpointing) * in_flight / pp
+        stage = resources.slowest(pp * replicas)  # stages sit on consecutive ranks
+        bubble = (pp - 1) / (m + pp - 1)
+        compute = ((samples * (profile.compute_s_per_sample + recompute) / pp
+                    + m * layout.accumulate * profile.overhead_s) / (1 - bubble) + profile.optimizer_s / pp)
+        hops = 2 * (pp - 1) * m * layout.accumulate
+        comm += stage.seconds(2 * (pp - 1) * samples * profile.boundary_bytes_per_sample, hops)
+        comm += (m + pp - 1) * layout.accumulate * resources.microbatch_s
+        if replicas > 1:  # each stage's gradients all-reduced over the replicas
+            link = resources.slowest(replicas * pp)
+            comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp,
+                                                     2 * (replicas - 1))
+    elif layout.strategy == "sharded":
+        n = replicas
+        parts["state"] = state / n
+        compute += profile.optimizer_s * (1 / n - 1)  # each rank steps its shard only
+        parts["gathered"] = 3 * profile.largest_unit_bytes  # two units' parameters, one's gradient
+        parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
+        link = resources.slowest(n)
+        gathers = 2 * layout.accumulate + 1  # all-gather in forward and backward, one reduce-scatter
+        comm += link.seconds(gathers * (n - 1) / n * profile.parameter_bytes, gathers * profile.units * (n - 1))
+        comm += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+    else:  # mirrored / multi-worker: DDP
+        parts["state"] = state + profile.gradient_bytes  # .grad and DDP's buckets
+        parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
+        if replicas > 1:
+            link = resources.slowest(replicas)
+            comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes,
+                                                     2 * (replicas - 1))
+            comm += resources.ddp_step_s
+    peak = int(sum(parts.values()))
+    return Prediction(layout, peak, compute + comm, compute, comm, {k: int(v) for k, v in parts.items()})
+
+
+def fits(prediction: Prediction, resources: Resources) -> bool:
+    """Within :data:`BUDGET_SHARE` of the rank's budget."""
+    return prediction.peak_bytes <= BUDGET_SHARE * resources.budget_bytes

@@ -1,0 +1,95 @@
+"""What each layout costs a step whatever the model: timed on a tiny model among the probe's ranks.
+
+A small model's step is mostly this: DDP's hooks and its one all-reduce call, FSDP2's
+all-gather and reduce-scatter calls per unit, a pipeline schedule's sends, receives and Python
+per microbatch. Each is timed here on the process group the probe formed (the job's backend,
+its ranks on this host), so the cost model adds measured figures rather than constants:
+
+- ``ddp_step_s``: a DDP step of one tiny layer (forward, backward with its all-reduce, step);
+- ``shard_unit_s``: an FSDP2 step of a tiny chain of units, divided by its units and root;
+- ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["framework_overheads"]
+
+_STEPS = 8
+_WIDTH = 8
+_UNITS = 4
+_MICROBATCHES = 4
+
+
+def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) -> float:
+    step()  # the first connects and allocates
+    times = []
+    for _ in range(_STEPS):
+        dist.barrier(group)
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ddp_step_s(device: torch.device) -> float:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(nn.Linear(_WIDTH, _WIDTH).to(device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.zeros(2, _WIDTH, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    return _median_s(step)
+
+
+def _shard_unit_s(device: torch.device) -> float:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(*(nn.Linear(_WIDTH, _WIDTH) for _ in range(_UNITS))).to(device)
+    for unit in model:
+        fully_shard(unit)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.zeros(2, _WIDTH, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    return _median_s(step) / (_UNITS + 1)
+
+
+def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(_WIDTH, _WIDTH).to(device), dist.get_rank(group), 2, device, group=group)
+    schedule = Schedule1F1B(stage, n_microbatches=_MICROBATCHES, loss_fn=lambda out, target: out.sum())
+    x = torch.zeros(2 * _MICROBATCHES, _WIDTH, device=device)
+
+    def step() -> None:
+        if dist.get_rank(group) == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=x, losses=[])
+    return _median_s(step, group) / _MICROBATCHES
+
+
+def framework_overheads(device: torch.device) -> dict[str, float]:
+    """Each layout's fixed costs a step, timed among the ranks of the default group."""
+    figures = {"ddp_step_s": _ddp_step_s(device), "shard_unit_s": _shard_unit_s(device)}
+    pair = dist.new_group([0, 1])  # every rank makes it; the first two time a pipeline
+    if dist.get_rank() < 2:
+        figures["microbatch_s"] = _microbatch_s(device, pair)
+    dist.barrier()
+    return figures

@@ -1,0 +1,186 @@
+"""The probe: the recipe's own model and optimizer measured on one device of the real hardware.
+
+What it measures, and how, so the cost model's inputs are figures and not guesses:
+
+- parameter and gradient bytes, from the model; optimizer-state bytes after one real step of the
+  recipe's optimizer (Adam's moments exist only then);
+- a sample's forward-and-backward time: the median of a few runs at two batch sizes, with the
+  threads one rank gets, as slope (per sample) and intercept (per forward); the optimizer's step
+  apart (once a step, on whatever share of the state a rank holds);
+- the activation bytes a sample keeps for backward: every tensor autograd saves, counted once per
+  storage, through ``saved_tensors_hooks``; under full checkpointing a unit keeps only its input,
+  so the bytes saved inside the units are replaced by the units' inputs;
+- the largest crossing between two ``pp_chain`` parts (a pipeline sends it each microbatch);
+- the process's own footprint before the model (the interpreter, torch), from ``/proc``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrun.planner.cost import ModelProfile
+from distrun.strategies.sharding.units import pick_units
+
+__all__ = ["measure", "resident_bytes"]
+
+_REPEATS = 5
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (VmRSS), 0 where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _tensor_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(item) for item in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    return 0
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward during a forward, split into inside and outside the units,
+    plus the bytes of the units' inputs (what full checkpointing keeps instead)."""
+
+    def __init__(self, units: Iterable[nn.Module]) -> None:
+        self.inside = self.outside = self.unit_inputs = 0
+        self._depth = 0
+        self._seen: set[int] = set()
+        self._handles = []
+        for unit in units:
+            self._handles.append(unit.register_forward_pre_hook(self._enter))
+            self._handles.append(unit.register_forward_hook(self._leave))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self.unit_inputs += _tensor_bytes(args)
+        self._depth += 1
+
+    def _leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen and not isinstance(tensor, nn.Parameter):
+            self._seen.add(key)
+            if self._depth:
+                self.inside += storage.nbytes()
+            else:
+                self.outside += storage.nbytes()
+        return tensor
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _timed(step: Callable[[], None], device: torch.device, together: Callable[[], None]) -> float:
+    """The median of a few timed runs of ``step``, after one that warms it up; ``together`` lines the
+    probe's processes up before each, so that they compute at once, as the job's ranks will."""
+    step()
+    times = []
+    for _ in range(_REPEATS):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        together()
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _boundary_bytes(chain: list[nn.Module], inputs: Any) -> int:
+    """The largest output of a ``pp_chain`` part that the next part takes (one forward, no grad)."""
+    largest, x = 0, inputs
+    with torch.no_grad():
+        for part in chain[:-1]:
+            x = part(*x) if isinstance(x, tuple) else part(x)
+            largest = max(largest, _tensor_bytes(x))
+    return largest
+
+
+def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
+            forward: Callable[[nn.Module, Any], Any], batch_of: Callable[[int], Any], rows: int,
+            device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
+            chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
+            together: Callable[[], None] = lambda: None) -> ModelProfile:
+    """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
+    a forward will see (the timings use ``rows`` and a quarter of it)."""
+    model = model.to(device)
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    units = pick_units(model, units_from).modules
+    largest_unit = max((sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units),
+                       default=parameter_bytes)
+    optimizer = make_optimizer(model.parameters())
+
+    def forward_backward(batch: Any) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(forward(model, batch), batch).backward()
+
+    def step(batch: Any) -> None:
+        forward_backward(batch)
+        optimizer.step()
+
+    small = max(1, rows // 4)
+    batch_small, batch_large = batch_of(small), batch_of(rows)
+    step(batch_small)  # the optimizer's state exists after its first step
+    optimizer_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
+
+    saved = _SavedBytes(units)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
+            loss_fn(forward(model, batch_large), batch_large).backward()
+    finally:
+        saved.close()
+    optimizer.zero_grad(set_to_none=True)
+    per_sample = (saved.inside + saved.outside) / rows
+    checkpointed = (saved.outside + saved.unit_inputs) / rows
+
+    def forward_only(batch: Any) -> Callable[[], None]:
+        def run() -> None:
+            with torch.no_grad():
+                forward(model, batch)
+        return run
+
+    t_small = _timed(lambda: forward_backward(batch_small), device, together)
+    t_large = _timed(lambda: forward_backward(batch_large), device, together)
+    slope = max(0.0, (t_large - t_small) / max(1, rows - small))
+    intercept = max(0.0, t_small - slope * small)
+    forward_backward(batch_small)  # gradients for the optimizer's timed steps
+    t_optimizer = _timed(optimizer.step, device, together)
+    f_large = _timed(forward_only(batch_large), device, together)
+    # The pipeline's chain as --pp takes it: the recipe's pp_chain, or an nn.Sequential's children.
+    chain = list(chain_from(model)) if chain_from is not None else (
+        list(model.children()) if isinstance(model, nn.Sequential) else [])
+    boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
+    return ModelProfile(
+        parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
+        units=len(units), largest_unit_bytes=largest_unit, compute_s_per_sample=slope,
+        forward_s_per_sample=f_large / rows, activation_bytes_per_sample=int(per_sample),
+        checkpointed_activation_bytes_per_sample=int(checkpointed), base_bytes=base_bytes,
+        chain_parts=len(chain), boundary_bytes_per_sample=int(boundary), device=device.type, overhead_s=intercept,
+        optimizer_s=t_optimizer)
+
+
+def _first(batch: Any) -> Any:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch

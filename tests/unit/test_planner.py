@@ -1,0 +1,114 @@
+"""The planner's cost model and choice (issue 48), called directly: memory per rank and step time
+per layout from measured inputs, the 90% budget rule, the refusal line, and choices that move
+with the budget, the link and the batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from distrun.errors import ConfigError
+from distrun.planner.choose import NEAR, candidates, decide
+from distrun.planner.cost import BUDGET_SHARE, Layout, Link, ModelProfile, Resources, predict
+
+MB = 10**6
+#: A 50M-parameter fp32 model with Adam (two moments): 200 MB each of parameters and gradients,
+#: 400 MB of optimizer state; 8 units; 1 ms a sample of forward and backward.
+PROFILE = ModelProfile(parameter_bytes=200 * MB, gradient_bytes=200 * MB, optimizer_bytes=400 * MB, units=8,
+                       largest_unit_bytes=25 * MB, compute_s_per_sample=1e-3, forward_s_per_sample=3e-4,
+                       activation_bytes_per_sample=2 * MB, checkpointed_activation_bytes_per_sample=MB // 5,
+                       base_bytes=300 * MB, chain_parts=10, boundary_bytes_per_sample=4000)
+FAST = Link(bytes_per_s=100e9, latency_s=1e-5)  # NVLink-like: the all-reduce is 2 ms of a 34 ms step
+SLOW = Link(bytes_per_s=12.5e6, latency_s=1e-3)  # 100 Mbit/s
+
+
+def _resources(budget_mb: float, link: Link = FAST, ranks: int = 2) -> Resources:
+    return Resources(ranks=ranks, hosts=1, budget_bytes=int(budget_mb * MB), within_host=link)
+
+
+def test_memory_per_rank_is_the_sum_of_its_measured_parts():
+    mirrored = predict(PROFILE, _resources(10_000), Layout("mirrored", 2), 64)
+    # footprint + parameters + gradients twice (.grad and DDP's buckets) + Adam's state + 32 samples' activations
+    assert mirrored.peak_bytes == (300 + 200 + 2 * 200 + 400 + 32 * 2) * MB
+    sharded = predict(PROFILE, _resources(10_000), Layout("sharded", 2), 64)
+    assert sharded.peak_bytes == (300 + (200 + 200 + 400) / 2 + 3 * 25 + 32 * 2) * MB
+    accumulated = predict(PROFILE, _resources(10_000), Layout("mirrored", 2, accumulate=4), 64)
+    assert mirrored.peak_bytes - accumulated.peak_bytes == 24 * 2 * MB  # 8 samples' activations a forward
+    checkpointed = predict(PROFILE, _resources(10_000), Layout("mirrored", 2, activation_checkpointing="full"), 64)
+    assert mirrored.peak_bytes - checkpointed.peak_bytes == pytest.approx(32 * (2 - 0.2 - 2 / 8) * MB)
+
+
+def test_step_time_is_compute_plus_the_exposed_ring_all_reduce():
+    prediction = predict(PROFILE, _resources(10_000, SLOW), Layout("mirrored", 2), 64)
+    ring_s = 2 * (2 - 1) / 2 * 200 * MB / SLOW.bytes_per_s + 2 * SLOW.latency_s
+    assert prediction.compute_s == pytest.approx(32 * 1e-3)
+    assert prediction.exposed_comm_s == pytest.approx(ring_s)
+    assert prediction.step_s == pytest.approx(32 * 1e-3 + ring_s)
+    pipelined = predict(PROFILE, _resources(10_000, SLOW), Layout("mirrored", 1, pp=2, microbatches=4), 64)
+    bubble = (2 - 1) / (4 + 2 - 1)
+    assert pipelined.compute_s == pytest.approx(64 * 1e-3 / 2 / (1 - bubble))
+
+
+def test_an_ample_budget_on_a_fast_link_keeps_mirrored():
+    decision = decide(PROFILE, _resources(10_000), 64)
+    assert decision.chosen.layout == Layout("mirrored", 2)
+    assert decision.ranked[0] == (decision.chosen, "chosen")
+
+
+def test_a_budget_below_mirroreds_need_chooses_a_layout_that_fits():
+    mirrored_need = predict(PROFILE, _resources(1), Layout("mirrored", 2), 64).peak_bytes / MB
+    budget = mirrored_need * 0.8  # mirrored is out; sharded's 764 MB fits 90% of it
+    decision = decide(PROFILE, _resources(budget), 64)
+    assert decision.chosen.peak_bytes <= BUDGET_SHARE * budget * MB
+    assert decision.chosen.layout.strategy == "sharded" or decision.chosen.layout.pp > 1
+    verdicts = dict((p.layout, v) for p, v in decision.ranked)
+    assert verdicts[Layout("mirrored", 2)] == f"needs {mirrored_need:,.0f} MB a rank, the budget is {budget:,.0f} MB"
+
+
+def test_a_slow_link_chooses_the_pipeline_which_sends_activations_not_gradients():
+    decision = decide(PROFILE, _resources(10_000, SLOW), 64)
+    assert decision.chosen.layout.pp == 2, decision.chosen
+    mirrored = next(p for p, _ in decision.ranked if p.layout == Layout("mirrored", 2))
+    assert mirrored.comm_share > 0.9
+
+
+def test_activations_that_do_not_fit_are_accumulated_at_the_same_global_batch():
+    heavy = ModelProfile(**{**PROFILE.__dict__, "activation_bytes_per_sample": 40 * MB,
+                            "checkpointed_activation_bytes_per_sample": 30 * MB, "chain_parts": 0})
+    # A replica's 32 samples keep 1,280 MB of activations: every layout that runs them in one forward
+    # (sharded's 2,055 MB too) passes 90% of 2,000 MB; micro-batches of 16 or 8 fit.
+    budget = 2_000
+    decision = decide(heavy, _resources(budget), 64)
+    assert decision.chosen.layout.accumulate > 1, decision.chosen
+    assert all(64 % (layout.replicas * layout.accumulate) == 0 for layout in candidates(heavy, _resources(budget), 64))
+
+
+def test_no_layout_fits_is_one_line_naming_the_smallest_need():
+    smallest = min(predict(PROFILE, _resources(1), layout, 64).peak_bytes
+                   for layout in candidates(PROFILE, _resources(1), 64))
+    with pytest.raises(ConfigError) as caught:
+        decide(PROFILE, _resources(400), 64)
+    message = caught.value.message
+    assert message.startswith("--strategy auto: no layout fits: the smallest, ")
+    assert f"needs {smallest / MB:,.0f} MB a rank; the budget is 400 MB (90% of it usable)" in message
+    assert "\n" not in message
+
+
+def test_near_predictions_go_to_the_simpler_layout():
+    decision = decide(PROFILE, _resources(10_000), 64)
+    chosen = decision.chosen
+    for prediction, verdict in decision.ranked[1:]:
+        if prediction.step_s < chosen.step_s:  # faster, but within NEAR: the simpler one was kept
+            assert prediction.step_s >= chosen.step_s / (1 + NEAR)
+            assert "as fast" in verdict or "slower" not in verdict
+
+
+def test_candidates_divide_the_batch_and_respect_the_chain():
+    layouts = candidates(PROFILE, _resources(10_000, ranks=4), 48)
+    assert all(layout.replicas * layout.pp == 4 for layout in layouts)
+    assert {layout.pp for layout in layouts} == {1, 2, 4}
+    for layout in layouts:
+        assert 48 % (layout.replicas * layout.accumulate) == 0
+        if layout.pp > 1:
+            assert (48 // layout.replicas // layout.accumulate) % layout.microbatches == 0
+    unchained = ModelProfile(**{**PROFILE.__dict__, "chain_parts": 0})
+    assert {layout.pp for layout in candidates(unchained, _resources(10_000, ranks=4), 48)} == {1}
