@@ -1,0 +1,60 @@
+"""`distrun dashboard`: this machine's or a cluster's jobs, ranks and hosts on a web page."""
+
+from __future__ import annotations
+
+import ipaddress
+import signal
+import webbrowser
+from pathlib import Path
+from types import FrameType
+
+import typer
+
+from distrun.cli._app import app, stderr
+from distrun.cli.cluster import resolve_cluster
+
+#: The port a dashboard takes unless told: TensorBoard's 6006 is often taken by TensorBoard.
+DEFAULT_PORT = 6070
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@app.command()
+def dashboard(
+    cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]",
+                                               help="The cluster file; none: this machine's jobs (while `distrun up` runs here)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", help="The port to serve on (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR",
+                             help="The address to listen on; anything but loopback lets the network reach the page (the token still guards it)."),
+    no_browser: bool = typer.Option(False, "--no-browser", help="Print the URL only; do not open a browser."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Serve a page of the jobs (their ranks, charts, logs, stacks; cancel) until Ctrl-C."""
+    from distrun.dashboard import Dashboard, Source  # here: `distrun --help` does not pay for http.server
+
+    if not _loopback(host):
+        stderr.print(f"warning: --host {host}: the dashboard listens beyond this machine; anyone who can reach "
+                     "it and has the URL's token can cancel jobs (docs/dashboard.md: an `ssh -L` tunnel keeps it "
+                     "on loopback)", markup=False)
+    page = Dashboard.bind(Source.of(resolve_cluster(cluster_file)), host, port)
+
+    def _stop(_signum: int, _frame: FrameType | None) -> None:
+        page.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    typer.echo(f"distrun dashboard: {page.url}")
+    stderr.print("Ctrl-C stops it", markup=False, style="dim")
+    if not no_browser:
+        webbrowser.open(page.url)
+    try:
+        page.serve()
+    except KeyboardInterrupt:
+        pass
+    stderr.print("dashboard stopped", markup=False)

@@ -1,0 +1,12 @@
+"""`distrun dashboard`: the jobs, ranks and hosts of this machine or a cluster on a web page.
+
+Another client of the same servers and job records as the CLI (``client``), served by the
+standard library's HTTP server with its page shipped in the package (``static/``): nothing
+to install, nothing fetched from the internet. Guarded by a token first (``_guard``).
+"""
+
+from distrun.dashboard._guard import Guard, Verdict
+from distrun.dashboard._server import Dashboard
+from distrun.dashboard._source import Source
+
+__all__ = ["Dashboard", "Guard", "Source", "Verdict"]

@@ -1,0 +1,287 @@
+// The dashboard's page: the view the path names (/, /jobs/ID, /hosts), drawn with DOM calls only
+// (textContent, never HTML from data), fed by server-sent events. No inline script or style: the
+// CSP is default-src 'self'.
+(() => {
+"use strict";
+
+const { makeChart, fmtNum } = window.distrunCharts;
+const main = document.getElementById("main");
+const MAX_SHOWN_LINES = 2000;
+
+function el(name, attrs, ...children) {
+  const node = document.createElement(name);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value === null || value === undefined || value === false) continue;
+    if (key === "text") node.textContent = value;
+    else node.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children) if (child !== null && child !== undefined) node.append(child);
+  return node;
+}
+
+function table(label, columns) {
+  const head = el("tr");
+  for (const [name, numeric] of columns) head.append(el("th", { scope: "col", class: numeric ? "num" : null, text: name }));
+  const body = el("tbody");
+  return { element: el("table", { "aria-label": label }, el("thead", {}, head), body), body };
+}
+
+function cell(value, numeric, cls) {
+  return el("td", { class: [numeric ? "num" : "", cls || ""].join(" ").trim() || null },
+            value instanceof Node ? value : document.createTextNode(value === null || value === undefined ? "—" : String(value)));
+}
+
+function when(seconds) {
+  return seconds ? new Date(seconds * 1000).toLocaleString() : "—";
+}
+
+function duration(seconds) {
+  if (seconds === null || seconds === undefined) return "—";
+  const s = Math.round(seconds);
+  return s >= 3600 ? `${Math.floor(s / 3600)}h${String(Math.floor(s / 60) % 60).padStart(2, "0")}m`
+       : s >= 60 ? `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s` : `${s}s`;
+}
+
+function stepOf(item) {
+  return item.total_steps ? `${item.step}/${item.total_steps}` : String(item.step ?? "—");
+}
+
+function rankName(rank) {
+  return rank === -1 ? "server" : rank === -2 ? "evaluator" : `rank ${rank}`;
+}
+
+async function post(url) {
+  const answer = await fetch(url, { method: "POST", credentials: "same-origin" });
+  const body = await answer.json().catch(() => ({}));
+  if (!answer.ok) throw new Error(body.error || `${answer.status} ${answer.statusText}`);
+  return body;
+}
+
+// -- the jobs page
+
+function jobsView() {
+  document.title = "jobs · distrun";
+  const status = el("p", { class: "dim", role: "status", text: "connecting…" });
+  const jobs = table("jobs", [["recipe"], ["job"], ["state"], ["step", true], ["loss", true], ["samples/s", true],
+                              ["strategy"], ["replicas", true], ["hosts"], ["started"], ["wall", true], ["why"]]);
+  main.replaceChildren(el("h1", { text: "Jobs" }), status, jobs.element);
+  const source = new EventSource("/api/jobs/events");
+  source.onmessage = (message) => {
+    const data = JSON.parse(message.data);
+    document.getElementById("where").textContent = data.cluster;
+    const notes = [];
+    if (data.error) notes.push(data.error);
+    if (data.unreachable && data.unreachable.length) notes.push(`not listed: ${data.unreachable.join("; ")}`);
+    status.textContent = notes.length ? notes.join(" · ") : `${data.jobs.length} job(s), newest first`;
+    status.className = data.error ? "error" : "dim";
+    jobs.body.replaceChildren(...data.jobs.map((job) => el("tr", { "data-job": job.job },
+      cell(el("a", { href: `/jobs/${encodeURIComponent(job.job)}`, text: job.recipe })),
+      cell(job.job, false, "dim"),
+      cell(job.state, false, `state-${job.state}`),
+      cell(stepOf(job), true), cell(fmtNum(job.loss), true), cell(fmtNum(job.samples_per_s), true),
+      cell(job.strategy), cell(job.world_now ? `${job.world_now} of ${job.world_size}` : job.world_size, true),
+      cell(job.hosts.join(", ")), cell(when(job.started_at)), cell(duration(job.elapsed_s), true),
+      cell(job.why || "", false, "why"))));
+  };
+  source.onerror = () => { status.textContent = "reconnecting…"; };
+}
+
+// -- a job's page
+
+function jobView(jobId) {
+  document.title = `${jobId} · distrun`;
+  const title = el("h1", { text: jobId });
+  const state = el("p", { role: "status", id: "job-state", text: "connecting…" });
+  const stacksButton = el("button", { type: "button", text: "Stacks" });
+  const cancelButton = el("button", { type: "button", class: "danger", text: "Cancel" });
+  const facts = el("dl", { class: "summary" });
+  const ranks = table("ranks", [["rank", true], ["host"], ["device"], ["step", true], ["loss", true], ["samples/s", true],
+                                ["memory MB", true], ["peak MB", true], ["compute ms", true], ["status"]]);
+  const charts = [makeChart("loss", "loss"), makeChart("samples/s", "samples_per_s"), makeChart("lr", "lr")];
+  const chartGrid = el("div", { class: "charts" }, ...charts.map((chart) => chart.element));
+  const evalCharts = new Map();  // metric -> chart, made when an evaluation first names it
+  let evals = [];
+  const stacksOut = el("section", { class: "stacks", "aria-label": "stacks", hidden: true });
+  const timeline = el("ol", { class: "timeline", "aria-label": "events" });
+  const rankFilter = el("select", { "aria-label": "rank filter" }, el("option", { value: "", text: "all ranks" }));
+  const textFilter = el("input", { type: "search", "aria-label": "text filter", placeholder: "filter lines" });
+  const follow = el("input", { type: "checkbox", checked: true, id: "follow" });
+  const logs = el("pre", { class: "logs", role: "log", "aria-label": "logs" });
+  main.replaceChildren(
+    title, state, el("div", { class: "actions" }, stacksButton, cancelButton), facts,
+    el("h2", { text: "Ranks" }), ranks.element,
+    el("h2", { text: "Charts" }), chartGrid,
+    stacksOut,
+    el("h2", { text: "Events" }), timeline,
+    el("h2", { text: "Logs" }),
+    el("div", { class: "logbar" }, rankFilter, textFilter, el("label", {}, follow, " follow")),
+    logs);
+
+  let points = [];
+  let lines = [];
+  const knownRanks = new Set();
+
+  function shown(line) {
+    if (rankFilter.value !== "" && String(line.rank) !== rankFilter.value) return false;
+    const needle = textFilter.value.toLowerCase();
+    return !needle || line.line.toLowerCase().includes(needle);
+  }
+
+  function lineNode(line) {
+    const where = line.rank < 0 ? rankName(line.rank) : `${line.host ? line.host + " " : ""}rank ${line.rank}`;
+    return el("div", { class: line.stream === "stderr" ? "err" : null },
+              el("span", { class: "rank", text: `[${where}] ` }), document.createTextNode(line.line));
+  }
+
+  function redrawLogs() {
+    logs.replaceChildren(...lines.filter(shown).slice(-MAX_SHOWN_LINES).map(lineNode));
+    if (follow.checked) logs.scrollTop = logs.scrollHeight;
+  }
+
+  function addRank(rank) {
+    if (knownRanks.has(rank)) return;
+    knownRanks.add(rank);
+    const options = [...knownRanks].sort((a, b) => a - b).map((r) => el("option", { value: String(r), text: rankName(r) }));
+    const chosen = rankFilter.value;
+    rankFilter.replaceChildren(el("option", { value: "", text: "all ranks" }), ...options);
+    rankFilter.value = chosen;
+  }
+
+  function showHead(head) {
+    title.textContent = head.recipe ? `${head.recipe} · ${head.strategy}` : jobId;
+    document.title = `${head.recipe || jobId} · distrun`;
+    const ended = head.ended;
+    state.textContent = `${head.state}${head.reason ? ": " + head.reason : ""}`;
+    state.className = `state-${head.state}`;
+    cancelButton.disabled = ended;
+    stacksButton.disabled = ended;
+    const items = [["job", jobId], ["step", stepOf(head)], ["loss", fmtNum(head.loss)],
+                   ["samples/s", fmtNum(head.samples_per_s)], ["elapsed", duration(head.elapsed_s)],
+                   ["hosts", (head.hosts || []).join(", ") || "—"]];
+    for (const [name, value] of Object.entries(head.eval_metrics || {})) items.push([`eval ${name}`, fmtNum(value)]);
+    facts.replaceChildren(...items.map(([name, value]) => el("div", {}, el("dt", { text: name }), el("dd", { text: value }))));
+  }
+
+  function showRows(rows) {
+    ranks.body.replaceChildren(...rows.map((row) => {
+      addRank(row.rank);
+      return el("tr", { "data-rank": row.rank },
+        cell(row.rank, true), cell(row.host), cell(row.device), cell(row.step, true), cell(fmtNum(row.loss), true),
+        cell(fmtNum(row.samples_per_s), true), cell(row.mem_mb, true), cell(row.peak_mem_mb, true),
+        cell(row.compute_ms === null ? "—" : fmtNum(row.compute_ms), true),
+        cell(row.slow ? `${row.status}, slow ${row.slow.toFixed(2)}x` : row.status, false, row.slow ? "slow" : null));
+    }));
+  }
+
+  const source = new EventSource(`/api/jobs/${encodeURIComponent(jobId)}/events`);
+  source.onmessage = (message) => {
+    const update = JSON.parse(message.data);
+    if (update.reset) { points = []; lines = []; }
+    points = points.concat(update.points);
+    if (update.reset || update.points.length) charts.forEach((chart) => chart.draw(points));
+    if (update.rows) showRows(update.rows);
+    if (update.reset) evals = [];
+    if (update.evals.length) {
+      evals = evals.concat(update.evals);
+      for (const name of new Set(evals.flatMap((point) => Object.keys(point).filter((key) => key !== "step")))) {
+        if (!evalCharts.has(name)) {
+          const chart = makeChart(`eval ${name}`, name);
+          evalCharts.set(name, chart);
+          chartGrid.append(chart.element);
+        }
+      }
+      evalCharts.forEach((chart) => chart.draw(evals));
+    }
+    if (update.reset) timeline.replaceChildren();
+    for (const event of update.events) {
+      const at = new Date(event.time * 1000).toLocaleTimeString();
+      timeline.append(el("li", { class: `event-${event.kind}` }, el("span", { class: "dim", text: `${at} ` }),
+                         document.createTextNode(event.text)));
+    }
+    if (update.lines.length) {
+      lines = lines.concat(update.lines);
+      update.lines.forEach((line) => addRank(line.rank));
+      if (update.reset) redrawLogs();
+      else {
+        for (const line of update.lines.filter(shown)) logs.append(lineNode(line));
+        while (logs.childElementCount > MAX_SHOWN_LINES) logs.firstChild.remove();
+        if (follow.checked) logs.scrollTop = logs.scrollHeight;
+      }
+    }
+    showHead(update.head);
+    if (update.head.ended) source.close();  // a finished job's page stays as it is
+  };
+  source.onerror = () => { if (source.readyState !== EventSource.CLOSED) state.textContent = "reconnecting…"; };
+  rankFilter.addEventListener("change", redrawLogs);
+  textFilter.addEventListener("input", redrawLogs);
+
+  stacksButton.addEventListener("click", async () => {
+    stacksButton.disabled = true;
+    stacksOut.hidden = false;
+    stacksOut.replaceChildren(el("h2", { text: "Stacks" }), el("p", { class: "dim", text: "asking every rank…" }));
+    try {
+      const found = await post(`/api/jobs/${encodeURIComponent(jobId)}/stacks`);
+      stacksOut.replaceChildren(el("h2", { text: "Stacks" }), ...found.stacks.map((stack) => el("article", {},
+        el("h3", { text: `rank ${stack.rank} · ${stack.host} · pid ${stack.pid}` }),
+        stack.error ? el("p", { class: "error", text: stack.error })
+          : el("ol", {}, ...stack.frames.map((frame) => el("li", { class: frame.user ? "user" : null,
+              text: `${frame.function} (${frame.file}:${frame.line})` }))))));
+    } catch (error) {
+      stacksOut.replaceChildren(el("h2", { text: "Stacks" }), el("p", { class: "error", text: String(error.message) }));
+    } finally {
+      stacksButton.disabled = false;
+    }
+  });
+
+  cancelButton.addEventListener("click", async () => {
+    if (!window.confirm(`Cancel ${jobId} on every host?`)) return;
+    cancelButton.disabled = true;
+    state.textContent = "cancelling…";
+    try {
+      await post(`/api/jobs/${encodeURIComponent(jobId)}/cancel`);
+    } catch (error) {
+      state.textContent = `cancel failed: ${error.message}`;
+      cancelButton.disabled = false;
+    }
+  });
+}
+
+// -- the hosts page
+
+function hostsView() {
+  document.title = "hosts · distrun";
+  const status = el("p", { class: "dim", role: "status", text: "asking every server…" });
+  const hosts = table("hosts", [["host"], ["roles"], ["status"], ["version"], ["devices"], ["cpus", true], ["load", true],
+                                ["memory free"], ["jobs", true], ["uptime", true], ["round trip ms", true], ["message"]]);
+  main.replaceChildren(el("h1", { text: "Hosts" }), status, hosts.element);
+  const gib = (bytes) => (bytes / 2 ** 30).toFixed(1);
+  async function refresh() {
+    try {
+      const answer = await fetch("/api/hosts", { credentials: "same-origin" });
+      const report = await answer.json();
+      if (!answer.ok) throw new Error(report.error || answer.statusText);
+      document.getElementById("where").textContent = report.cluster;
+      status.textContent = `${report.hosts.length} host(s), as \`distrun status\` sees them`;
+      hosts.body.replaceChildren(...report.hosts.map((row) => {
+        const s = row.server;
+        return el("tr", {}, cell(row.host), cell(row.roles.join(", ")), cell(row.status, false, `state-${row.status}`),
+          cell(s ? s.version : null), cell(s ? (s.gpu_count ? `${s.gpu_count} GPU: ${s.gpu_names.join(", ")}` : "CPU") : null),
+          cell(s ? s.cpu_count : null, true), cell(s ? s.load_1m.toFixed(2) : null, true),
+          cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
+          cell(s ? s.jobs_running : null, true), cell(s ? duration(s.uptime_s) : null, true),
+          cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"));
+      }));
+    } catch (error) {
+      status.textContent = String(error.message);
+      status.className = "error";
+    }
+  }
+  refresh();
+  window.setInterval(refresh, 5000);
+}
+
+const path = window.location.pathname;
+if (path.startsWith("/jobs/")) jobView(decodeURIComponent(path.slice("/jobs/".length)));
+else if (path === "/hosts") hostsView();
+else jobsView();
+})();

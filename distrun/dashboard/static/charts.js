@@ -1,0 +1,72 @@
+// A line chart of one figure against step, drawn as SVG with no library: a few hundred lines of
+// uPlot would buy nothing a training curve needs, and an SVG element is named for a screen reader.
+(() => {
+"use strict";
+
+const SVGNS = "http://www.w3.org/2000/svg";
+
+function svgEl(name, attrs) {
+  const el = document.createElementNS(SVGNS, name);
+  for (const [key, value] of Object.entries(attrs || {})) el.setAttribute(key, String(value));
+  return el;
+}
+
+function fmtNum(value) {
+  if (value === null || value === undefined || Number.isNaN(value)) return "—";
+  const abs = Math.abs(value);
+  if (abs !== 0 && (abs < 1e-3 || abs >= 1e6)) return value.toExponential(2);
+  return abs >= 100 ? value.toFixed(1) : value.toPrecision(4).replace(/\.?0+$/, "");
+}
+
+// A chart: <figure> with an <svg role="img" aria-label=NAME>; draw(points) redraws it whole.
+function makeChart(name, key) {
+  const figure = document.createElement("figure");
+  const caption = document.createElement("figcaption");
+  caption.textContent = name;
+  const svg = svgEl("svg", { role: "img", "aria-label": name, class: "chart", viewBox: "0 0 400 200",
+                             preserveAspectRatio: "none", "data-points": 0 });
+  const title = svgEl("title");
+  title.textContent = name;
+  svg.appendChild(title);
+  figure.append(caption, svg);
+
+  function draw(points) {
+    const data = points.filter((p) => typeof p[key] === "number" && Number.isFinite(p[key]));
+    while (svg.lastChild !== title) svg.removeChild(svg.lastChild);
+    svg.setAttribute("data-points", String(data.length));
+    const left = 56, right = 392, top = 8, bottom = 182;
+    svg.appendChild(svgEl("line", { class: "axis", x1: left, y1: bottom, x2: right, y2: bottom }));
+    svg.appendChild(svgEl("line", { class: "axis", x1: left, y1: top, x2: left, y2: bottom }));
+    if (!data.length) {
+      title.textContent = `${name}: no points yet`;
+      return;
+    }
+    let x0 = data[0].step, x1 = data[data.length - 1].step;
+    let y0 = Math.min(...data.map((p) => p[key])), y1 = Math.max(...data.map((p) => p[key]));
+    if (x1 === x0) x1 = x0 + 1;
+    if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
+    const sx = (x) => left + (x - x0) / (x1 - x0) * (right - left);
+    const sy = (y) => bottom - (y - y0) / (y1 - y0) * (bottom - top);
+    const path = data.map((p) => `${sx(p.step).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
+    svg.appendChild(svgEl("polyline", { class: "series", points: path, "vector-effect": "non-scaling-stroke" }));
+    const last = data[data.length - 1];
+    svg.appendChild(svgEl("circle", { class: "last", cx: sx(last.step), cy: sy(last[key]), r: 2.5 }));
+    for (const [value, y] of [[y1, top + 8], [y0, bottom]]) {
+      const label = svgEl("text", { x: left - 4, y, "text-anchor": "end" });
+      label.textContent = fmtNum(value);
+      svg.appendChild(label);
+    }
+    for (const [value, x, anchor] of [[x0, left, "start"], [x1, right, "end"]]) {
+      const label = svgEl("text", { x, y: bottom + 13, "text-anchor": anchor });
+      label.textContent = `step ${value}`;
+      svg.appendChild(label);
+    }
+    title.textContent = `${name}: ${fmtNum(last[key])} at step ${last.step} (${data.length} points)`;
+  }
+
+  draw([]);
+  return { element: figure, draw };
+}
+
+window.distrunCharts = { makeChart, fmtNum };
+})();

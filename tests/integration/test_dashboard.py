@@ -1,0 +1,313 @@
+"""`distrun dashboard` (issue 50): a real local mirrored x2 job on a real local server, its page in
+a real headless browser (Playwright driving Debian's chromium), and the guard held by plain HTTP.
+
+One dashboard, one job and one browser serve the whole module; the browser test runs the job's
+life in order (listed, live page, logs, stacks, cancel, the page after the end), the security
+test runs while the job is still running so that its data is there to leak.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
+
+CHROMIUM = "/usr/bin/chromium"
+#: A recipe that runs until it is cancelled: a print per rank, and a function of its own in every step.
+RECIPE = """
+import os
+import time
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+RANK = int(os.environ["RANK"])
+print(f"hello from rank {RANK}", flush=True)
+
+
+def model():
+    return nn.Linear(2, 1)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def dashboard_marker_pause():
+    time.sleep(0.04)
+
+
+def loss(outputs, batch):
+    dashboard_marker_pause()
+    return nn.functional.mse_loss(outputs, batch[1])
+
+
+def train_data(ctx):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 2, generator=gen)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+"""
+
+
+@dataclass(frozen=True)
+class Served:
+    proc: subprocess.Popen[str]
+    url: str  # the printed one, with the token
+
+    @property
+    def origin(self) -> str:
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def netloc(self) -> str:
+        return urlsplit(self.url).netloc
+
+    @property
+    def token(self) -> str:
+        return urlsplit(self.url).query.removeprefix("token=")
+
+
+@dataclass(frozen=True)
+class Job:
+    proc: subprocess.Popen[str]
+    id: str
+    recipe: str
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    """One headless chromium for the module; a missing prerequisite fails with its reason."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        pytest.fail(f"playwright is not installed ({exc}): pip install -e '.[test]'")
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"no {CHROMIUM}: apt-get install -y chromium (Playwright's own download needs the internet)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+@pytest.fixture(scope="module")
+def served(warm_start: None) -> Iterator[Served]:
+    """`distrun dashboard --port 0 --no-browser` on this module's local server; Ctrl-C ends it, cleanly."""
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--port", "0", "--no-browser"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ))
+    assert proc.stdout is not None and proc.stderr is not None
+    line = proc.stdout.readline()
+    found = re.fullmatch(r"distrun dashboard: (http://127\.0\.0\.1:\d+/\?token=[\w-]{40,})\n", line)
+    if found is None:
+        proc.kill()
+        pytest.fail(f"no URL from `distrun dashboard`: {line!r} {proc.stderr.read()[-2000:]}")
+    try:
+        yield Served(proc, found.group(1))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            _out, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise AssertionError("the dashboard did not end within 15 s of Ctrl-C") from None
+        assert proc.returncode == 0 and "dashboard stopped" in err, (proc.returncode, err[-2000:])
+
+
+@pytest.fixture(scope="module")
+def job(warm_start: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Job]:
+    """A local mirrored x2 job that trains until it is cancelled, listed on the local server."""
+    recipe = tmp_path_factory.mktemp("dashboard") / "dashjob.py"
+    recipe.write_text(RECIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "-s", "mirrored", "--replicas", "2",
+                             "--global-batch-size", "8", "--steps", "100000", "--json", "--log-interval-s", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ))
+    assert proc.stdout is not None
+    job_id = ""
+    deadline = time.monotonic() + 90
+    while True:
+        assert time.monotonic() < deadline, "the job reached no step in 90 s"
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()[-2000:] if proc.stderr else "no output"
+        event = json.loads(line)
+        if event["type"] == "job":
+            job_id = event["job"]
+        elif event["type"] == "step":
+            break
+    assert job_id.startswith("local-"), "the job is listed on the local server"
+    try:
+        yield Job(proc, job_id, recipe.name)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _ask(served: Served, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    """One plain HTTP request (no cookie jar, no redirects): status, headers, the first 64 KiB of the body."""
+    host, port = served.netloc.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, headers={"Host": served.netloc, **(headers or {})})
+        answer = conn.getresponse()
+        body = answer.read(65536).decode(errors="replace") if method != "HEAD" else ""
+        return answer.status, {name.lower(): value for name, value in answer.getheaders()}, body
+    finally:
+        conn.close()
+
+
+def test_every_route_is_refused_without_the_token_and_to_foreign_hosts_and_origins(served: Served, job: Job) -> None:
+    routes = ["/", "/hosts", f"/jobs/{job.id}", "/static/app.js", "/static/style.css", "/api/jobs",
+              "/api/jobs/events", "/api/hosts", f"/api/jobs/{job.id}", f"/api/jobs/{job.id}/events", "/nowhere"]
+    bearer = {"Authorization": f"Bearer {served.token}"}
+    for path in routes:
+        for headers in ({}, {"Authorization": "Bearer wrong-token"}, {"Cookie": "distrun_dashboard=wrong"}):
+            status, got, body = _ask(served, "GET", path, headers)
+            assert status in (401, 403), (path, headers, status)
+            assert job.id not in body and job.recipe not in body and "<html" not in body, (path, body)
+            assert "access-control-allow-origin" not in got
+    for action in ("cancel", "stacks"):  # an action without the token, even from the page's own origin
+        status, _, body = _ask(served, "POST", f"/api/jobs/{job.id}/{action}", {"Origin": served.origin})
+        assert status in (401, 403) and job.id not in body, (action, status, body)
+    status, _, body = _ask(served, "GET", "/?token=" + "x" * len(served.token))  # a wrong token, as long as the right one
+    assert status == 403 and "wrong token" in body, (status, body)
+    # The right token, from a foreign Host (DNS rebinding) or Origin (another site), is refused too.
+    assert _ask(served, "GET", "/api/jobs", {**bearer, "Host": f"attacker.example:{served.netloc.split(':')[1]}"})[0] == 403
+    assert _ask(served, "GET", "/api/jobs", {**bearer, "Origin": "http://attacker.example"})[0] == 403
+    status, _, body = _ask(served, "POST", f"/api/jobs/{job.id}/stacks", {**bearer, "Origin": "http://attacker.example"})
+    assert status == 403 and job.id not in body, (status, body)
+    assert _ask(served, "POST", f"/api/jobs/{job.id}/stacks", bearer)[0] == 403  # an action must name its Origin
+    assert _ask(served, "GET", f"/api/jobs/{job.id}/cancel", bearer)[0] == 404  # actions are POST only
+    assert _ask(served, "OPTIONS", "/api/jobs", {**bearer, "Origin": "http://attacker.example"})[0] in (403, 405)
+    # The token itself: traded for an HttpOnly, SameSite=Strict cookie; with it the data is there.
+    status, got, _ = _ask(served, "GET", f"/?token={served.token}")
+    assert status == 303 and got["location"] == "/", (status, got)
+    cookie = got["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie, cookie
+    status, got, body = _ask(served, "GET", "/api/jobs", {"Cookie": cookie.split(";")[0]})
+    assert status == 200 and job.id in body, (status, body[:500])
+    assert got["content-security-policy"] == "default-src 'self'" and "access-control-allow-origin" not in got
+
+
+def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, served: Served, job: Job) -> None:  # noqa: ANN001
+    from playwright.sync_api import expect
+
+    context = browser.new_context()
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda message: problems.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto(served.url)
+    assert page.url == served.origin + "/", "the token leaves the address bar for a cookie"
+
+    # The jobs page lists the job, newest first, as a link named by its recipe file.
+    row = page.locator(f"tr[data-job='{job.id}']")
+    expect(row).to_be_visible(timeout=15_000)
+    expect(row.get_by_role("cell").nth(2)).to_have_text("running")
+    row.get_by_role("link", name=job.recipe).click()
+    page.wait_for_url(f"**/jobs/{job.id}")
+
+    # Its page: two rank rows whose steps advance, a loss chart that gains points.
+    ranks = page.get_by_role("table", name="ranks")
+    expect(ranks.get_by_role("columnheader", name="rank", exact=True)).to_be_visible()
+    body_rows = ranks.locator("tbody tr")
+    expect(body_rows).to_have_count(2, timeout=15_000)
+    loss_chart = page.get_by_role("img", name="loss", exact=True)
+    expect(page.get_by_role("img", name="samples/s", exact=True)).to_be_visible()
+    first_steps = [int(body_rows.nth(i).get_by_role("cell").nth(3).inner_text()) for i in range(2)]
+    first_points = int(loss_chart.get_attribute("data-points") or 0)
+    deadline = time.monotonic() + 20
+    while True:
+        steps = [int(body_rows.nth(i).get_by_role("cell").nth(3).inner_text()) for i in range(2)]
+        points = int(loss_chart.get_attribute("data-points") or 0)
+        if all(now > before for now, before in zip(steps, first_steps)) and points > first_points:
+            break
+        assert time.monotonic() < deadline, f"no progress on the page: steps {first_steps} -> {steps}, points {first_points} -> {points}"
+        time.sleep(0.3)
+    assert [body_rows.nth(i).get_by_role("cell").nth(0).inner_text() for i in range(2)] == ["0", "1"]
+    events = page.get_by_role("list", name="events")
+    expect(events).to_contain_text("rank 0 started on cpu")
+    expect(events).to_contain_text("rank 1 started on cpu")
+
+    # The logs, under the rank filter and the text filter.
+    logs = page.get_by_role("log", name="logs")
+    expect(logs).to_contain_text("hello from rank 1")
+    page.get_by_label("rank filter").select_option("0")
+    expect(logs).to_contain_text("hello from rank 0")
+    expect(logs).not_to_contain_text("hello from rank 1")
+    page.get_by_label("rank filter").select_option("")
+    page.get_by_label("text filter").fill("rank 1")
+    expect(logs).to_contain_text("hello from rank 1")
+    expect(logs).not_to_contain_text("hello from rank 0")
+
+    # Stacks: every rank's, with the recipe's own function in them.
+    page.get_by_role("button", name="Stacks").click()
+    stacks = page.get_by_role("region", name="stacks")
+    expect(stacks).to_contain_text("dashboard_marker_pause", timeout=40_000)
+    expect(stacks.locator("article")).to_have_count(2)
+
+    # Cancel: the job ends, `distrun train` exits with the cancelled code (130), the page says so.
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Cancel").click()
+    _out, err = job.proc.communicate(timeout=30)
+    assert job.proc.returncode == 130, err[-2000:]
+    assert "cancelled by " in err.strip().splitlines()[-1], err[-2000:]
+    state = page.get_by_role("status")
+    expect(state).to_contain_text("stopped", timeout=15_000)
+    expect(state).to_contain_text("cancelled by ")
+    expect(page.get_by_role("button", name="Cancel")).to_be_disabled()
+
+    # A finished job keeps its page: after a reload, the ranks, the chart and the logs are back.
+    page.reload()
+    expect(page.get_by_role("status")).to_contain_text("cancelled by ", timeout=15_000)
+    expect(page.get_by_role("table", name="ranks").locator("tbody tr")).to_have_count(2)
+    assert int(page.get_by_role("img", name="loss", exact=True).get_attribute("data-points") or 0) >= points
+    expect(page.get_by_role("log", name="logs")).to_contain_text("hello from rank 0")
+    page.goto(served.origin + "/")
+    expect(page.locator(f"tr[data-job='{job.id}']").get_by_role("cell").nth(2)).to_have_text("stopped", timeout=15_000)
+    context.close()
+    assert not problems, problems
+
+
+def test_listening_beyond_loopback_warns_and_sigterm_ends_it(warm_start: None) -> None:
+    """`--host` other than loopback says what it exposes; SIGTERM (as Ctrl-C) ends it with nothing left."""
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--host", "0.0.0.0", "--port", "0",
+                             "--no-browser"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ))
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("distrun dashboard: http://127.0.0.1:"), line
+    served = Served(proc, line.split(": ", 1)[1].strip())
+    assert _ask(served, "GET", "/api/hosts")[0] == 401
+    status, _, body = _ask(served, "GET", "/api/hosts", {"Authorization": f"Bearer {served.token}"})
+    assert status == 200 and json.loads(body)["hosts"][0]["status"] == "up", body[:500]
+    port = served.netloc.split(":")[1]  # on every address: this machine's name is its Host too, no other
+    named = {"Authorization": f"Bearer {served.token}", "Host": f"{socket.gethostname()}:{port}"}
+    assert _ask(served, "GET", "/api/hosts", named)[0] == 200
+    assert _ask(served, "GET", "/api/hosts", {**named, "Host": f"attacker.example:{port}"})[0] == 403
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=15)
+    assert proc.returncode == 0, err[-2000:]
+    assert err.splitlines()[0].startswith("warning: --host 0.0.0.0: the dashboard listens beyond this machine"), err
+    assert "dashboard stopped" in err
