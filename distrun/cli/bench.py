@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.compression import run_compression
+from distrun.bench.auto import run_auto
 from distrun.bench.layouts import run_layouts
 from distrun.bench.pipeline import run_pipeline
 from distrun.bench.slowlinks import run_slowlinks
@@ -34,19 +35,19 @@ from distrun.config import Role
 from distrun.config.job import PRECISIONS
 from distrun.errors import Interrupted, UsageError
 from distrun.launch import visible_gpu_count
-from distrun.ui.bench import render_allreduce, render_compression, render_elastic, render_layouts, render_memory, render_overhead, render_pipeline, render_scaling, render_slowlinks, render_straggler, render_ttfs
+from distrun.ui.bench import render_auto, render_allreduce, render_compression, render_elastic, render_layouts, render_memory, render_overhead, render_pipeline, render_scaling, render_slowlinks, render_straggler, render_ttfs
 
 _SCALING = ("resnet50", "resnet18", "mlp")
 
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | slowlinks | resnet50 | resnet18 | mlp"),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | auto | slowlinks | resnet50 | resnet18 | mlp"),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline, slowlinks: the (running) cluster to measure (none: this machine).", rich_help_panel="Where"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2).", rich_help_panel="Where"),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL).", rich_help_panel="Where"),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda", rich_help_panel="Where"),
-    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); scaling, compression: timed steps (20); pipeline: steps (10); slowlinks: steps (100); elastic: steps (60, a rank lost halfway).", rich_help_panel="Steps and repeats"),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); auto: steps (5); scaling, compression: timed steps (20); pipeline: steps (10); slowlinks: steps (100); elastic: steps (60, a rank lost halfway).", rich_help_panel="Steps and repeats"),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first.", rich_help_panel="Steps and repeats"),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
@@ -128,6 +129,12 @@ def bench(
             report = run_slowlinks(cluster=cluster_file, steps=steps or 100, eval_every=max(1, (steps or 100) // 10),
                                    progress=say)
             _show(report, json_output, render_slowlinks)
+        elif workload == "auto":
+            if cluster_file is not None:
+                raise UsageError("bench auto --cluster: the planner probes and budgets this machine only, for now")
+            _positive(steps=steps or 5)
+            report = run_auto(steps=steps or 5, progress=say)
+            _show(report, json_output, render_auto)
         elif workload == "layouts":
             _positive(steps=steps or 3)
             report = run_layouts(steps=steps or 3, progress=say)
@@ -139,7 +146,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, slowlinks, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, auto, slowlinks, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None

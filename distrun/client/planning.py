@@ -93,10 +93,19 @@ def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tup
         return int(device_free_bytes), "GPU free memory"
     group = cgroup_of(os.getpid())
     limit = group.limit_bytes() if group is not None else None
-    if limit is not None:
-        return limit // ranks, f"memory cgroup {group.name} limit, shared by {ranks} rank(s)"
+    if limit is not None:  # this command stays in it beside the ranks: what it holds is not theirs
+        return (limit - _resident_bytes()) // ranks, f"memory cgroup {group.name}'s limit less this command, " \
+            f"shared by {ranks} rank(s)"
     available = _mem_available()
     return available // ranks, f"MemAvailable, shared by {ranks} rank(s)"
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _mem_available() -> int:

@@ -50,7 +50,7 @@ def _simplicity(layout: Layout) -> tuple[int, int, int, int]:
 def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -> list[Layout]:
     """Every exact layout of the job's ranks that the batch and the recipe allow."""
     ranks = resources.ranks
-    data_parallel = "multi-worker" if resources.hosts > 1 else "mirrored"
+    data_parallel = "multi-worker" if resources.hosts > 1 else "mirrored" if ranks > 1 else "one-device"
     shapes: list[tuple[str, int, int, int]] = [(data_parallel, ranks, 1, 0)]
     if ranks > 1:
         shapes.append(("sharded", ranks, 1, 0))
@@ -76,6 +76,8 @@ def _why_slower(prediction: Prediction, best: Prediction) -> str:
     slower = prediction.step_s / best.step_s - 1 if best.step_s > 0 else 0.0
     if prediction.comm_share >= 0.5:
         cause = f"{prediction.comm_share:.0%} waiting on the links"
+    elif prediction.fixed_s >= 0.5 * prediction.step_s:
+        cause = f"{prediction.fixed_s / prediction.step_s:.0%} the layout's own fixed costs"
     elif prediction.layout.pp > 1:
         cause = "the pipeline's bubble and activation hops"
     elif prediction.layout.activation_checkpointing != "none":

@@ -98,6 +98,13 @@ class Resources:
     ddp_step_s: float = 0.0
     shard_unit_s: float = 0.0
     microbatch_s: float = 0.0
+    #: distrun's fit loop a step on a one-layer model under mirrored (runtime/_loop_probe.py): the data
+    #: plan, the strategy's bookkeeping and DDP's; every layout pays it less DDP's part, plus its own.
+    loop_step_s: float = 0.0
+    #: FSDP's all-gather and reduce-scatter rates (bytes/s of the ``(n-1)/n`` share each moves), timed
+    #: on the same ranks; 0: as the link's.
+    gather_bytes_per_s: float = 0.0
+    scatter_bytes_per_s: float = 0.0
 
     @property
     def ranks_per_host(self) -> int:
@@ -159,6 +166,7 @@ class Prediction:
     compute_s: float
     exposed_comm_s: float
     parts: dict[str, int] = field(default_factory=dict)  # memory: name -> bytes
+    fixed_s: float = 0.0  # the loop's, DDP's, FSDP's units' and the pipeline's microbatches' own costs
 
     @property
     def comm_share(self) -> float:
@@ -183,7 +191,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
     compute = (samples * (profile.compute_s_per_sample + recompute) + layout.accumulate * profile.overhead_s
                + profile.optimizer_s)
     parts: dict[str, float] = {"footprint": profile.base_bytes}
-    comm = 0.0
+    comm = fixed = 0.0  # bytes and latency on the links; the measured fixed costs of the layout's machinery
     if pp > 1:
         m = layout.microbatches or pp
         in_flight = m if layout.pp_schedule == "gpipe" else min(pp, m)
@@ -195,7 +203,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
                     + m * layout.accumulate * profile.overhead_s) / (1 - bubble) + profile.optimizer_s / pp)
         hops = 2 * (pp - 1) * m * layout.accumulate
         comm += stage.seconds(2 * (pp - 1) * samples * profile.boundary_bytes_per_sample, hops)
-        comm += (m + pp - 1) * layout.accumulate * resources.microbatch_s
+        fixed += (m + pp - 1) * layout.accumulate * resources.microbatch_s
         if replicas > 1:  # each stage's gradients all-reduced over the replicas
             link = resources.slowest(replicas * pp)
             comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp,
@@ -207,9 +215,16 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         parts["gathered"] = 3 * profile.largest_unit_bytes  # two units' parameters, one's gradient
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
         link = resources.slowest(n)
-        gathers = 2 * layout.accumulate + 1  # all-gather in forward and backward, one reduce-scatter
-        comm += link.seconds(gathers * (n - 1) / n * profile.parameter_bytes, gathers * profile.units * (n - 1))
-        comm += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+        gathers = 2 * layout.accumulate  # all-gathers in forward and backward, one reduce-scatter a step
+        gather_rate = resources.gather_bytes_per_s if n <= resources.ranks_per_host and resources.gather_bytes_per_s \
+            else link.bytes_per_s
+        scatter_rate = resources.scatter_bytes_per_s if n <= resources.ranks_per_host and \
+            resources.scatter_bytes_per_s else link.bytes_per_s
+        share = (n - 1) / n
+        comm += (gathers * share * profile.parameter_bytes / gather_rate
+                 + share * profile.gradient_bytes / scatter_rate
+                 + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
+        fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
     else:  # mirrored / multi-worker: DDP
         parts["state"] = state + profile.gradient_bytes  # .grad and DDP's buckets
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
@@ -217,9 +232,11 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
             link = resources.slowest(replicas)
             comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes,
                                                      2 * (replicas - 1))
-            comm += resources.ddp_step_s
+            fixed += resources.ddp_step_s
+    fixed += max(0.0, resources.loop_step_s - resources.ddp_step_s)  # the loop around any layout's step
     peak = int(sum(parts.values()))
-    return Prediction(layout, peak, compute + comm, compute, comm, {k: int(v) for k, v in parts.items()})
+    return Prediction(layout, peak, compute + comm + fixed, compute, comm, {k: int(v) for k, v in parts.items()},
+                      fixed_s=fixed)
 
 
 def fits(prediction: Prediction, resources: Resources) -> bool:

@@ -8,6 +8,8 @@ its ranks on this host), so the cost model adds measured figures rather than con
 - ``ddp_step_s``: a DDP step of one tiny layer (forward, backward with its all-reduce, step);
 - ``shard_unit_s``: an FSDP2 step of a tiny chain of units, divided by its units and root;
 - ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches.
+
+:func:`collective_rates` times the collectives themselves, on the gradients' size.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["framework_overheads"]
+__all__ = ["collective_rates", "framework_overheads"]
 
 _STEPS = 8
 _WIDTH = 8
@@ -83,6 +85,24 @@ def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
         else:
             schedule.step(target=x, losses=[])
     return _median_s(step, group) / _MICROBATCHES
+
+
+def collective_rates(nbytes: int) -> dict[str, float]:
+    """The collectives' rates among the default group's ranks, each timed on ``nbytes`` (the
+    gradients, capped): an all-reduce moves ``2(n-1)/n`` of them (its ``bytes_per_s``), an
+    all-gather and a reduce-scatter ``(n-1)/n`` each. gloo runs the last two far slower than its
+    ring all-reduce, which is why sharded pays more than its bytes say on CPU. One number's
+    all-reduce gives a message's latency."""
+    n = dist.get_world_size()
+    shard = max(1, nbytes // 4 // n)
+    whole, part, one = torch.zeros(shard * n), torch.zeros(shard), torch.zeros(1)
+    latency = _median_s(lambda: dist.all_reduce(one)) / (2 * (n - 1))
+    reduce_s = _median_s(lambda: dist.all_reduce(whole))
+    gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part))
+    scatter_s = _median_s(lambda: dist.reduce_scatter_tensor(part, whole))
+    moved = (n - 1) / n * whole.numel() * 4
+    return {"bytes_per_s": 2 * moved / max(reduce_s, 1e-9), "latency_s": latency,
+            "gather_bytes_per_s": moved / max(gather_s, 1e-9), "scatter_bytes_per_s": moved / max(scatter_s, 1e-9)}
 
 
 def framework_overheads(device: torch.device) -> dict[str, float]:

@@ -76,35 +76,12 @@ def _loopback_link() -> dict[str, float]:
     return {"bytes_per_s": _LINK_BYTES / elapsed, "latency_s": statistics.median(trips) / 2}
 
 
-def _collective_link(group_size: int, nbytes: int) -> dict[str, float]:
-    """The link as gloo's ring sees it, timed among this probe's processes: an all-reduce of
-    ``nbytes`` (the gradients) gives the rate its ``2(n-1)/n`` share moved in that time; one of a
-    single number gives a message's latency."""
-    import torch
-    import torch.distributed as dist
-
-    def median_s(tensor: torch.Tensor, repeats: int) -> float:
-        dist.all_reduce(tensor)  # the first connects
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    big = torch.zeros(max(1, nbytes // 4))
-    latency = median_s(torch.zeros(1), 20) / (2 * (group_size - 1))
-    elapsed = median_s(big, 3)
-    moved = 2 * (group_size - 1) / group_size * big.numel() * 4
-    return {"bytes_per_s": moved / max(elapsed - 2 * (group_size - 1) * latency, 1e-9), "latency_s": latency}
-
-
 def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from distrun.planner.overheads import framework_overheads
+    from distrun.planner.overheads import collective_rates, framework_overheads
+    from distrun.runtime._loop_probe import loop_step_s
     from distrun.planner.probe import measure, resident_bytes
     from distrun.runtime._recipe import load_module, prepare_sys_path
     from distrun.strategies import InputContext
@@ -154,8 +131,11 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
                       together=dist.barrier if group_size > 1 else lambda: None)
     link, overheads = None, {}
     if group_size > 1:
-        link = _collective_link(group_size, min(profile.gradient_bytes, _MAX_COLLECTIVE_BYTES))
-        overheads = framework_overheads(device)
+        rates = collective_rates(min(profile.gradient_bytes, _MAX_COLLECTIVE_BYTES))
+        link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
+        overheads = {**framework_overheads(device), **rates}
+    overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
+    if group_size > 1:
         dist.destroy_process_group()
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return {"profile": dataclasses.asdict(profile), "link": link or _loopback_link(), "device_free_bytes": free,

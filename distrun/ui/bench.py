@@ -173,6 +173,31 @@ def render_layouts(report: Mapping[str, Any]) -> Table:
     return table
 
 
+def render_auto(report: Mapping[str, Any]) -> Table:
+    def num(value: Any, form: str) -> str:
+        return "-" if value is None else f"{value:{form}}"
+
+    table = _contenders(f"--strategy auto against every kind of layout, {report['steps']} steps each",
+                        "predicted/measured peak: the highest rank (VmHWM); step: the global batch over samples/s; "
+                        "0 samples/s: the run failed (killed over its cgroup's limit). Geometric means of auto's "
+                        f"ratio: to the best {num(report['geomean_vs_best'], '.2f')}x, to always-mirrored "
+                        f"{num(report['geomean_vs_mirrored'], '.2f')}x ({report['mirrored_failed']} scenario(s) where "
+                        f"it failed left out), to always-sharded {num(report['geomean_vs_sharded'], '.2f')}x",
+                        ("scenario / layout", "samples/s", "peak MB pred/meas", "step s pred/meas", "auto vs it"))
+    for row in report["rows"]:
+        table.add_section()
+        table.add_row(f"[bold]{row['scenario']}[/bold] (budget {num(row['budget_mb'], ',.0f')} MB a rank)", "", "", "",
+                      "")
+        rate = row["contenders"][-1]["samples_per_s"]
+        for c in row["contenders"]:
+            table.add_row(f"  {c['layout']}", f"{c['samples_per_s']:.1f}",
+                          f"{num(c['predicted_peak_mb'], '.0f')}/{num(c['peak_mb'], '.0f')}",
+                          f"{num(c['predicted_step_s'], '.3g')}/{num(c['step_s'], '.3g')}",
+                          "-" if c["layout"].startswith("auto") else
+                          (f"{rate / c['samples_per_s']:.2f}x" if c["samples_per_s"] else "it failed"))
+    return table
+
+
 def render_slowlinks(report: Mapping[str, Any]) -> Table:
     title = (f"slow links: MLP of {report['parameters']:,} parameters, global batch {report['global_batch_size']}, "
              f"{report['steps']} steps each, eval every {report['eval_every']}")

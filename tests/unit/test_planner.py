@@ -112,3 +112,16 @@ def test_candidates_divide_the_batch_and_respect_the_chain():
             assert (48 // layout.replicas // layout.accumulate) % layout.microbatches == 0
     unchained = ModelProfile(**{**PROFILE.__dict__, "chain_parts": 0})
     assert {layout.pp for layout in candidates(unchained, _resources(10_000, ranks=4), 48)} == {1}
+
+
+def test_each_layouts_measured_fixed_costs_are_added_once_a_step():
+    resources = Resources(ranks=2, hosts=1, budget_bytes=10**10, within_host=FAST, ddp_step_s=0.002,
+                          shard_unit_s=0.001, microbatch_s=0.003, loop_step_s=0.005)
+    mirrored = predict(PROFILE, resources, Layout("mirrored", 2), 64)
+    assert mirrored.fixed_s == pytest.approx(0.005)  # the loop, DDP's part included
+    sharded = predict(PROFILE, resources, Layout("sharded", 2, accumulate=2), 64)
+    assert sharded.fixed_s == pytest.approx(0.003 + (8 + 1) * 2 * 0.001)  # the loop less DDP's, 9 units twice
+    piped = predict(PROFILE, resources, Layout("mirrored", 1, pp=2, microbatches=4), 64)
+    assert piped.fixed_s == pytest.approx(0.003 + (4 + 2 - 1) * 0.003)  # the loop less DDP's, 5 schedule slots
+    for prediction in (mirrored, sharded, piped):
+        assert prediction.step_s == pytest.approx(prediction.compute_s + prediction.exposed_comm_s + prediction.fixed_s)

@@ -1,0 +1,194 @@
+"""`distrun bench auto`: auto's pick against every kind of layout, run for real, in one run.
+
+Each scenario is one model (the pipeline recipe at a width, depth and batch) and one memory
+budget: memory to spare, or a v1 memory cgroup whose limit is 90% of twice the smallest mirrored need
+the planner predicts (``distrun plan --json`` outside it), so that no mirrored layout fits, and
+mirrored itself would be killed. In each,
+the contenders are always-mirrored (``mirrored x2``), always-sharded (``sharded x2``), the
+pipeline the planner ranks best, and ``--strategy auto`` itself; every one trains the same steps at
+the same global batch, inside the scenario's cgroup (a run the kernel kills counts 0 samples/s).
+The report gives each contender's samples/s, its predicted and measured peak (the highest rank's
+VmHWM) and step time (the global batch over samples/s), auto's ratio to the best contender, to
+always-mirrored and to always-sharded, and their geometric means. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from distrun.bench._runs import HERE
+from distrun.errors import DistrunError
+
+__all__ = ["SCENARIOS", "Scenario", "run_auto"]
+
+_RECIPE = HERE / "_pipeline_recipe.py"
+_CGROUPS = Path("/sys/fs/cgroup/memory")
+#: The client beside the ranks in a scenario's cgroup (MB), and the share of two mirrored ranks'
+#: smallest predicted need that a "below mirrored" cgroup allows.
+_CLIENT_MB = 100
+_BELOW = 0.9
+_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    args: tuple[str, ...]  # the recipe's
+    batch: int
+    below_mirrored: bool  # a cgroup below every mirrored layout's predicted need
+
+
+_SMALL = ("--width", "8", "--layers", "2", "--samples", "1024")
+_COMPUTE = ("--width", "512", "--layers", "8", "--samples", "4096")
+_PARAMS = ("--width", "1024", "--layers", "4", "--samples", "512")
+SCENARIOS = (
+    Scenario("small model, memory to spare", _SMALL, 64, False),
+    Scenario("67M params, batch 512, memory to spare", _COMPUTE, 512, False),
+    Scenario("34M params, batch 8, memory to spare", _PARAMS, 8, False),
+    Scenario("67M params, batch 512, below mirrored's need", _COMPUTE, 512, True),
+    Scenario("34M params, batch 8, below mirrored's need", _PARAMS, 8, True),
+)
+
+
+def _distrun(argv: list[str], env: dict[str, str], cgroup: Path | None) -> tuple[int, list[dict[str, Any]], str]:
+    command = [sys.executable, "-m", "distrun", *argv]
+    if cgroup is not None:  # the client joins the cgroup first: the probe and the ranks are born in it
+        command = ["sh", "-c", "echo $$ > \"$1\"/cgroup.procs && shift && exec \"$@\"", "sh", str(cgroup), *command]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=_TIMEOUT_S, check=False)  # noqa: S603
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return proc.returncode, lines, proc.stderr
+
+
+def _plan(scenario: Scenario, env: dict[str, str], cgroup: Path | None) -> dict[str, Any]:
+    code, lines, err = _distrun(["plan", str(_RECIPE), "--json", "--device", "cpu", "-b", str(scenario.batch),
+                                 "--", *scenario.args], env, cgroup)
+    if code != 0 or not lines:
+        raise DistrunError(f"bench auto: distrun plan failed in {scenario.name!r}: "
+                           + " | ".join(err.strip().splitlines()[-3:]))
+    return lines[-1]
+
+
+def _flags(layout: str) -> list[str]:
+    """``distrun train`` flags for a layout as the planner describes it (``mirrored --pp 2 (1f1b, 4
+    microbatches)``, ``sharded x2 --accumulate 2``)."""
+    words = layout.replace("(", "").replace(")", "").replace(",", "").split()
+    flags = ["-s", words[0]]
+    if "--pp" in words:
+        at = words.index("--pp")
+        flags += ["--pp", words[at + 1], "--pp-schedule", words[at + 2], "--microbatches", words[at + 3],
+                  "--replicas", words[-1][1:] if words[-1].startswith("x") else "1"]
+    else:
+        flags += ["--replicas", words[1][1:]]
+    for option in ("--activation-checkpointing", "--accumulate"):
+        if option in words:
+            flags += [option, words[words.index(option) + 1]]
+    return flags
+
+
+def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str],
+           cgroup: Path | None) -> dict[str, Any]:
+    code, lines, err = _distrun(["train", str(_RECIPE), *flags, "--device", "cpu", "--json", "--steps", str(steps),
+                                 "-b", str(scenario.batch), "--", *scenario.args], env, cgroup)
+    summary = next((line for line in reversed(lines) if line.get("type") == "summary"), {})
+    rate = float(summary.get("samples_per_s") or 0.0) if code == 0 else 0.0
+    peaks = summary.get("peak_mem_mb") or {}
+    return {"samples_per_s": rate, "peak_mb": max(peaks.values()) if peaks else None,
+            "step_s": scenario.batch / rate if rate > 0 else None, "exit": code, "plan": summary.get("plan"),
+            "error": None if code == 0 else (summary.get("error") or err.strip().splitlines()[-1:] or [""])[0]}
+
+
+def _contenders(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
+    """Always-mirrored, always-sharded, and the pipeline the planner ranks best (by predicted step
+    among those that fit, else the first), each with its prediction."""
+    by_layout = {c["layout"]: c for c in plan["candidates"]}
+    pipes = [c for c in plan["candidates"] if "--pp" in c["layout"]]
+    fitting = [c for c in pipes if not c["verdict"].startswith("needs ")]
+    best_pipe = min(fitting or pipes, key=lambda c: c["predicted_step_s"], default=None)
+    out = [(name, by_layout.get(name)) for name in ("mirrored x2", "sharded x2")]
+    if best_pipe is not None:
+        out.append((best_pipe["layout"], best_pipe))
+    return out
+
+
+def _geomean(values: list[float]) -> float | None:
+    if not values:
+        return None
+    if any(v <= 0 for v in values):
+        return 0.0
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _cgroup(name: str) -> Path:
+    if not (_CGROUPS / "cgroup.procs").is_file() or os.geteuid() != 0:
+        raise DistrunError("bench auto: the budget scenarios need root and the v1 memory controller at "
+                           f"{_CGROUPS} (a cgroup per scenario)")
+    group = _CGROUPS / name
+    group.mkdir(exist_ok=True)
+    return group
+
+
+def _limit(group: Path, megabytes: float) -> None:
+    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+        if (group / name).is_file():
+            (group / name).write_text(str(int(megabytes * 10**6)))
+
+
+def run_auto(*, steps: int = 5, scenarios: tuple[Scenario, ...] = SCENARIOS,
+             progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """The report: per scenario, each contender's figures and auto's ratios; their geometric means."""
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="distrun-bench-auto-") as home:
+        env = {**os.environ, "DISTRUN_HOME": home}  # no warm server: every rank is born in the scenario's cgroup
+        for index, scenario in enumerate(scenarios):
+            group = None
+            try:
+                if scenario.below_mirrored:
+                    outside = _plan(scenario, env, None)
+                    need = min(c["predicted_peak_mb"] for c in outside["candidates"]
+                               if c["layout"].startswith("mirrored x"))
+                    group = _cgroup(f"distrun-bench-auto-{os.getpid()}-{index}")
+                    # 90% of two mirrored ranks' predicted need: mirrored would really be killed here.
+                    _limit(group, 2 * _BELOW * need + _CLIENT_MB)
+                progress(f"{scenario.name}: planning")
+                plan = _plan(scenario, env, group)
+                contenders = []
+                for layout, predicted in _contenders(plan):
+                    progress(f"{scenario.name}: {layout}")
+                    run = _train(scenario, _flags(layout), steps, env, group)
+                    contenders.append({"layout": layout, **run,
+                                       "predicted_peak_mb": predicted and predicted["predicted_peak_mb"],
+                                       "predicted_step_s": predicted and predicted["predicted_step_s"]})
+                progress(f"{scenario.name}: --strategy auto")
+                auto = _train(scenario, ["-s", "auto"], steps, env, group)
+                chosen = auto["plan"] or plan
+                auto_row = {"layout": f"auto: {chosen['candidates'][0]['layout']}", **auto,
+                            "predicted_peak_mb": chosen["predicted_peak_mb"],
+                            "predicted_step_s": chosen["predicted_step_s"], "decide_s": chosen.get("decide_s")}
+            finally:
+                if group is not None:
+                    group.rmdir()
+            best = max(c["samples_per_s"] for c in contenders)
+            mirrored = next(c for c in contenders if c["layout"] == "mirrored x2")["samples_per_s"]
+            sharded = next(c for c in contenders if c["layout"] == "sharded x2")["samples_per_s"]
+            rate = auto_row["samples_per_s"]
+            rows.append({"scenario": scenario.name, "budget_mb": plan.get("budget_mb"),
+                         "contenders": [*contenders, auto_row],
+                         "vs_best": rate / best if best else None,
+                         "vs_mirrored": rate / mirrored if mirrored else None,
+                         "vs_sharded": rate / sharded if sharded else None})
+    ok = [r for r in rows if r["vs_best"] is not None]
+    return {"benchmark": "auto", "steps": steps, "rows": rows,
+            "geomean_vs_best": _geomean([r["vs_best"] for r in ok]),
+            "geomean_vs_mirrored": _geomean([r["vs_mirrored"] for r in rows if r["vs_mirrored"] is not None]),
+            "geomean_vs_sharded": _geomean([r["vs_sharded"] for r in rows if r["vs_sharded"] is not None]),
+            "mirrored_failed": sum(1 for r in rows if r["vs_mirrored"] is None),
+            "sharded_failed": sum(1 for r in rows if r["vs_sharded"] is None)}
