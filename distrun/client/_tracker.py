@@ -307,9 +307,14 @@ class JobTracker:
             resumed=({"path": self._resumed.path, "step": self._resumed.step, "past_end": self._resumed.past_end}
                      if self._resumed else None),
             net_mb_sent=self._net_mb_sent(),
+            reason=self._stopped_by(),
             **self._syncs.summary(self._strategy == "diloco"),
             **self._throughput(chief.samples_per_s if chief else workers_rate),
         )
+
+    def _stopped_by(self) -> str | None:
+        """A run a recipe's callback ended early: what the lowest rank whose callback stopped it said."""
+        return next((done.reason for _, done in sorted(self._done.items()) if done.reason), None)
 
     def _net_mb_sent(self) -> float | None:
         """Each host's largest count from its ranks' Done (they read one host's counters), summed."""

@@ -180,8 +180,9 @@ class LocalJob:
         return self._feed.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        return dataclasses.replace(self._feed.summary(status, error), warm=self._launcher.warm,
-                                   reason=self._stop_reason if status == "interrupted" else None)
+        summary = self._feed.summary(status, error)  # its reason: a callback that ended the run early
+        return dataclasses.replace(summary, warm=self._launcher.warm,
+                                   reason=self._stop_reason if status == "interrupted" else summary.reason)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         self._interrupted = self._interrupted or interrupted

@@ -199,6 +199,9 @@ class Done(Event):
     #: What this rank's host sent on its network interfaces (loopback excluded) while the rank
     #: ran: every process's traffic there, the job's and anything else's; None where unknown.
     net_bytes_sent: int | None = None
+    #: The run ended early because a recipe's callback on this rank said so: the callback's class
+    #: and what it watched ("EarlyStopping: eval_loss did not improve ..."); the summary's ``reason``.
+    reason: str | None = None
 
 
 @dataclass(frozen=True)

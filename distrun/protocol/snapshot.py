@@ -151,7 +151,8 @@ class JobSummary:
     #: the results dir names where they came home), and how many were written.
     profile_dir: str | None = None
     profile_traces: int = 0
-    #: A job that was stopped: why, as its hosts recorded it ("cancelled by alice from laptop").
+    #: A job that was stopped: why, as its hosts recorded it ("cancelled by alice from laptop"); a
+    #: run a recipe's callback ended early (it succeeded): the callback and what it watched.
     reason: str | None = None
     #: ``--resume``: {"path", "step", "past_end"} of the checkpoint it went on from (past_end: at or
     #: past the job's last step already, so nothing was trained); None without --resume.

@@ -17,11 +17,12 @@ import torch
 
 from distrun.config import JobSpec
 from distrun.errors import RecipeError
+from distrun.runtime._callbacks import build_callbacks
 from distrun.runtime._flops import peak_flops
 from distrun.runtime._move import to_device
 from distrun.runtime._nonfinite import NonFiniteGuard
 from distrun.runtime._preempt import Preempted, PreemptWatch
-from distrun.runtime._reporter import EventReporter
+from distrun.runtime._reporter import EventReporter, to_float
 from distrun.runtime._schedule import build_schedule
 from distrun.strategies import InputContext, MembershipSwitch, Strategy
 from distrun.strategies.elastic.replica import one_line
@@ -32,6 +33,8 @@ class FitResult:
     steps: int
     final_loss: float | None
     eval_metrics: dict[str, float]
+    #: A callback ended the run early: its class and what it said ("EarlyStopping: eval_loss did not ...").
+    stopped_by: str | None = None
 
 
 def _default_forward(model: torch.nn.Module, batch: Any) -> Any:
@@ -85,6 +88,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     schedule = strategy.lr_schedule = build_schedule(recipe, strategy, spec, recipe_optimizer)
     if schedule is not None and strategy.joined:  # a joiner, healed by a peer: the schedule its source held
         schedule.load_state_dict(strategy.healed_lr_schedule, strategy.step)
+    reporter.during = "building the callbacks"
+    callbacks = build_callbacks(recipe, strategy, spec, reporter)  # after prepare: a callback may keep the weights
     reporter.during = "loading the data"
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.training.seed)
@@ -105,7 +110,9 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         strategy.check_checkpoint_dir(spec.checkpoint.dir)
     if spec.checkpoint.resume and spec.checkpoint.dir and not strategy.joined:  # a joiner was healed by a peer
         reporter.during = "restoring the checkpoint"
-        strategy.restore(spec.checkpoint.dir)
+        restored = strategy.restore(spec.checkpoint.dir)
+        if callbacks is not None:  # EarlyStopping's count goes on where it left (Lightning's choice)
+            callbacks.load_state(restored.get("extra"))
 
     epochs = spec.training.epochs
     total_steps = spec.training.steps
@@ -166,7 +173,15 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     # checkpoint is due when the step crosses a multiple of checkpoint_every.
     last_mark = strategy.step // checkpoint_every if checkpoint_every else 0
 
+    def save(wait: bool) -> None:
+        """A checkpoint of this step, the callbacks' state in its ``extra`` (only with callbacks:
+        parameter-server, which has none, keeps its own ``save``)."""
+        extra = {} if callbacks is None else {"extra": callbacks.checkpoint_state()}
+        strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=wait, **extra)
+
     def finished() -> bool:
+        if callbacks is not None and callbacks.stopped:  # the ranks agreed: a callback ended the run
+            return True
         if total_steps is not None and strategy.step >= total_steps:
             return True
         # A step budget decides alone: an asynchronous worker's own epochs are not the job's.
@@ -195,6 +210,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         evaluated_at = strategy.step
         if schedule is not None:  # ReduceLROnPlateau: stepped with the monitored metric
             schedule.after_eval(result)
+        if callbacks is not None:
+            callbacks.eval_end(result)
         return result
 
     def end_of_run(epoch: int) -> None:
@@ -208,6 +225,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     eval_due: int | None = None  # an epoch whose evaluation a change of membership interrupted
     ended = False  # the run's end was settled and evaluated
+    if callbacks is not None:
+        callbacks.total_steps = total_steps
+        callbacks.train_begin()
+        callbacks.agreed_stop()
     reporter.during = None  # from here a failure is at a step
     while not ended:
         failed_at, switch, cause = None, False, ""
@@ -222,10 +243,12 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             model.train()
             for batch in train:
                 last_loss = strategy.run(train_step, batch)
+                if callbacks is not None:
+                    callbacks.step_end(last_loss, to_float(used_lr[0]))
                 if ckpt_dir and checkpoint_every and strategy.step // checkpoint_every > last_mark:
                     # The run's last save with no evaluation after it to be written behind: written
                     # at once (``--async-checkpoint`` would only copy first; the job waits for it anyway).
-                    strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=finished() and not evaluating)
+                    save(wait=finished() and not evaluating)
                     last_saved, last_mark = strategy.step, strategy.step // checkpoint_every
                 if finished():
                     break
@@ -235,16 +258,20 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
                     last_eval, eval_due = run_eval(eval_due), None
                 if preempt.agreed(strategy):  # the job will end: checkpoint this step, stop to be requeued
                     if ckpt_dir and last_saved != strategy.step:
-                        strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=True)
+                        save(wait=True)
                     strategy.wait_for_checkpoint()
                     strategy.barrier()  # so any rank's exit 75 means the checkpoint is published
                     raise Preempted(strategy.step, checkpoint=bool(ckpt_dir))
+                if callbacks is not None and callbacks.agreed_stop():  # every rank, after this same step
+                    break
             epoch_done = train.position[0] > epoch  # also when a step limit stopped on its last batch
             if finished():  # the run's end wherever it falls (a --steps run mid-epoch too)
                 end_of_run(epoch)
             elif epoch_done and evaluating and evaluated_at != strategy.step:  # every epoch's end
                 eval_due = epoch
                 last_eval, eval_due = run_eval(epoch), None
+                if callbacks is not None:
+                    callbacks.agreed_stop()  # EarlyStopping on each epoch's evaluation: stop here
             if not epoch_done and total_steps is None:
                 break  # an iterable that yields nothing would loop forever
         except Exception as exc:  # noqa: BLE001 - under --elastic a lost peer is not the end
@@ -256,11 +283,17 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
             strategy.recover(failed_at, switch=switch, cause=cause)
 
     strategy.settle()  # the run ends on one set of weights (diloco: a sync, unless one just landed)
-    if ckpt_dir and last_saved != strategy.step:
-        strategy.save(ckpt_dir, keep=spec.checkpoint.keep, wait=True)  # nothing left to write it behind
+    if callbacks is not None:  # before the last checkpoint: EarlyStopping may put the best weights back
+        callbacks.train_end()
+    # Written again where a callback stopped the run (the step's checkpoint came before its evaluation,
+    # so before the count that stopped it) or put weights back.
+    again = callbacks is not None and (callbacks.stopped or callbacks.weights_loaded)
+    if ckpt_dir and (last_saved != strategy.step or again):
+        save(wait=True)  # nothing left to write it behind
     strategy.wait_for_checkpoint()  # --async-checkpoint: the last one is written before the summary
     final = None
     if last_loss is not None:  # weighted like the gradients: the global batch's mean loss
         final = float(strategy.reduce("mean", float(last_loss) * strategy.batch_weight))
     reporter.flush()
-    return FitResult(steps=strategy.step, final_loss=final, eval_metrics=last_eval)
+    return FitResult(steps=strategy.step, final_loss=final, eval_metrics=last_eval,
+                     stopped_by=callbacks.reason if callbacks is not None and callbacks.stopped else None)

@@ -38,7 +38,7 @@ from distrun.strategies.step.accumulation import gradient_sync, split_batch
 from distrun.strategies.step.settings import ReplicaStep, StepSettings
 from distrun.strategies.step.sync_clock import SyncClock
 
-__all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "REDUCE_OPS"]
+__all__ = ["Strategy", "Reporter", "ReplicaInfo", "StepSettings", "LoopOptions", "REDUCE_OPS"]
 
 
 class Reporter(Protocol):
@@ -79,10 +79,32 @@ class ReplicaInfo:
     node_rank: int = 0  # the host this replica runs on (hierarchical all-reduce groups by it)
 
 
+@dataclass(frozen=True)
+class LoopOptions:
+    """The job's options a loop acts on (``strategy.options``): what the fit loop does with them, a
+    custom loop may do too, so ``--steps``, ``--eval-every`` or ``--resume`` mean the same for it.
+    None where the job did not say (``steps``: neither ``--steps`` nor the recipe's defaults)."""
+
+    steps: int | None = None
+    epochs: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 0
+    eval_every: int | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep: int = 3
+    resume: bool = False
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
+    args: tuple[str, ...] = ()
+
+
 class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
     """Base class; subclasses decide where parameters live and how gradients meet."""
 
     name = "strategy"
+    #: The job's options (the runtime sets them before the recipe runs).
+    options: LoopOptions = LoopOptions()
 
     def __init__(self, replica: ReplicaInfo, reporter: Reporter, *, step: StepSettings = StepSettings(),
                  elastic: Elastic | None = None) -> None:
@@ -103,6 +125,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         self.epoch = 0
         self.restored_from: Path | None = None  # restore(): the checkpoint it read
         self._batch_samples = 0
+        self._reported_samples: int | None = None  # report_samples() in the current step
         self._batch_weight = 1.0
         self._global_batch_size: int | None = None
         self._dataset: DistributedDataset | None = None
@@ -292,6 +315,15 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         if self._dataset is not None:
             self.epoch = self._dataset.epoch
 
+    def report_samples(self, samples: int) -> None:
+        """Count ``samples`` more samples in this replica's current step (call it in the step, or
+        before ``run``): the live view's samples/s and the summary's then count what the step ran.
+        Without it a step counts the rows of the last batch ``distribute_dataset`` gave, which is
+        wrong for a loop that runs several batches a step (its own accumulation)."""
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
+            raise ConfigError(f"strategy.report_samples: a whole number of samples >= 0. Received: {samples!r}")
+        self._reported_samples = (self._reported_samples or 0) + samples
+
     @property
     def batch_weight(self) -> float:
         """Multiply this replica's mean loss by this before backward.
@@ -319,6 +351,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
                 result = fn(*args, **kwargs)
         except BaseException:
             self._clock.discard()  # its waits (up to the failure) are no later step's
+            self._reported_samples = None  # nor its samples (--elastic redoes it)
             raise
         self.step += 1
         if self._elastic is not None:
@@ -385,7 +418,9 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         self._finish_checkpoint(block=False)
         loss = result if isinstance(result, (torch.Tensor, float, int)) else None
         timed_s = self._clock.waited_s() if self._clock.measures else None  # read every step: it ends the step
-        self._reporter.step(self.step, self.epoch, loss, self._batch_samples, sync_wait_s=self._sync_wait_s(timed_s))
+        samples = self._batch_samples if self._reported_samples is None else self._reported_samples
+        self._reported_samples = None
+        self._reporter.step(self.step, self.epoch, loss, samples, sync_wait_s=self._sync_wait_s(timed_s))
         stats = self._step.compile_progress()
         if stats is not None:
             self._reporter.compiled(stats)

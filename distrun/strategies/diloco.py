@@ -244,7 +244,7 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
                 for p, value in zip(self._params, own):
                     p.copy_(value)
 
-    def save(self, directory: Any, *, keep: int = 3, wait: bool = False) -> Any:
+    def save(self, directory: Any, *, keep: int = 3, wait: bool = False, extra: Any = None) -> Any:
         """A checkpoint of the global weights. One fragment: written at a sync (the last one syncs
         first), so every replica's weights are the global ones and a resume is exact. Streamed
         fragments sync at different steps, so a checkpoint between the run's syncs does not force
@@ -254,7 +254,7 @@ class DiLoCoStrategy(ElasticSyncs, Strategy):
             self.settle()
         elif self._in_flight is not None:  # the run's last save comes after fit's settle()
             self._land()
-        return super().save(directory, keep=keep, wait=wait)
+        return super().save(directory, keep=keep, wait=wait, extra=extra)
 
     def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The global weights under the model's parameter names (buffers: this replica's, averaged

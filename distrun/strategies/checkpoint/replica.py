@@ -12,14 +12,15 @@ the hooks (``_checkpoint_state``, ``_comm_state``, ``_write_checkpoint``, ``_rea
 from __future__ import annotations
 
 import contextlib
+import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from distrun.errors import CheckpointError
+from distrun.errors import CheckpointError, RecipeError
 from distrun.strategies.checkpoint.catalog import latest_checkpoint, load_checkpoint, newest_complete, prune
 from distrun.strategies.checkpoint.files import save_checkpoint
 from distrun.strategies.checkpoint.mismatch import describe_mismatch
@@ -45,6 +46,9 @@ class CheckpointReplica:
     #: The fit loop's learning-rate schedule (``runtime/_schedule.LrSchedule``), when the recipe has
     #: one: its state is every checkpoint's ``lr_scheduler``, and ``restore`` puts it back.
     lr_schedule: Any = None
+    #: Told ``(step, path)`` after ``restore`` read a checkpoint: the runtime says "resumed from ...
+    #: at step N" for a custom loop, which calls ``restore`` itself (the fit loop says it on its own).
+    on_restored: Callable[[int, str], None] | None = None
 
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
@@ -86,17 +90,26 @@ class CheckpointReplica:
             meta["lr_scheduler"] = self.lr_schedule.state_dict()
         return meta
 
-    def save(self, directory: str | Path, *, keep: int = 3, wait: bool = False) -> Path | None:
+    def save(self, directory: str | Path, *, keep: int = 3, wait: bool = False,
+             extra: dict[str, Any] | None = None) -> Path | None:
         """Write this step's checkpoint into ``directory`` and keep the newest ``keep``; every
         replica calls it. Returns its path on the chief (None elsewhere, and under
-        ``--async-checkpoint`` while it is still being written, unless ``wait``)."""
+        ``--async-checkpoint`` while it is still being written, unless ``wait``).
+
+        ``extra``: a custom loop's own state (a scheduler's or an early stop's ``state_dict()``),
+        which ``restore`` returns as its ``extra`` entry. The chief's is kept, as JSON in either
+        format (a sharded checkpoint's sidecar is JSON), so it must hold plain values: it comes
+        back the same from every format, tuples as lists."""
         self._finish_checkpoint()  # a wait here is the previous save's cost, counted there
         started = time.perf_counter()
         with self._saving(directory, "saving a checkpoint"):
+            kept = _plain(extra) if extra is not None else None  # refused before anything is written
             comm = self._comm_state()
             meta = self._checkpoint_meta()
             if comm is not None:
                 meta["comm"] = comm
+            if kept is not None:
+                meta["extra"] = kept
             return self._write_checkpoint(Path(directory), meta, keep=keep, started=started, wait=wait)
 
     @contextlib.contextmanager
@@ -158,7 +171,8 @@ class CheckpointReplica:
     def restore(self, directory: str | Path) -> dict[str, Any]:
         """Load the newest checkpoint in ``directory`` (either format, any world size) into the
         prepared model and optimizer. Restores step, data position and RNG too; returns the
-        checkpoint's entries (a sharded one's without its tensors)."""
+        checkpoint's entries (a sharded one's without its tensors), among them ``extra``: what
+        ``save(extra=...)`` kept (``{}`` where it kept nothing)."""
         path = latest_checkpoint(directory)
         if path is None:
             raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt or ckpt-<step>/)")
@@ -187,6 +201,9 @@ class CheckpointReplica:
             self.lr_schedule.load_state_dict(data.get("lr_scheduler"), self.step)
         self._load_comm_state(data.get("comm"))
         self._after_restore()
+        data["extra"] = data.get("extra") or {}
+        if self.on_restored is not None:
+            self.on_restored(self.step, str(path))
         return data
 
     def _read_checkpoint(self, path: Path) -> dict[str, Any]:
@@ -199,3 +216,15 @@ class CheckpointReplica:
 
     def _after_restore(self) -> None:
         """Hook: re-synchronise replicas after loading state."""
+
+
+def _plain(extra: Any) -> dict[str, Any]:
+    """``save(extra=...)`` as JSON gives it back: the same from the plain and the sharded format."""
+    if not isinstance(extra, dict):
+        raise RecipeError(f"strategy.save(extra=...) takes a dict of plain values. Received: {type(extra).__name__}")
+    try:
+        return json.loads(json.dumps(extra))
+    except (TypeError, ValueError) as exc:
+        raise RecipeError(f"strategy.save(extra=...): {exc}; a checkpoint keeps plain values (dict, list, "
+                          "str, int, float, bool, None): a tensor as .tolist(), a scheduler as its state_dict()"
+                          ) from None

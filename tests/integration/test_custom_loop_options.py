@@ -1,0 +1,159 @@
+"""A custom loop gets what a fit recipe gets (issue 47, item 6): the job's options as
+``strategy.options``, ``strategy.save(extra=...)`` given back by ``restore`` (on another replica
+count too), ``strategy.report_samples(n)`` for the live view's samples/s, the "resumed from ... at
+step N" line, and the job's seed set before ``main`` runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from distrun.strategies import latest_checkpoint, load_checkpoint
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
+
+TOLERANCE = 2e-4  # test_model_parallel's bound against one-device
+
+LOOP = '''
+import json
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+_gen = torch.Generator().manual_seed(7)
+_x = torch.randn(96, 4, generator=_gen)
+_y = _x.sum(dim=1, keepdim=True).sin()
+
+
+def _factor(step):  # a different lr at every step: a schedule that did not travel ends elsewhere
+    return 0.9 ** step
+
+
+def main(strategy):
+    options = strategy.options
+    per_step = int(options.args[options.args.index("--batches") + 1]) if "--batches" in options.args else 1
+    with strategy.scope():
+        model = nn.Linear(4, 1)
+    print(f"init {float(model.weight[0, 0].detach())!r}", flush=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = strategy.prepare(model, optimizer)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
+    data = strategy.distribute_dataset(TensorDataset(_x, _y), options.global_batch_size)
+    if options.resume:
+        extra = strategy.restore(options.checkpoint_dir)["extra"]
+        schedule.load_state_dict(extra["schedule"])
+        if strategy.is_chief:
+            print("extra " + json.dumps(extra, sort_keys=True), flush=True)
+
+    def step(batches):
+        optimizer.zero_grad()
+        for inputs, targets in batches:  # the loop's own accumulation: several batches a step
+            loss = strategy.compute_average_loss((model(inputs) - targets).pow(2).mean(dim=1)) / len(batches)
+            loss.backward()
+            if "--report" in options.args:
+                strategy.report_samples(len(inputs))
+        optimizer.step()
+        schedule.step()
+        time.sleep(0.005)  # a step's time that the machine's load barely changes: samples/s is steady
+        return loss.detach()
+
+    batches = iter(())
+    while strategy.step < options.steps:
+        group = []
+        while len(group) < per_step:
+            batch = next(batches, None)
+            if batch is None:
+                batches = iter(data)
+                continue
+            group.append(batch)
+        strategy.run(step, group)
+        if options.checkpoint_dir and strategy.step % options.checkpoint_every == 0:
+            extra = {"schedule": schedule.state_dict(), "at": strategy.step, "pair": (1, 2)}
+            if "--tensor-in-extra" in options.args:
+                extra["weight"] = model.weight.detach()
+            strategy.save(options.checkpoint_dir, extra=extra)
+'''
+
+
+@pytest.fixture(scope="module")
+def loop(tmp_path_factory):
+    path = tmp_path_factory.mktemp("loop") / "loop.py"
+    path.write_text(LOOP)
+    return path
+
+
+def _train(recipe, *flags):
+    result = run_cli("train", str(recipe), "--json", *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _printed(result, prefix):
+    return [e["line"].removeprefix(prefix) for e in result.json_lines()
+            if e["type"] == "output" and e["rank"] == 0 and e["line"].startswith(prefix)]
+
+
+def test_extra_state_comes_back_on_resume_on_another_replica_count(loop, tmp_path):
+    """mirrored x2 to step 6 (a checkpoint every 3 steps, each with the schedule in ``extra``), then
+    one-device to 12 with --resume: the loop gets its extra state back, JSON's plain values (the
+    tuple a list), the summary and the "resumed" line say step 6, and the run ends where an
+    uninterrupted one-device run of 12 steps ends."""
+    flags = ("-b", "8", "--checkpoint-every", "3")
+    whole = _train(loop, "--steps", "12", "--checkpoint-dir", str(tmp_path / "whole"), *flags)
+    ckpt = tmp_path / "ck"
+    first = _train(loop, "-s", "mirrored", "--replicas", "2", "--steps", "6", "--checkpoint-dir", str(ckpt), *flags)
+    assert first.summary["steps"] == 6
+    resumed = _train(loop, "--steps", "12", "--checkpoint-dir", str(ckpt), "--resume", *flags)
+
+    extra = json.loads(_printed(resumed, "extra ")[0])
+    assert (extra["at"], extra["pair"], extra["schedule"]["last_epoch"]) == (6, [1, 2], 6), extra
+    summary = resumed.summary
+    assert summary["resumed"]["step"] == 6 and summary["resumed"]["path"].endswith("ckpt-000000006.pt"), summary
+    assert summary["steps"] == 12
+    end, reference = (load_checkpoint(latest_checkpoint(folder)) for folder in (ckpt, tmp_path / "whole"))
+    assert end["extra"]["schedule"]["last_epoch"] == 12
+    for key, tensor in reference["model"].items():
+        torch.testing.assert_close(end["model"][key], tensor, rtol=0, atol=TOLERANCE, msg=key)
+
+    human = run_cli("train", str(loop), "--steps", "12", "--checkpoint-dir", str(ckpt), "--resume", *flags)
+    assert human.returncode == 0, human.stderr[-3000:]
+    assert f"resumed from {ckpt}/ckpt-000000012.pt at step 12" in human.stdout + human.stderr
+
+
+def test_the_seed_is_set_and_options_reach_the_loop(loop, tmp_path):
+    """``--seed 5``: the model the loop builds is the one ``torch.manual_seed(5)`` gives, on every
+    replica; ``--steps`` is the live view's total."""
+    result = _train(loop, "-s", "mirrored", "--replicas", "2", "-b", "8", "--steps", "3", "--seed", "5")
+    torch.manual_seed(5)
+    expected = float(nn.Linear(4, 1).weight[0, 0].detach())
+    inits = {e["rank"]: float(e["line"].split()[1]) for e in result.json_lines()
+             if e["type"] == "output" and e["line"].startswith("init ")}
+    assert inits == {0: expected, 1: expected}, inits
+    totals = {e["total_steps"] for e in result.json_lines() if e["type"] == "step"}
+    assert totals == {3}, totals
+
+
+def test_reported_samples_make_the_samples_per_second(loop):
+    """A step of 4 batches of 8: with ``report_samples`` each counts, so samples/s is about 4x that
+    of the same run counting only the last batch (the default), not the issue's quarter."""
+    runs = {}
+    for report in ((), ("--report",)):
+        result = _train(loop, "-b", "8", "--steps", "40", "--", "--batches", "4", *report)
+        runs[bool(report)] = result.summary["samples_per_s"]
+    ratio = runs[True] / runs[False]
+    assert 2.5 < ratio < 6.0, runs
+
+
+def test_extra_state_that_a_checkpoint_cannot_keep_is_one_line_exit_3(loop, tmp_path):
+    result = run_cli("train", str(loop), "-b", "8", "--steps", "3", "--checkpoint-every", "3",
+                     "--checkpoint-dir", str(tmp_path / "ck"), "--", "--tensor-in-extra")
+    assert result.returncode == 3, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "strategy.save(extra=...): Object of type Tensor is not JSON serializable; a checkpoint keeps plain " \
+           "values" in last and "loop.py:" in last, last
