@@ -24,12 +24,13 @@ from typing import Any
 
 from distrun._version import __version__
 from distrun.client._self_wheel import self_wheel, source_digest
+from distrun.config._environment import DEFAULT_KEEP_ENVIRONMENTS
 from distrun.config.cluster import ClusterSpec, HostSpec
 from distrun.errors import ConfigError, HostError
 from distrun.links import CommandFailed, Remote
 
 __all__ = ["EnvironmentPlan", "HostEnvironment", "EnvironmentFailed", "plan_environment", "check_environment",
-           "build_environment"]
+           "build_environment", "host_script"]
 
 #: pip over a slow mirror, building a package from source: as long as a setup command may take.
 BUILD_TIMEOUT_S = 1800.0
@@ -58,6 +59,8 @@ class EnvironmentPlan:
     root: str  # the hosts' environments folder, relative to the login directory or absolute
     plain: str  # the spec's digest without distrun
     with_distrun: str  # ... and with the client's distrun in it
+    keep: int = DEFAULT_KEEP_ENVIRONMENTS  # after a build, the newest environments a host keeps
+    lease: tuple[str, str] | None = None  # (job id, its folder on the host): the job uses the environment
 
     def wheels_dir(self, with_distrun: bool) -> str | None:
         shas = [wheel.sha256 for wheel in self.wheels] + ([source_digest()] if with_distrun else [])
@@ -76,6 +79,7 @@ class HostEnvironment:
     needs_distrun: bool = False
     wheels_ready: bool = True
     installed: bool = False  # this `up` built it
+    site: str | None = None  # its site-packages folder (a job's layer goes first on the ranks' PYTHONPATH)
 
     @property
     def note(self) -> str:
@@ -96,7 +100,8 @@ def plan_environment(cluster: ClusterSpec) -> EnvironmentPlan:
                                        "index": index}, sort_keys=True).encode()).hexdigest()
     return EnvironmentPlan(requirements=requirements, wheels=wheels, index=index,
                            wanted=spec is not None and not spec.empty, root=cluster.environments_dir,
-                           plain=plain, with_distrun=_with_distrun(plain))
+                           plain=plain, with_distrun=_with_distrun(plain),
+                           keep=spec.keep if spec is not None else DEFAULT_KEEP_ENVIRONMENTS)
 
 
 def check_environment(remote: Remote, host: HostSpec, plan: EnvironmentPlan) -> HostEnvironment:
@@ -132,17 +137,19 @@ def _answer(host: HostSpec, said: dict[str, Any], *, check: bool) -> HostEnviron
         return HostEnvironment(python=host.python)
     return HostEnvironment(python=str(said["python"]), name=str(said["name"]), ready=bool(said["ready"]),
                            needs_distrun=bool(said["needs_distrun"]), wheels_ready=bool(said.get("wheels_ready")),
-                           installed=not check and bool(said.get("installed")))
+                           installed=not check and bool(said.get("installed")),
+                           site=str(said["site"]) if said.get("site") else None)
 
 
 def _run_script(remote: Remote, host: HostSpec, plan: EnvironmentPlan, mode: str, *, timeout_s: float) -> dict:
     config = {
         "root": plan.root, "version": __version__, "wanted": plan.wanted, "requirements": list(plan.requirements),
-        "index": plan.index, "complete": _COMPLETE,
+        "index": plan.index, "complete": _COMPLETE, "keep": plan.keep,
+        "lease": {"job": plan.lease[0], "folder": plan.lease[1]} if plan.lease else None,
         "variants": {"plain": {"spec": plan.plain, "wheels": plan.wheels_dir(False)},
                      "with_distrun": {"spec": plan.with_distrun, "wheels": plan.wheels_dir(True)}},
     }
-    result = remote.run([host.python, "-c", _script(), mode], stdin=json.dumps(config), timeout_s=timeout_s)
+    result = remote.run([host.python, "-c", host_script(), mode], stdin=json.dumps(config), timeout_s=timeout_s)
     if result.exited == 127 or (not result.stdout.strip() and "No such file" in result.stderr):
         raise HostError(host.label, f"python {host.python!r} not found; set `python:` in the cluster file to an "
                                     "interpreter that exists on this host")
@@ -197,5 +204,6 @@ def _with_distrun(plain: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _script() -> str:
+def host_script() -> str:
+    """``_env_host.py``'s source: run on a host as ``python -c SOURCE MODE`` (it may have no distrun)."""
     return (Path(__file__).with_name("_env_host.py")).read_text(encoding="utf-8")

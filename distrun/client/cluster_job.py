@@ -29,6 +29,7 @@ from distrun.client._bundle import Bundle
 from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
+from distrun.client._job_env import JobEnvironment, PreparedHosts, prepare_hosts
 from distrun.client._job_state import as_written, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._hosts import ps_hosts, training_hosts
@@ -97,6 +98,7 @@ class ClusterJob:
         self.spec: JobSpec | None = None
         self.elastic = ElasticHosts(self)  # --elastic: lost hosts rejoin, added hosts join, hung ranks go
         self._watch: AllocationWatch | None = None  # a Slurm allocation: its end is named, not just felt
+        self._prepared = PreparedHosts()  # per host: the job's own environment layer (client/_job_env)
 
     @classmethod
     def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
@@ -182,8 +184,10 @@ class ClusterJob:
     # -- start
 
     def start(self, spec: JobSpec, bundle: Bundle, *, detach: bool = False, max_restarts: int = 0,
-              hang_timeout_s: float | None = None, debug_dir: Path | None = None) -> None:
-        """Ship the bundle where it is missing, rendezvous, submit everywhere; then follow unless ``detach``.
+              hang_timeout_s: float | None = None, debug_dir: Path | None = None,
+              environment: JobEnvironment | None = None) -> None:
+        """Check the hosts' environments (``environment``: the job's own packages, ``--allow-skew``) before any
+        rank runs, ship the bundle where it is missing, rendezvous, submit everywhere; follow unless ``detach``.
 
         ``max_restarts``: when a rank fails, restart every rank (from the newest
         checkpoint, if one was written) up to this many times. The client drives
@@ -202,11 +206,13 @@ class ClusterJob:
                                           ps_tasks=spec.ps.tasks, **tracker_settings(spec)),
                                hang_timeout_s=hang_timeout_s, on_hang=self._on_hang)
         everyone = self._links + self._evaluators
+        self._prepared = prepare_hosts(everyone, self.cluster, spec, bundle.files, environment, self.job_id)
         with ThreadPoolExecutor(max_workers=min(32, len(everyone))) as pool:
             sent = list(pool.map(lambda link: self._ship(link, bundle), everyone))
         self.bundle_sent_to = tuple(link.label for link, was_sent in zip(everyone, sent) if was_sent)
         if self._evaluators and spec.checkpoint.dir and "eval_data" in inspect_recipe(spec.recipe).functions:
-            self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle, spec, self._events,
+            self._relay = EvaluatorRelay(self.job_id, self._evaluators[0], bundle,
+                                         self._prepared.spec_for(self._evaluators[0].label, spec), self._events,
                                          self.rank_hosts)
         self._submit(self.job_id, spec)
         if not detach:
@@ -238,6 +244,7 @@ class ClusterJob:
     def _submit_to(self, link: HostLink, placement: Placement, attempt_id: str, spec: JobSpec, *,
                    join: bool = False) -> None:
         """``join``: ``--elastic``, a host that was lost and is back: its ranks join the running job."""
+        spec = self._prepared.spec_for(link.label, spec)  # the job's own layer on this host's PYTHONPATH
         link.call("submit", job=attempt_id, bundle=self._bundle.sha256, recipe=self._bundle.recipe,
                   spec=spec.to_json(), local_world_size=placement.slots, world_size=self.world_size,
                   rank_offset=placement.rank_offset, node_rank=placement.node_rank,
@@ -391,8 +398,9 @@ class ClusterJob:
     def summary(self, status: str, error: str | None = None) -> JobSummary:
         warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
         lost = sorted(int(rank) for result in self._results.values() for rank in result.get("lost_ranks") or ())
-        return dataclasses.replace(self._events.summary(status, error), restarts=self.restarts, warm=warm,
-                                   reason=self.stop_reason if status == "interrupted" else None, ranks_lost=lost)
+        summary = self._events.summary(status, error)  # its reason: a callback's that stopped the run early
+        return dataclasses.replace(summary, restarts=self.restarts, warm=warm, ranks_lost=lost,
+                                   reason=self.stop_reason if status == "interrupted" else summary.reason)
 
     @property
     def stop_reason(self) -> str | None:

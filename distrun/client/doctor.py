@@ -6,15 +6,18 @@ that says why ("down"), never a hang. Asked of each host's worker server:
 - SSH and the server itself (a host without one is "down": run ``distrun up``);
 - python, distrun (it must be the client's version), and what torch sees: its version,
   CUDA, NCCL, GPUs (a short-lived ``python -c`` of the server's interpreter);
+- the environment the server runs in (its content hash, when `up` built one), and its
+  Python and torch beside the client's: a job is refused where they differ (``client/_skew``);
 - free disk in the host's distrun folder, and the host's clock against this machine's
   (the midpoint of a quick round trip);
 - the interface its route to the chief leaves by, and whether it can open a TCP
   connection to a port the chief listens on for the purpose, as ranks will to the
   rendezvous port (``network.port_range`` is honoured).
 
-Problems (exit 6): down, a distrun version that differs, torch that does not import, the
-chief's port not reached. Warnings (exit 0): clock skew over 1 s, under 1 GiB free, fewer
-GPUs than the cluster file's ``gpus:``.
+Problems (exit 6): down, a distrun version that differs, torch that does not import, a
+Python minor version or torch release other than the client's (a job would be refused
+without ``--allow-skew``), the chief's port not reached. Warnings (exit 0): clock skew over 1 s, under 1 GiB free, fewer
+GPUs than the cluster file's ``gpus:``, torch built without CUDA on a host with GPUs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from distrun._version import __version__
 from distrun.client._links import HostLink
+from distrun.client._skew import HostFacts, client_facts
 from distrun.config import ClusterSpec, HostSpec
 from distrun.errors import HostError
 
@@ -50,6 +54,9 @@ class DoctorRow:
     skew_s: float | None = None
     interface: str | None = None
     reaches_chief: bool | None = None
+    environment: str | None = None  # the environment's name (a content hash) when `up` built one
+    client_python: str | None = None  # the client's, side by side with the host's
+    client_torch: str | None = None
     problems: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
 
@@ -80,11 +87,12 @@ def run_doctor(cluster: ClusterSpec) -> list[DoctorRow]:
         probe.chief_problem = exc.reason
     finally:
         link.close()
+    client = client_facts(())
     with ThreadPoolExecutor(max_workers=min(32, len(cluster.hosts))) as pool:
-        return list(pool.map(lambda host: _row(cluster, host, probe), cluster.hosts))
+        return list(pool.map(lambda host: _row(cluster, host, probe, client), cluster.hosts))
 
 
-def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe) -> DoctorRow:
+def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe, client: HostFacts) -> DoctorRow:
     link = HostLink(cluster, host)
     try:
         link.open()
@@ -102,6 +110,10 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe) -> DoctorRow:
         problems.append(f"distrun {link.info.version} there, {__version__} here: `distrun up` installs this one")
     if facts.get("torch_error"):
         problems.append(f"torch: {facts['torch_error']}")
+    problems += _skew(link.info.python, facts.get("torch"), client)
+    if facts.get("torch") and not facts.get("cuda") and link.info.gpu_count:
+        warnings.append(f"torch {facts['torch']} was built without CUDA, and the host has {link.info.gpu_count} "
+                        "GPU(s): a job on them is refused (install a CUDA build of torch there)")
     reach = facts.get("reaches_chief")
     if probe.port is None:
         problems.append(f"the chief's port could not be opened: {probe.chief_problem}")
@@ -125,8 +137,23 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe) -> DoctorRow:
         host=host.label, status="problem" if problems else "warn" if warnings else "ok",
         python=link.info.python, distrun=link.info.version, torch=facts.get("torch"), cuda=facts.get("cuda"),
         nccl=facts.get("nccl"), gpus=gpus, free_bytes=free, skew_s=skew, interface=facts.get("interface"),
-        reaches_chief=None if probe.port is None else reach is None,
+        reaches_chief=None if probe.port is None else reach is None, environment=facts.get("environment"),
+        client_python=client.python_full, client_torch=client.version("torch"),
         problems=tuple(problems), warnings=tuple(warnings))
+
+
+def _skew(python: str | None, torch: str | None, client: HostFacts) -> list[str]:
+    """What a job's skew checks would refuse on this host (``--allow-skew`` lets it run)."""
+    found = []
+    if python and python.split(".")[:2] != client.python.split("."):
+        found.append(f"Python {python} where the client has {client.python_full}: a job is refused (set python: to "
+                     f"a Python {client.python} there, or --allow-skew)")
+    ours = (client.version("torch") or "").split("+")[0]
+    theirs = (torch or "").split("+")[0]
+    if ours and theirs and ours != theirs:
+        found.append(f"torch {theirs} where the client has {ours}: a job is refused (add torch=={ours} to "
+                     "requirements, or --allow-skew)")
+    return found
 
 
 def _public(address: object) -> str | None:

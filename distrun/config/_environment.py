@@ -10,6 +10,7 @@ host, as a pip error::
     requirements: ["clickutil==1.0", "einops>=0.7"]   # or the lines themselves
     wheels: wheels/                        # a folder of .whl files on the client, shipped to the hosts
     index: false                           # true: pip's own index; a URL: that index; false: none
+    keep_environments: 5                   # on each host, the newest environments kept (by last use)
 
 ``index`` defaults to ``false`` when ``wheels:`` is given (an offline host's packages are
 the folder's) and to ``true`` otherwise; ``index: true`` with ``wheels:`` uses both.
@@ -28,7 +29,10 @@ from distrun.errors import ConfigError
 
 __all__ = ["EnvironmentSpec", "ENVIRONMENT_KEYS", "parse_environment"]
 
-ENVIRONMENT_KEYS = ("requirements", "wheels", "index")
+ENVIRONMENT_KEYS = ("requirements", "wheels", "index", "keep_environments")
+#: Environments a host keeps (the cluster's and jobs' ``--requirements`` layers, by last use) when
+#: a build adds one; an environment a server or a running job uses is never removed.
+DEFAULT_KEEP_ENVIRONMENTS = 5
 
 #: A requirements file is read whole on the client; a larger one is not a requirements file.
 MAX_REQUIREMENTS_BYTES = 1024 * 1024
@@ -48,6 +52,7 @@ class EnvironmentSpec:
     wheels: str | None = None
     index: bool | str = True
     source: str | None = None  # the requirements file, when the lines came from one
+    keep: int = DEFAULT_KEEP_ENVIRONMENTS  # ``keep_environments``
 
     @property
     def empty(self) -> bool:
@@ -63,12 +68,15 @@ def parse_environment(top: dict[str, Any], err: Err, base_dir: Path) -> Environm
         return None
     requirements, source = _requirements(top.get("requirements"), err, base_dir)
     wheels = _wheels(top["wheels"], err, base_dir) if top.get("wheels") is not None else None
-    index: bool | str = wheels is None
+    index: bool | str = wheels is None and top.get("requirements") is not None
     if top.get("index") is not None:
         index = top["index"]
         if not isinstance(index, bool) and not (isinstance(index, str) and _URL.match(index)):
             raise err("index", f"must be true, false or an http(s) index URL. Received: {index!r}"[:200])
-    return EnvironmentSpec(requirements=requirements, wheels=wheels, index=index, source=source)
+    keep = top.get("keep_environments", DEFAULT_KEEP_ENVIRONMENTS)
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= 1000:
+        raise err("keep_environments", f"must be a whole number from 1 to 1000. Received: {keep!r}"[:200])
+    return EnvironmentSpec(requirements=requirements, wheels=wheels, index=index, source=source, keep=keep)
 
 
 def _requirements(value: Any, err: Err, base_dir: Path) -> tuple[tuple[str, ...], str | None]:

@@ -1,5 +1,9 @@
 """What ``distrun doctor`` asks a worker server: the facts that make or break a job here.
 
+Besides, the environment the server (and so every rank) runs in: its name, when `up` built
+one (``workdir/.envs/<name>/bin/python``, issue 49), so ``doctor`` can show it beside the
+versions a job's skew checks compare (``client/_skew``).
+
 The server never imports torch (the control plane's rule), so what torch sees (its
 version, CUDA, NCCL, GPUs) is asked of a short-lived ``python -c`` with the server's own
 interpreter: the one training processes use. Every probe is bounded in time: a doctor
@@ -9,6 +13,8 @@ row may say "failed", never hang.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -36,13 +42,23 @@ _CONNECT_S = 3.0
 
 def doctor_facts(state_dir: Path, chief: str | None, port: int | None) -> dict[str, Any]:
     """Facts of this host; ``chief``/``port``: the chief's probe listener, to try to reach."""
-    facts: dict[str, Any] = {"time": time.time(), "free_bytes": shutil.disk_usage(state_dir).free}
+    facts: dict[str, Any] = {"time": time.time(), "free_bytes": shutil.disk_usage(state_dir).free,
+                             "environment": environment_name(sys.executable), "python_full": platform.python_version()}
     facts.update(_torch_facts())
     if chief:
         facts["interface"] = interface_towards(chief)
         facts["data_address"] = address_to_bind(chief) if chief not in ("127.0.0.1", "localhost") else "127.0.0.1"
         facts["reaches_chief"] = _reaches(chief, port) if port else None
     return facts
+
+
+def environment_name(executable: str) -> str | None:
+    """The environment ``executable`` belongs to, if `up` built it (``.../.envs/<name>/bin/python``); None: the
+    host's python as is. The path as run, not resolved: an environment's python is a link to its base."""
+    parts = os.path.normpath(executable).split(os.sep)
+    if len(parts) >= 4 and parts[-4] == ".envs" and parts[-2] == "bin":
+        return parts[-3]
+    return None
 
 
 def _torch_facts() -> dict[str, Any]:

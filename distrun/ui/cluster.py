@@ -85,21 +85,38 @@ def _table(report: ClusterReport) -> Table:
     return table
 
 
+def _beside(theirs: str | None, ours: str | None, *, minor: bool = False) -> Text:
+    """A host's version, with the client's beside it (in red) where a job's skew check would refuse it."""
+    if not theirs:
+        return Text("-")
+    cut = (lambda v: v.split(".")[:2]) if minor else (lambda v: v.split("+")[0])
+    if ours and cut(theirs) != cut(ours):
+        return Text(f"{theirs} (client {ours})", style="red")
+    return Text(theirs)
+
+
 _DOCTOR_STYLE = {"ok": "green", "warn": "yellow", "problem": "red", "down": "red"}
 
 
 def render_doctor(cluster: str, rows: list, links: list | None = None) -> Group:  # rows: client.doctor.DoctorRow
-    """`distrun doctor`: one row per host, every problem and warning in full, then ``--links``' rates."""
-    table = Table(title=f"cluster {cluster}: doctor", title_justify="left", box=box.SIMPLE_HEAD)
+    """`distrun doctor`: one row per host, every problem and warning in full, then ``--links``' rates.
+
+    Each host's environment and its Python and torch stand beside the client's (the title), and a
+    version that differs from the client's says the client's in its cell: a job would be refused."""
+    first = rows[0] if rows else None
+    here = (f" (client: python {first.client_python or '?'}, torch {first.client_torch or '-'})"
+            if first is not None and first.client_python else "")
+    table = Table(title=f"cluster {cluster}: doctor{here}", title_justify="left", box=box.SIMPLE_HEAD)
     host_width = max((len(row.host) for row in rows), default=0)
-    for name in ("host", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock", "route to chief",
-                 "chief port", "status"):
+    for name in ("host", "env", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock",
+                 "route to chief", "chief port", "status"):
         table.add_column(name, no_wrap=True, min_width=host_width if name == "host" else None,
                          justify="right" if name in ("gpus", "free", "clock") else "left")
     for row in rows:
         reach = "-" if row.reaches_chief is None else ("reached" if row.reaches_chief else "NOT reached")
         table.add_row(
-            row.host, row.python or "-", row.distrun or "-", row.torch or "-", row.cuda or "-", row.nccl or "-",
+            row.host, row.environment or "-", _beside(row.python, row.client_python, minor=True),
+            row.distrun or "-", _beside(row.torch, row.client_torch), row.cuda or "-", row.nccl or "-",
             "-" if row.gpus is None else str(row.gpus),
             "-" if row.free_bytes is None else fmt_bytes(row.free_bytes),
             "-" if row.skew_s is None else f"{row.skew_s * 1000:+.0f} ms",

@@ -286,10 +286,14 @@ def test_the_environment_keys_parse_and_refuse_bad_values(tmp_path: Path) -> Non
     online = parse_cluster("requirements: [a==1]\nindex: https://pypi.example/simple\nhosts: [h1]\n", "c.yaml", tmp_path)
     assert online.environment is not None and online.environment.index == "https://pypi.example/simple"
     assert parse_cluster("hosts: [h1]\n", "c.yaml", tmp_path).environment is None
+    kept = parse_cluster("keep_environments: 2\nhosts: [h1]\n", "c.yaml", tmp_path).environment
+    assert kept is not None and kept.keep == 2 and kept.empty and kept.index is False  # no packages: no index asked
+    assert spec.keep == 5
     for text, said in [('requirements: ["a\\nb"]', "c.yaml:1: requirements[0]: must be one requirement on one line"),
                        ("index: ftp://x", "c.yaml:1: index: must be true, false or an http(s) index URL"),
                        ("wheels: reqs.txt", f"c.yaml:1: wheels: {tmp_path / 'reqs.txt'} is not a folder"),
                        ("requirements: wheels", f"c.yaml:1: requirements: cannot read {tmp_path / 'wheels'}: Is a directory"),
+                       ("keep_environments: 0", "c.yaml:1: keep_environments: must be a whole number from 1 to 1000"),
                        ("requirement: [a]", "c.yaml:1: requirement: unknown key (did you mean 'requirements'?)")]:
         with pytest.raises(ConfigError) as caught:
             parse_cluster(f"{text}\nhosts: [h1]\n", "c.yaml", tmp_path)
