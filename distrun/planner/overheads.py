@@ -24,7 +24,7 @@ from torch import nn
 
 __all__ = ["collective_rates", "framework_overheads"]
 
-_STEPS = 8
+_STEPS = 5
 _WIDTH = 8
 _UNITS = 4
 _MICROBATCHES = 4

@@ -29,7 +29,11 @@ from distrun.strategies.sharding.units import pick_units
 
 __all__ = ["measure", "resident_bytes"]
 
-_REPEATS = 5
+_REPEATS = 3
+#: Rows of the first step and of the activation count; the share of the memory cap the timed
+#: batches' activations may take.
+_FIRST_ROWS = 2
+_TIMED_SHARE = 0.25
 
 
 def resident_bytes() -> int:
@@ -122,9 +126,10 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             forward: Callable[[nn.Module, Any], Any], batch_of: Callable[[int], Any], rows: int,
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
-            together: Callable[[], None] = lambda: None) -> ModelProfile:
+            together: Callable[[], None] = lambda: None, memory_cap_bytes: int | None = None) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
-    a forward will see (the timings use ``rows`` and a quarter of it)."""
+    a forward will see (the timings use ``rows``, or fewer where their activations would take more
+    than a quarter of ``memory_cap_bytes``, and a quarter of that)."""
     model = model.to(device)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -141,20 +146,26 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         forward_backward(batch)
         optimizer.step()
 
-    small = max(1, rows // 4)
-    batch_small, batch_large = batch_of(small), batch_of(rows)
-    step(batch_small)  # the optimizer's state exists after its first step
+    first = min(rows, _FIRST_ROWS)
+    batch_first = batch_of(first)
+    step(batch_first)  # the optimizer's state exists after its first step
     optimizer_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
 
-    saved = _SavedBytes(units)
+    saved = _SavedBytes(units)  # on a few rows: activations grow with the rows, and a full batch may not fit
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
-            loss_fn(forward(model, batch_large), batch_large).backward()
+            loss_fn(forward(model, batch_first), batch_first).backward()
     finally:
         saved.close()
     optimizer.zero_grad(set_to_none=True)
-    per_sample = (saved.inside + saved.outside) / rows
-    checkpointed = (saved.outside + saved.unit_inputs) / rows
+    per_sample = (saved.inside + saved.outside) / first
+    checkpointed = (saved.outside + saved.unit_inputs) / first
+    # The timed batches: the replica's rows where their activations take at most a quarter of what
+    # this process may use, else as many as do (the layouts that need more are the ones auto avoids).
+    rows = max(first, min(rows, int(_TIMED_SHARE * memory_cap_bytes / max(1.0, per_sample)))) \
+        if memory_cap_bytes else rows
+    small = max(1, rows // 4)
+    batch_small, batch_large = batch_of(small), batch_of(rows)
 
     def forward_only(batch: Any) -> Callable[[], None]:
         def run() -> None:

@@ -25,7 +25,7 @@ from distrun.strategies import ReplicaInfo, StepSettings, make_strategy
 
 __all__ = ["loop_step_s"]
 
-_FEW, _MANY = 4, 24
+_FEW, _MANY = 3, 13
 _WIDTH = 4
 
 

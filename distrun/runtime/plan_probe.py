@@ -76,6 +76,19 @@ def _loopback_link() -> dict[str, float]:
     return {"bytes_per_s": _LINK_BYTES / elapsed, "latency_s": statistics.median(trips) / 2}
 
 
+def _memory_cap(device: Any, group_size: int) -> int:
+    """What one probe process may fill: the GPU's free memory, or its share of MemAvailable."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // group_size
+    return 0
+
+
 def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -95,9 +108,12 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     import distrun.runtime._main  # noqa: F401 - what a rank imports before its model: its floor
     if request.get("evaluates"):
         import distrun.runtime._metrics  # noqa: F401 - torchmetrics, which a rank imports to evaluate
-    base = resident_bytes()  # the interpreter, torch, distrun and a process group, before the recipe
-    recipe = load_module(request["recipe"])
     device = torch.device(request.get("device", "cpu"))
+    # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
+    # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
+    # the free memory the budget reads).
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+    recipe = load_module(request["recipe"])
     batch_size, rows = int(request["global_batch_size"]), int(request["rows"])
     torch.manual_seed(int(request.get("seed", 0)))
     model = recipe.model()
@@ -128,7 +144,8 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
                       batch_of=lambda count: to(batch_of(count)), rows=rows, device=device, base_bytes=base,
                       units_from=getattr(recipe, "shard_units", None), chain_from=getattr(recipe, "pp_chain", None),
-                      together=dist.barrier if group_size > 1 else lambda: None)
+                      together=dist.barrier if group_size > 1 else lambda: None,
+                      memory_cap_bytes=_memory_cap(device, group_size))
     link, overheads = None, {}
     if group_size > 1:
         rates = collective_rates(min(profile.gradient_bytes, _MAX_COLLECTIVE_BYTES))

@@ -168,3 +168,4 @@ def test_a_model_without_a_chain_under_the_same_budget_is_sharded(unchained, mem
     assert plan["chosen"]["strategy"]["name"] == "sharded" and plan["chosen"]["parallel"]["pp"] == 1, plan["chosen"]
     assert not any("--pp" in c["layout"] for c in plan["candidates"])  # nothing to cut, nothing offered
     _same_parameters(tmp_path / "auto", _one_device(unchained, tmp_path / "one", *BIG))
+
