@@ -386,10 +386,10 @@ class ParameterServerStrategy(Strategy):
                 positions[by_id[id(param)]] = position
         return positions
 
-    def save(self, directory: Any, *, keep: int = 3, wait: bool = False) -> Any:
+    def save(self, directory: Any, *, keep: int = 3, wait: bool = False, extra: dict[str, Any] | None = None) -> Any:
         if not self.is_chief:
             return None  # the chief writes; the others keep training
-        return super().save(directory, keep=keep, wait=wait)
+        return super().save(directory, keep=keep, wait=wait, extra=extra)
 
     def restore(self, directory: Any) -> dict[str, Any]:
         if not self.is_chief:  # the ps tasks hold every worker until the chief has loaded them
@@ -398,7 +398,9 @@ class ParameterServerStrategy(Strategy):
                 if path is not None:
                     data = self._read_checkpoint(path)
                     self.lr_schedule.load_state_dict(data.get("lr_scheduler"), int(data.get("step", 0)))
-            return {}
+            # A custom loop's own state, on every worker (the chief's, as every strategy returns it).
+            path = latest_checkpoint(directory)
+            return {"extra": (self._read_checkpoint(path).get("extra") or {}) if path is not None else {}}
         return super().restore(directory)
 
     def lr_optimizers(self) -> list[torch.optim.Optimizer]:
