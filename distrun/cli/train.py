@@ -22,7 +22,7 @@ from distrun.cli._spec import (
     replicas_of,
 )
 from distrun.cli.cluster import resolve_cluster
-from distrun.client import ClusterJob, LocalJob, pack
+from distrun.client import ClusterJob, JobEnvironment, LocalJob, pack
 from distrun.client.warm import WarmStart, find_warm_start
 from distrun.config import (
     DEFAULT_CPU_REPLICAS,
@@ -85,7 +85,8 @@ def train(
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
-    sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm/--no-sync-batch-norm", help="mirrored: convert BatchNorm to SyncBatchNorm."),
+    sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm/--no-sync-batch-norm", help="mirrored, multi-worker: BatchNorm statistics over the global batch (torch's SyncBatchNorm on CUDA, distrun's on CPU)."),
+    embeddings: str = typer.Option("dense", "--embeddings", help="mirrored, multi-worker: dense (embedding tables all-reduced with the model) | ps (tables larger than --ps-partition-mb on the ps tasks, split by rows; the rest DDP; docs/strategies.md#hybrid)."),
     steps: int | None = typer.Option(None, "--steps", help="Train this many global steps in total."),
     epochs: int | None = typer.Option(None, "--epochs", help="Train this many epochs (default: recipe defaults, else 1)."),
     global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help=f"Samples per step over all replicas (default: recipe defaults, else {DEFAULT_GLOBAL_BATCH_SIZE})."),
@@ -140,6 +141,8 @@ def train(
     max_restarts: int = typer.Option(0, "--max-restarts", help="--cluster: after a failure, restart every rank from the newest checkpoint, up to N times."),
     results_dir: Path = typer.Option(Path("distrun-results"), "--results-dir", help="--cluster: the newest checkpoint and the summary come home to DIR/<job id>."),
     fetch: bool = typer.Option(True, "--fetch/--no-fetch", help="--cluster: copy results home when the job ends."),
+    requirements: Path | None = typer.Option(None, "--requirements", metavar="FILE", help="--cluster: this job's own packages (pip's format) on top of the cluster's requirements:, built once per host and reused (docs/cluster.md#a-jobs-own-packages---requirements)."),
+    allow_skew: bool = typer.Option(False, "--allow-skew/--no-allow-skew", help="--cluster: run even where a host's Python, torch or a package the recipe imports has another version than here (a missing package is still refused)."),
     cold: bool = typer.Option(False, "--cold/--no-cold", help="Without --cluster: start fresh interpreters even when `distrun up` keeps a warm one here."),
     config: Path | None = typer.Option(None, "--config", metavar="FILE", help="The job's options in a YAML file, by section (strategy: {name: mirrored, replicas: 2}); flags given here win over it (docs/cli.md#a-job-in-a-file---config)."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the job as a --config file (defaults filled in, after every override) and exit."),
@@ -176,7 +179,7 @@ def train(
             recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
             steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-            sync_batch_norm=sync_batch_norm, ps_sync=ps_sync, max_staleness=max_staleness,
+            sync_batch_norm=sync_batch_norm, embeddings=embeddings, ps_sync=ps_sync, max_staleness=max_staleness,
             ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
             compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
             allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
@@ -192,7 +195,8 @@ def train(
             raise UsageError(f"--hang-timeout-s: expected a positive number of seconds. Received: {hang_timeout_s:g}")
         if cluster_file is None:
             cluster_only = [name for name, used in (("--include", include), ("--detach", detach),
-                                                     ("--max-restarts", max_restarts)) if used]
+                                                     ("--max-restarts", max_restarts),
+                                                     ("--requirements", requirements)) if used]
             if cluster_only:
                 raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
             if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
@@ -228,7 +232,8 @@ def train(
             raise UsageError(f"--max-restarts: expected 0 or more. Received: {max_restarts}")
         return run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
                         results_dir=results_dir if fetch else None, max_restarts=max_restarts,
-                        hang_timeout_s=hang_timeout_s, elastic=elastic, stream=stream)
+                        hang_timeout_s=hang_timeout_s, elastic=elastic, stream=stream,
+                        environment=JobEnvironment(str(requirements) if requirements else None, allow_skew))
     except (DistrunError, KeyboardInterrupt) as exc:  # before the job had a summary of its own
         stream.failed_before_the_job(exc, recipe=recipe, strategy=strategy, replicas=replicas)
         raise
@@ -237,7 +242,7 @@ def train(
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
                     detach: bool, results_dir: Path | None, max_restarts: int = 0,
                     hang_timeout_s: float | None = None, elastic: str | None = None,
-                    stream: JsonStream | None = None) -> JobSummary | None:
+                    stream: JsonStream | None = None, environment: JobEnvironment | None = None) -> JobSummary | None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
@@ -265,7 +270,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
             spec = spec.replace(preemptible=True)
         job.start(spec, pack(Path(spec.recipe), include), detach=detach, max_restarts=max_restarts,
                   hang_timeout_s=hang_timeout_s,
-                  debug_dir=((results_dir or Path("distrun-results")) / job.job_id / "debug").resolve())
+                  debug_dir=((results_dir or Path("distrun-results")) / job.job_id / "debug").resolve(),
+                  environment=environment)
     except BaseException:
         job.close()
         raise

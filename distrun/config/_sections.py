@@ -87,6 +87,9 @@ class StrategySection:
     elastic_min: int = 0
     elastic_max: int = 0
     sync_batch_norm: bool = False
+    #: ``--embeddings``: ``dense`` (the tables are parameters like any other, all-reduced with
+    #: them) or ``ps`` (the hybrid: tables larger than ``--ps-partition-mb`` on the ps tasks).
+    embeddings: str = "dense"
 
     @property
     def elastic(self) -> bool:

@@ -204,6 +204,7 @@ def _validate(spec: JobSpec) -> None:
     if (checkpoint.resume or checkpoint.every) and not checkpoint.dir:
         flag = "--resume" if checkpoint.resume else "--checkpoint-every"
         raise ConfigError(f"{flag} needs --checkpoint-dir")
+    _validate_embeddings(spec)
     _validate_ps(spec)
     _validate_step(spec)
     validate_diloco(spec)  # before the general checks: its refusals say what diloco does instead
@@ -223,8 +224,42 @@ def _validate(spec: JobSpec) -> None:
         raise ConfigError(f"log interval must be >= 0 s. Received: {observe.log_interval_s!r}")
 
 
+#: ``--embeddings``: the tables in the model, or on the ps tasks (the hybrid, docs/strategies.md#hybrid).
+EMBEDDINGS = ("dense", "ps")
+
+
+def _validate_embeddings(spec: JobSpec) -> None:
+    """``--embeddings ps``: under which strategy, with what; what it does not combine with yet, in one line."""
+    strategy, ps = spec.strategy, spec.ps
+    if strategy.embeddings not in EMBEDDINGS:
+        raise ConfigError(f"--embeddings: expected dense or ps. Received: {strategy.embeddings!r}"
+                          f"{did_you_mean(str(strategy.embeddings), EMBEDDINGS)}")
+    if strategy.embeddings == "dense":
+        return
+    if strategy.name not in (StrategyName.MIRRORED, StrategyName.MULTI_WORKER):
+        raise ConfigError(f"--embeddings ps: for --strategy mirrored or multi-worker (DDP's dense layers beside the "
+                          f"ps tasks' tables). Received: --strategy {strategy.name.value}")
+    if ps.tasks < 1:
+        raise ConfigError("--embeddings ps needs ps tasks: give --ps-tasks N (a local job; on a cluster its ps hosts "
+                          "are not used for it yet)")
+    blocked = [(flag, why) for flag, why, on in (
+        ("--ps-sync", "its rounds are always synchronous", ps.sync),
+        ("--max-staleness", "its rounds are synchronous: nothing is stale", ps.max_staleness is not None),
+        ("--tp/--pp", "not supported yet", spec.parallel.ranks_per_replica > 1),
+        ("--elastic", "not supported yet", strategy.elastic),
+        ("--clip-grad-norm", "not supported yet (the norm would leave out the rows' gradients)",
+         spec.training.clip_grad_norm is not None),
+    ) if on]
+    if blocked:
+        raise ConfigError(f"{blocked[0][0]} with --embeddings ps: {blocked[0][1]}")
+    if not ps.partition_mb > 0:
+        raise ConfigError(f"--ps-partition-mb: expected a positive size. Received: {ps.partition_mb!r}")
+
+
 def _validate_ps(spec: JobSpec) -> None:
     ps = spec.ps
+    if spec.strategy.embeddings == "ps":
+        return  # _validate_embeddings
     if spec.strategy.name is not StrategyName.PARAMETER_SERVER:
         used = [flag for flag, on in (("--ps-tasks", ps.tasks), ("--ps-sync", ps.sync),
                                       ("--max-staleness", ps.max_staleness is not None)) if on]

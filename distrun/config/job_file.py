@@ -44,7 +44,8 @@ def _section(name: str, panel: str, keys: dict[str, str]) -> Section:
 #: Every option of `distrun train` that describes the job, by section, in the order the help shows them.
 SECTIONS: tuple[Section, ...] = (
     _section("strategy", "Strategy", {"name": "strategy", "replicas": "replicas", "device": "device",
-                                      "elastic": "elastic", "sync_batch_norm": "sync_batch_norm"}),
+                                      "elastic": "elastic", "sync_batch_norm": "sync_batch_norm",
+                                      "embeddings": "embeddings"}),
     _section("training", "Data and steps", {"steps": "steps", "epochs": "epochs",
                                             "global_batch_size": "global_batch_size", "seed": "seed",
                                             "data_workers": "data_workers", "accumulate": "accumulate",
@@ -77,7 +78,7 @@ SECTIONS: tuple[Section, ...] = (
                                           "hang_timeout_s": "hang_timeout_s", "log_interval_s": "log_interval_s"}),
     _section("cluster", "Cluster", {"file": "cluster_file", "include": "include", "detach": "detach",
                                     "max_restarts": "max_restarts", "results_dir": "results_dir", "fetch": "fetch",
-                                    "cold": "cold"}),
+                                    "cold": "cold", "requirements": "requirements", "allow_skew": "allow_skew"}),
 )
 
 #: The panel of the options that say how to run the command, not what the job is (not in a file).

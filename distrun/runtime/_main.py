@@ -54,7 +54,12 @@ def main() -> None:
     start_dump_listener(launch.rank)  # --hang-timeout-s: the Flight Recorder, dumped on the launcher's word
     try:
         info = inspect_recipe(spec.recipe)
-        ps_task = spec.strategy.name is StrategyName.PARAMETER_SERVER and launch.rank >= spec.strategy.replicas
+        hybrid = spec.strategy.embeddings == "ps"  # --embeddings ps: ps tasks beside DDP replicas
+        ps_task = (spec.strategy.name is StrategyName.PARAMETER_SERVER or hybrid) and launch.rank >= spec.trainer_ranks
+        if hybrid and info.kind is not RecipeKind.FIT:  # the ps tasks build the tables and their optimizer
+            raise RecipeError(f"--embeddings ps trains fit-style recipes (model, optimizer, loss, train_data), where "
+                              f"the ps tasks can build the tables and their optimizer; {spec.recipe} is a "
+                              f"{info.kind.value}")
         device = _device(spec, launch) if not ps_task else _cpu()  # a ps task applies updates on its CPU
         if spec.observe.tensorboard_dir and (launch.rank == 0 or ps_task) and not os.environ.get(EVAL_CHECKPOINT_VAR):
             writer = _tensorboard(writer, spec, launch, ps_task)
@@ -95,6 +100,8 @@ def main() -> None:
             from distrun.runtime._ps_task import serve_ps  # a ps task: serve, never train
 
             serve_ps(module, spec, launch, writer, _store_client(launch))
+            if hybrid:  # rank 0 hosts the store and waits for every rank, ps tasks included, to leave
+                _leave_together(launch, None)
             _exit(0)
         if spec.strategy.elastic and info.kind is not RecipeKind.FIT:
             raise RecipeError(f"--elastic trains fit-style recipes (distrun's loop redoes a step after a change of "
@@ -103,6 +110,7 @@ def main() -> None:
         if not os.environ.get(EVAL_CHECKPOINT_VAR):
             reporter.profile = _profile_window(spec, launch, device, writer)
         strategy = _make_strategy(spec, launch, device, reporter, store)
+        strategy.options = _loop_options(spec)
         phase = "import"
         module = load_module(spec.recipe)
         strategy.units_from = getattr(module, "shard_units", None)  # the blocks sharded and --activation-checkpointing use
@@ -136,18 +144,19 @@ def main() -> None:
                              first_step_time=None))
             _exit(0)
         if info.kind is RecipeKind.CUSTOM_LOOP:
+            _before_custom_loop(strategy, spec, reporter)
             module.main(strategy)
-            steps, final_loss = strategy.step, to_float(reporter.last_loss)
+            steps, final_loss, stopped_by = strategy.step, to_float(reporter.last_loss), None
         else:
             from distrun.runtime._fit import fit
 
             result = fit(module, strategy, spec, reporter, emit_eval)
-            steps, final_loss = result.steps, result.final_loss
+            steps, final_loss, stopped_by = result.steps, result.final_loss, result.stopped_by
         reporter.flush()
         writer.emit(
             Done(rank=launch.rank, time=time.time(), steps=steps, final_loss=final_loss,
                  samples_per_s=reporter.samples_per_s, first_step_time=reporter.first_step_time,
-                 peak_mem_mb=reporter.peak_mem_mb(), net_bytes_sent=reporter.net_bytes_sent())
+                 peak_mem_mb=reporter.peak_mem_mb(), net_bytes_sent=reporter.net_bytes_sent(), reason=stopped_by)
         )
         strategy.close()
         if spec.strategy.name.collective:
@@ -296,6 +305,32 @@ def _rendezvous_store(launch: LaunchEnv) -> Any:
     )
 
 
+def _loop_options(spec: JobSpec) -> Any:
+    """``strategy.options``: the job's options a loop acts on, for a custom loop to read."""
+    from distrun.strategies.base import LoopOptions
+
+    training, checkpoint = spec.training, spec.checkpoint
+    return LoopOptions(steps=training.steps, epochs=training.epochs, global_batch_size=training.global_batch_size,
+                       seed=training.seed, eval_every=training.eval_every, checkpoint_dir=checkpoint.dir,
+                       checkpoint_every=checkpoint.every, keep=checkpoint.keep, resume=checkpoint.resume,
+                       clip_grad_norm=training.clip_grad_norm, accumulate=training.accumulate,
+                       args=tuple(training.args))
+
+
+def _before_custom_loop(strategy: Any, spec: JobSpec, reporter: EventReporter) -> None:
+    """What a fit recipe gets, for ``main(strategy)`` too: the seed set (the same initial parameters on
+    every replica and under every strategy), ``--steps`` as the live view's total, and the "resumed
+    from ... at step N" line when the loop restores a checkpoint."""
+    import torch
+
+    torch.manual_seed(spec.training.seed)
+    total = spec.training.steps
+    reporter.total_steps = total
+    if strategy.is_chief:
+        strategy.on_restored = lambda step, path: reporter.resumed(
+            step, path, past_end=total is not None and step >= total)
+
+
 def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: EventReporter, store: Any) -> Any:
     import torch.distributed as dist
 
@@ -315,7 +350,8 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
     elif spec.strategy.name.collective:
         client = _store_client(launch)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=client, rank=launch.rank, world_size=launch.world_size,
+        world_size = spec.trainer_ranks if spec.ps.tasks else world_size  # --embeddings ps: the group leaves ps tasks out
+        dist.init_process_group(backend, store=client, rank=launch.rank, world_size=world_size,
                                 device_id=device if device.type == "cuda" else None)
     name, parallel, communication = spec.strategy.name, spec.parallel, spec.communication
     model_parallel = parallel.ranks_per_replica > 1
@@ -332,6 +368,12 @@ def _make_strategy(spec: JobSpec, launch: LaunchEnv, device: Any, reporter: Even
             options |= {"tp": parallel.tp, "pp": parallel.pp, "pp_schedule": parallel.pp_schedule,
                         "microbatches": parallel.pipeline_microbatches, "sequence_parallel": parallel.sequence_parallel,
                         "loss_parallel": parallel.loss_parallel}
+    if spec.strategy.embeddings == "ps":  # the hybrid: the tables' ps tasks, as parameter-server reaches them
+        from distrun.runtime._ps_task import ps_wire_dtype
+
+        options |= {"embeddings": "ps", "store": _store_client(launch), "num_ps": spec.ps.tasks,
+                    "secret": job_secret_from(os.environ), "partition_bytes": spec.ps.partition_bytes,
+                    "wire": ps_wire_dtype(spec)}
     if name is StrategyName.DILOCO:
         diloco = spec.diloco
         options |= {"sync_every": diloco.sync_every, "outer_lr": diloco.outer_lr,

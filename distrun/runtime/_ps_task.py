@@ -34,13 +34,18 @@ def ps_wire_dtype(spec: JobSpec) -> torch.dtype | None:
 
 def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: EventWriter, store: Any) -> None:
     """``store``: a client of the job's TCPStore, where worker connections are numbered."""
-    task = launch.rank - spec.strategy.replicas
+    task = launch.rank - spec.trainer_ranks
     torch.manual_seed(spec.training.seed)  # the same initial parameters as every other strategy
     model = recipe.model()
-    layout = Layout(model, spec.ps.tasks, spec.ps.partition_bytes)
-    server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps.sync,
+    hybrid = spec.strategy.embeddings == "ps"
+    if hybrid:  # --embeddings ps: only the large tables, each split by rows, updated row by row in rounds
+        from distrun.strategies.ps.tables import Tables, is_table, table_paths
+
+        model = Tables(model, table_paths(model, spec.ps.partition_bytes))
+    layout = Layout(model, spec.ps.tasks, spec.ps.partition_bytes, rows_of=is_table if hybrid else None)
+    server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps.sync or hybrid,
                              max_staleness=spec.ps.max_staleness, wait_for_load=spec.checkpoint.resume,
-                             expected_workers=spec.strategy.replicas, wire=ps_wire_dtype(spec))
+                             expected_workers=spec.strategy.replicas, wire=ps_wire_dtype(spec), rowwise=hybrid)
     del model  # only the shards stay
 
     def report() -> None:

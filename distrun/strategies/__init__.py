@@ -64,11 +64,16 @@ def __getattr__(name: str) -> Any:
 
 def make_strategy(name: str, replica: ReplicaInfo, reporter: Reporter, **options: Any) -> Strategy:
     """``options`` are the strategy's own keyword arguments (sync_batch_norm, store, num_ps, ...);
-    ``tp`` or ``pp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded)."""
+    ``tp`` or ``pp`` above 1 makes the model-parallel form of ``name`` (mirrored, multi-worker, sharded),
+    ``embeddings="ps"`` its hybrid form (mirrored, multi-worker)."""
     if options.get("tp", 1) > 1 or options.get("pp", 1) > 1:
         return __getattr__("ModelParallelStrategy")(replica, reporter, label=name, **options)
     for key in ("tp", "pp", "pp_schedule", "microbatches", "sequence_parallel", "loss_parallel"):
         options.pop(key, None)
+    if options.pop("embeddings", "dense") == "ps":  # the hybrid: DDP beside ps tasks' tables (strategies/hybrid.py)
+        from distrun.strategies.hybrid import hybrid_of
+
+        return hybrid_of(name)(replica, reporter, **options)
     if name == "sharded":
         return __getattr__("ShardedStrategy")(replica, reporter, **options)
     return _BY_NAME[name](replica, reporter, **options)

@@ -12,7 +12,7 @@ shard is *dense*: pulled and pushed whole each step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +44,11 @@ class ShardRef:
 class Layout:
     """Placement of one model's parameters on ``num_tasks`` ps tasks."""
 
-    def __init__(self, model: nn.Module, num_tasks: int, partition_bytes: int) -> None:
+    def __init__(self, model: nn.Module, num_tasks: int, partition_bytes: int,
+                 rows_of: Callable[[nn.Module], bool] | None = None) -> None:
+        """``rows_of``: which modules' partitioned ``weight`` is pulled and pushed by rows (default:
+        a plain ``nn.Embedding``, what the parameter-server strategy's forward replaces; the
+        hybrid's tables take ``nn.EmbeddingBag`` too)."""
         named = list(model.named_parameters())
         self.names = [name for name, _ in named]
         self.shapes = {name: tuple(p.shape) for name, p in named}
@@ -54,7 +58,7 @@ class Layout:
         self.placement: Placement = place(infos, num_tasks, partition_bytes)
         embeddings = {f"{prefix}.weight" if prefix else "weight": module
                       for prefix, module in model.named_modules()
-                      if type(module) is nn.Embedding and module.max_norm is None and not module.sparse}
+                      if (rows_of or _plain_embedding)(module)}
         self.sparse_names = frozenset(name for name in self.placement.partitioned if name in embeddings)
         index = {name: i for i, name in enumerate(self.names)}
         self.refs = tuple(ShardRef(shard, index[shard.name], shard.name in self.sparse_names)
@@ -91,6 +95,10 @@ class Layout:
             mb = self.placement.bytes_per_task[task] / 2**20
             lines.append(f"ps{task}: {mb:.2f} MB, {len(held)} shard(s): {', '.join(held) or '-'}")
         return lines
+
+
+def _plain_embedding(module: nn.Module) -> bool:
+    return type(module) is nn.Embedding and module.max_norm is None and not module.sparse  # type: ignore[union-attr]
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -51,12 +51,18 @@ class ParameterServer:
     def __init__(self, task: int, layout: Layout, model: nn.Module,
                  make_optimizer: Callable[[list[nn.Parameter]], Any], *, sync: bool = False,
                  max_staleness: int | None = None, wait_for_load: bool = False, expected_workers: int = 1,
-                 join_grace_s: float = 60.0, wire: torch.dtype | None = None) -> None:
+                 join_grace_s: float = 60.0, wire: torch.dtype | None = None, rowwise: bool = False) -> None:
         """``expected_workers``, ``join_grace_s``: synchronous rounds start once every worker has
         connected, or after this grace (a worker that never comes must not stall the job).
-        ``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``)."""
+        ``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``).
+        ``rowwise`` (``--embeddings ps``): a partitioned table's gradient is a sparse tensor of the
+        rows pushed, so the optimizer touches only those rows (what ``nn.Embedding(sparse=True)``
+        gives one-device training; SparseAdam needs it), not a dense one of zeros elsewhere."""
         self.task = task
         self.wire = wire
+        self._rowwise = rowwise
+        if rowwise:  # ids are checked against the shard (``_local_rows``); say so, and torch stops warning
+            torch.sparse.check_sparse_tensor_invariants.disable()
         self._refs = layout.owned(task)
         params = dict(model.named_parameters())
         self._tensors = [nn.Parameter(ref.view(params[ref.name].detach()).clone()) for ref in self._refs]
@@ -184,7 +190,8 @@ class ParameterServer:
                 raise PeerRefused(f"PUSH: {count} rows for a shard of {shard.shape[0]}")
             ids = self._local_rows(i, channel.recv((count,), torch.int64))
             rows = channel.recv_values((count, *shard.shape[1:]), shard.dtype)
-            grads[i] = torch.zeros_like(shard).index_add_(0, ids, rows)
+            grads[i] = (torch.sparse_coo_tensor(ids.unsqueeze(0), rows, shard.shape, check_invariants=False)
+                        if self._rowwise else torch.zeros_like(shard).index_add_(0, ids, rows))
         self._loaded.wait()
         with self._cond:
             if limit > 0:
@@ -226,6 +233,9 @@ class ParameterServer:
             mean: list[torch.Tensor | None] = []
             for i, tensor in enumerate(self._tensors):
                 parts = [grads[i] for grads in contributions if grads[i] is not None]
+                if parts and parts[0].is_sparse:  # rowwise: the rows of every push, summed where they meet
+                    mean.append(sum(parts[1:], parts[0]) / len(contributions))
+                    continue
                 mean.append(torch.stack(parts).sum(0) / len(contributions) if parts else torch.zeros_like(tensor))
             self._apply(mean, ordered[0][2])  # the workers of a round are at the same step: the first's lr
         self._round = {}

@@ -1,0 +1,247 @@
+"""The hybrid strategy (``--embeddings ps``): dense layers mirrored, large embeddings on ps tasks.
+
+TensorFlow's "hybrid" of MirroredStrategy and parameter servers, and TorchRec's shape for
+recommendation models: the recipe's large ``nn.Embedding`` / ``nn.EmbeddingBag`` tables
+(larger than ``--ps-partition-mb``) live on the ps tasks, split by rows; everything else is
+DDP, as under mirrored or multi-worker. It is composition, not a third strategy: before DDP
+wraps the model, each table is swapped for a ``RemoteEmbedding`` (``ps/tables.py``) that pulls
+the rows its batch looks up, so DDP never sees a table and the ps tasks never see a dense layer.
+
+Each step, after the recipe's optimizer has stepped the dense parameters (DDP all-reduced their
+gradients in backward), every replica pushes its rows' gradients; each ps task applies the
+mean of one push per replica once (SyncReplicasOptimizer's rule, ``--ps-sync``'s code) and
+answers every replica when it has. The next step's pulls see that update, so the parameters
+are one-device's wherever the recipe's optimizer changes only the rows a step looks up (SGD,
+Adagrad, SparseAdam): one that would move other rows too is refused in one line naming it.
+
+The whole tables never reach a replica (never a GPU): they are built on the CPU with the
+model, as every strategy builds it, and dropped there. The chief's checkpoint gathers each table
+from its shards, so it is the plain model's and loads under any strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from distrun.config import DEFAULT_PS_PARTITION_MB
+from distrun.errors import ConfigError
+from distrun.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from distrun.strategies.parameter_server import _ps_link
+from distrun.strategies.ps.channel import open_worker_channels
+from distrun.strategies.ps.layout import Layout
+from distrun.strategies.step.compile import plain_module
+from distrun.strategies.step.precision import ScaledOptimizer
+from distrun.strategies.ps.tables import RemoteEmbedding, RowClient, Tables, is_table, rowwise_refusal, table_paths
+from distrun.strategies.base import Strategy
+
+__all__ = ["HybridMirroredStrategy", "HybridMultiWorkerStrategy", "hybrid_of"]
+
+
+class _EmbeddingsOnPs:
+    """What the hybrid adds to a DDP strategy: the tables swapped out, pushed at each step."""
+
+    def __init__(self, *args: Any, store: Any, num_ps: int, secret: bytes,
+                 partition_bytes: int = int(DEFAULT_PS_PARTITION_MB * 2**20), wire: torch.dtype | None = None,
+                 **kwargs: Any) -> None:
+        """``store``: the job's TCPStore, where ps connections are numbered; ``secret``: the job's,
+        which each ps task checks (``ps/channel.py``); ``wire``: what rows cross in."""
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._store = store
+        self._num_ps = num_ps
+        self._secret = secret
+        self._partition_bytes = partition_bytes
+        self._wire = wire
+        self._rows: RowClient | None = None
+        self._paths: list[str] = []
+        self._keys: list[str] = []  # the plain model's state_dict keys, in its order
+        self._positions: dict[str, int] = {}  # table path -> its index in the optimizer's state_dict
+        self._base_lr: float | None = None
+
+    def _wrap(self, root: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
+        me: Strategy = self  # type: ignore[assignment]
+        model = plain_module(root)  # the recipe's (--compile hands a CompileRoot around it): the checkpoint's names
+        paths = table_paths(model, self._partition_bytes)
+        if not paths:
+            raise ConfigError(f"--embeddings ps: the recipe's model has no nn.Embedding or nn.EmbeddingBag larger "
+                              f"than --ps-partition-mb {self._partition_bytes / 2**20:g}; lower it, or leave "
+                              "--embeddings out")
+        modules = dict(model.named_modules())
+        weights = [modules[path].weight for path in paths]
+        tied = [name for name, p in model.named_parameters(remove_duplicate=False)
+                if any(p is w for w in weights) and name not in {f"{path}.weight" for path in paths}]
+        if tied:
+            raise ConfigError(f"--embeddings ps: {tied[0]} is a table's weight too (tied weights); a table on the ps "
+                              "tasks cannot also be a dense layer's weight: untie them, or leave --embeddings out")
+        refusal = rowwise_refusal(optimizer, weights)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        self._paths, self._keys = paths, list(model.state_dict())
+        layout = Layout(Tables(model, paths), self._num_ps, self._partition_bytes, rows_of=is_table)
+        if me.is_chief:
+            for line in layout.describe():
+                print(f"[placement] {line}", flush=True)
+            print(f"[placement] DDP on every replica: the rest of the model, "
+                  f"{sum(p.numel() for n, p in model.named_parameters() if not _in(n, paths))} parameters", flush=True)
+        channels = open_worker_channels(self._store, self._num_ps, me.replica_id, self._secret, self._wire)
+        self._rows = RowClient(layout, channels, me.device)
+        flat = [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]
+        for path, weight in zip(paths, weights):
+            self._positions[path] = next((i for i, p in enumerate(flat) if p is weight), -1)
+            parent_path, _, leaf = path.rpartition(".")
+            parent = modules[parent_path] if parent_path else model
+            setattr(parent, leaf, RemoteEmbedding(modules[path], Tables.weight_name(path), self._rows))
+            if isinstance(optimizer, torch.optim.Optimizer):
+                optimizer.state.pop(weight, None)  # Adagrad makes its state at construction
+            weight.data = torch.empty(0, dtype=weight.dtype)  # the replica's copy goes; the ps tasks hold it
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._base_lr = float(optimizer.param_groups[0]["lr"]) or None
+            optimizer.register_step_post_hook(self._push)
+        wrapped, optimizer = super()._wrap(root, optimizer)  # type: ignore[misc]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            _state_to_params(optimizer)
+        scaler = me._step.scaler
+        if scaler is not None and optimizer is not None:  # fp16: the rows' gradients are unscaled and checked too
+            optimizer = _RowsScaledOptimizer(optimizer, list(model.parameters()), scaler, self._rows)
+        return wrapped, optimizer
+
+    #: fp16: ``_RowsScaledOptimizer`` unscales (``_wrap``), not the step's own wrapper.
+    _unscale_in_step = False
+
+    def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
+        return super()._stepping_optimizer(getattr(optimizer, "inner", optimizer))  # type: ignore[misc]
+
+    def lr_optimizers(self) -> list[torch.optim.Optimizer]:
+        optimizer = getattr(self._wrapped_optimizer, "inner", self._wrapped_optimizer)
+        return [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else []
+
+    _wrapped_optimizer: Any = None
+
+    def _push(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """After the dense step: this step's rows to the ps tasks, at this replica's lr (its scheduler's)."""
+        assert self._rows is not None
+        factor = float(optimizer.param_groups[0]["lr"]) / self._base_lr if self._base_lr else 1.0
+        with _ps_link():
+            self._rows.push(factor)
+
+    def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._rows is not None:
+            self._rows.touched = []  # a step whose update was skipped (--on-nonfinite skip) pushed nothing
+        return super().run(fn, *args, **kwargs)  # type: ignore[misc]
+
+    def settle(self) -> None:
+        """Before an evaluation, a checkpoint and the end: what this replica's steps moved so far, as a
+        log (``--json``, TensorBoard, trackers): the tables' rows and row gradients, to and from the
+        ps tasks, beside the dense gradients DDP all-reduced (each step's whole dense part)."""
+        super().settle()  # type: ignore[misc]
+        if self._rows is None:
+            return
+        me: Strategy = self  # type: ignore[assignment]
+        dense = sum(p.numel() * p.element_size() for p in me.unwrap().parameters())
+        me.log(embedding_mb=self._rows.step_bytes / 2**20, dense_grad_mb=dense * self._rows.pushes / 2**20)
+
+    def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The plain model's state and the recipe optimizer's, each table gathered from its shards."""
+        assert self._rows is not None
+        model_state, optimizer_state = super()._checkpoint_state()  # type: ignore[misc]
+        with _ps_link():
+            values, states = self._rows.gather()
+        for path in self._paths:
+            model_state[f"{path}.weight"] = values[Tables.weight_name(path)]
+        model_state = {key: model_state[key] for key in self._keys if key in model_state}
+        if optimizer_state:
+            state = dict(optimizer_state.get("state", {}))
+            for path in self._paths:
+                gathered = states.get(Tables.weight_name(path))
+                if gathered and self._positions[path] >= 0:
+                    state[self._positions[path]] = gathered
+            optimizer_state["state"] = dict(sorted(state.items()))
+        return model_state, optimizer_state
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        """The dense part into the model; the tables kept for the ps tasks (``_after_restore``)."""
+        state = dict(state)
+        self._pending_tables = {path: state.pop(f"{path}.weight") for path in self._paths if f"{path}.weight" in state}
+        super()._load_model_state(state)  # type: ignore[misc]
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """The dense parameters' state into the recipe's optimizer; the tables' kept for the ps tasks."""
+        if state:
+            kept = dict(state.get("state", {}))
+            self._pending_table_state = {path: kept.pop(self._positions[path], None) or {} for path in self._paths}
+            state = {**state, "state": kept}
+        super()._load_optimizer_state(state)  # type: ignore[misc]
+
+    def _after_restore(self) -> None:
+        """The chief sends each ps task its rows of the checkpoint's tables and their optimizer state
+        (the ps tasks of a ``--resume`` job answer no one before)."""
+        super()._after_restore()  # type: ignore[misc]
+        me: Strategy = self  # type: ignore[assignment]
+        if me.is_chief and self._rows is not None:
+            with _ps_link():
+                self._rows.load(me.step, {Tables.weight_name(path): table for path, table in self._pending_tables.items()},
+                                {Tables.weight_name(path): state for path, state in self._pending_table_state.items()})
+        self._pending_tables, self._pending_table_state = {}, {}
+
+    _pending_tables: dict[str, torch.Tensor] = {}
+    _pending_table_state: dict[str, dict[str, Any]] = {}
+
+    def close(self) -> None:
+        """Leave the group together first, then end (chief) or leave (the others) the ps tasks."""
+        super().close()  # type: ignore[misc]
+        if self._rows is not None:
+            self._rows.close(self.is_chief)  # type: ignore[attr-defined]
+
+
+class _RowsScaledOptimizer(ScaledOptimizer):
+    """fp16's step with the tables' rows in it: their gradients are unscaled with the dense ones, and
+    the verdict (the same on every replica) covers both, so an overflow skips the dense step and
+    the push on every replica alike."""
+
+    def __init__(self, inner: Any, params: list[nn.Parameter], scaler: Any, rows: RowClient | None) -> None:
+        super().__init__(inner, params, scaler)
+        self._rows = rows
+
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise TypeError("--precision fp16: optimizer.step(closure) is not supported under loss scaling")
+        touched = self._rows.touched if self._rows is not None else []
+        grads = [p.grad for p in self._params if p.grad is not None]
+        grads += [rows.grad for _name, _ids, rows in touched if rows.grad is not None]
+        overflow = self.scaler.unscale_and_check(grads)
+        if not overflow:
+            self._inner.step()  # its post-hook pushes the rows
+        elif self._rows is not None:
+            self._rows.touched = []
+        self.scaler.update(overflow)
+
+
+def _state_to_params(optimizer: torch.optim.Optimizer) -> None:
+    """State made when the optimizer was built (Adagrad's sums), on the CPU where the model is built,
+    follows its parameter to the device the strategy moved it to."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.device != param.device:
+                state[key] = value.to(param.device)
+
+
+def _in(name: str, paths: list[str]) -> bool:
+    return any(name.startswith(f"{path}.") for path in paths)
+
+
+class HybridMirroredStrategy(_EmbeddingsOnPs, MirroredStrategy):
+    """mirrored with ``--embeddings ps``."""
+
+
+class HybridMultiWorkerStrategy(_EmbeddingsOnPs, MultiWorkerMirroredStrategy):
+    """multi-worker with ``--embeddings ps``."""
+
+
+def hybrid_of(name: str) -> type[Strategy]:
+    """The hybrid form of strategy ``name`` (mirrored or multi-worker)."""
+    kinds: dict[str, type[Strategy]] = {"mirrored": HybridMirroredStrategy, "multi-worker": HybridMultiWorkerStrategy}
+    if name not in kinds:
+        raise ConfigError(f"--embeddings ps: for --strategy mirrored or multi-worker. Received: --strategy {name}")
+    return kinds[name]
