@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -97,6 +97,21 @@ class LoopOptions:
     clip_grad_norm: float | None = None
     accumulate: int = 1
     args: tuple[str, ...] = ()
+
+
+def _state_follows_parameters(optimizer: Any) -> None:
+    """State an optimizer made when it was built (Adagrad's ``sum``) was made where the parameters
+    were then, on the CPU, before the strategy moved the model to its device: it moves with them.
+    Scalars stay (Adam's ``step`` lives on the CPU on purpose)."""
+    state = getattr(optimizer, "state", None)
+    if not isinstance(state, Mapping):
+        return
+    for param, entries in state.items():
+        if not isinstance(param, torch.Tensor) or not isinstance(entries, dict):
+            continue
+        for key, value in entries.items():
+            if isinstance(value, torch.Tensor) and value.dim() and value.device != param.device:
+                entries[key] = value.to(param.device)
 
 
 class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
@@ -209,6 +224,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
             if self.is_chief:
                 print(f"[{self.name}] activation checkpointing ({mode}): {units.description}", flush=True)
         model, optimizer = self._wrap(model if self._compiles_units else self._step.root(model), optimizer)
+        _state_follows_parameters(optimizer)
         self._wrapped_optimizer = optimizer
         stepping = self._stepping_optimizer(optimizer)
         if self._step.settings.clip_grad_norm and stepping is not None:

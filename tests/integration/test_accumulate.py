@@ -42,6 +42,7 @@ def test_an_epochs_uneven_last_batch_weighs_each_sample_as_one_device_does(recip
     _, one = _train(recipe, tmp_path / "one", "-b", batch)
     result, data = _train(recipe, tmp_path / "acc", "-b", batch, *flags)
     assert result.summary["steps"] == -(-64 // int(batch)), result.summary  # the last batch uneven
+    assert data["layout"] == {"accumulate": 3, "activation_checkpointing": "none"}  # what it was written under
     for key, tensor in one["model"].items():
         torch.testing.assert_close(data["model"][key], tensor, rtol=0, atol=TOLERANCE, msg=key)
 

@@ -157,6 +157,8 @@ def test_a_budget_below_mirrored_chooses_a_pipeline_that_runs_within_it(memory_c
     assert plan["predicted_peak_mb"] <= 0.9 * plan["budget_mb"]
     oom = (memory_cgroup / "memory.oom_control").read_text()
     assert "oom_kill 0" in oom or "oom_kill" not in oom, oom  # it ran within the cgroup's limit
+    written = load_checkpoint(latest_checkpoint(tmp_path / "auto"))
+    assert written["mesh"]["pp"] == 2 and written["layout"]["accumulate"] == plan["chosen"]["training"]["accumulate"]
     _same_parameters(tmp_path / "auto", _one_device(PIPELINE_RECIPE, tmp_path / "one", *BIG))
 
 

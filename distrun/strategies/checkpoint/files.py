@@ -9,6 +9,8 @@ The format is deliberately plain so any tool can read it::
         "step": global step, "epoch": int, "batch_in_epoch": int (data position),
         "rng": {"torch": ByteTensor, "python": random.getstate()},
         "strategy": str, "num_replicas": int, "global_batch_size": int | None, "seed": int,
+        "layout": {"accumulate": int, "activation_checkpointing": str}, and under --tp/--pp
+        "mesh": {"dp", "tp", "pp"},
     }
 
 Nothing in it needs pickle's arbitrary-object loading, so ``weights_only=True``

@@ -82,7 +82,11 @@ class CheckpointReplica:
         position = self._dataset.position if self._dataset is not None else (self.epoch, 0)
         meta = {"step": self.step, "epoch": position[0], "batch_in_epoch": position[1], "rng": rng_state(),
                 "strategy": self.name, "num_replicas": self.num_replicas,
-                "global_batch_size": self._global_batch_size, "seed": self._replica.seed}
+                "global_batch_size": self._global_batch_size, "seed": self._replica.seed,
+                # The step's layout beside the strategy (model parallel adds its mesh): what a run, or
+                # --strategy auto, chose; a resume may choose again, since checkpoints reshard.
+                "layout": {"accumulate": self._step.settings.accumulate,
+                           "activation_checkpointing": self._step.settings.activation_checkpointing}}
         scaler = self._step.scaler_state()
         if scaler is not None:
             meta["scaler"] = scaler
