@@ -126,6 +126,11 @@ def _run_probe(request: dict[str, Any], recipe: Path) -> dict[str, Any]:
                           f"{PROBE_TIMEOUT_S:.0f} s") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     reply = json.loads(lines[-1]) if lines else None
+    if reply is None and done.returncode < 0:  # its first process killed (a peer's death ends it too)
+        raise RecipeError(f"{recipe}: --strategy auto's probe was killed by signal {-done.returncode}"
+                          f"{' (the out-of-memory killer?)' if done.returncode == -9 else ''}: each of its "
+                          f"{request['ranks_here']} process(es) builds the whole model and its optimizer; "
+                          "give the job more memory, or name a strategy", detail=done.stderr)
     if reply is None:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RecipeError(f"{recipe}: --strategy auto's probe failed: {last}", detail=done.stderr)
@@ -145,6 +150,8 @@ def plan_local(recipe: Path, *, ranks: int, global_batch: int, seed: int, device
                "rows": max(1, global_batch // ranks), "seed": seed, "threads": threads,
                "ranks_here": ranks if device != "cuda" else 1, "evaluates": evaluates,
                "device": "cuda" if device == "cuda" else "cpu"}
+    if device != "cuda":  # a probe process measures within a rank's budget (a GPU's is read on the GPU)
+        request["memory_cap_bytes"] = memory_budget(ranks, device, None)[0]
     reply = _run_probe(request, recipe)
     profile = ModelProfile(**reply["profile"])
     budget, source = memory_budget(ranks, device, reply.get("device_free_bytes"))

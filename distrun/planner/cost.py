@@ -16,7 +16,8 @@ Memory per rank (bytes):
   optimizer state + a micro-batch's activations;
 - sharded (FSDP2 over n ranks): footprint + (parameters + gradients + optimizer state) / n + the
   largest unit unsharded twice (the one computing and the one prefetched) and its gradient +
-  activations;
+  activations; its step's cost beyond compute is the probe's own sharded step of the recipe's
+  model less that step's compute, where the probe could shard over these ranks;
 - ``--pp p``: each stage 1/p of the mirrored terms; a stage keeps up to ``min(p, m)``
   microbatches' activations in flight under 1F1B (all ``m`` under GPipe);
 - full activation checkpointing keeps the units' inputs (measured) plus one unit's activations,
@@ -71,6 +72,10 @@ class ModelProfile:
     device: str = "cpu"
     overhead_s: float = 0.0  # what every forward and backward costs beyond its samples (s)
     optimizer_s: float = 0.0  # the optimizer's step over the whole model (s)
+    #: the recipe's model sharded over the probe's ranks (FSDP2, as sharded lays it out): one step of
+    #: ``probe_rows`` samples, timed (0: not measured, one rank or none to shard over).
+    sharded_step_s: float = 0.0
+    probe_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -215,16 +220,23 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         parts["gathered"] = 3 * profile.largest_unit_bytes  # two units' parameters, one's gradient
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
         link = resources.slowest(n)
-        gathers = 2 * layout.accumulate  # all-gathers in forward and backward, one reduce-scatter a step
-        gather_rate = resources.gather_bytes_per_s if n <= resources.ranks_per_host and resources.gather_bytes_per_s \
-            else link.bytes_per_s
-        scatter_rate = resources.scatter_bytes_per_s if n <= resources.ranks_per_host and \
-            resources.scatter_bytes_per_s else link.bytes_per_s
-        share = (n - 1) / n
-        comm += (gathers * share * profile.parameter_bytes / gather_rate
-                 + share * profile.gradient_bytes / scatter_rate
-                 + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
-        fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+        if profile.sharded_step_s > 0 and n <= resources.ranks_per_host:  # measured on these ranks
+            alone = (profile.probe_rows * profile.compute_s_per_sample + profile.overhead_s
+                     + profile.optimizer_s / n)
+            # Beyond compute, a measured step is two all-gathers and a reduce-scatter; the gathers
+            # come again with each further micro-batch.
+            fixed += max(0.0, profile.sharded_step_s - alone) * (2 * layout.accumulate + 1) / 3
+        else:  # from the collectives' rates (and FSDP2's fixed cost a unit)
+            gathers = 2 * layout.accumulate  # all-gathers in forward and backward, one reduce-scatter
+            gather_rate = resources.gather_bytes_per_s if n <= resources.ranks_per_host and \
+                resources.gather_bytes_per_s else link.bytes_per_s
+            scatter_rate = resources.scatter_bytes_per_s if n <= resources.ranks_per_host and \
+                resources.scatter_bytes_per_s else link.bytes_per_s
+            share = (n - 1) / n
+            comm += (gathers * share * profile.parameter_bytes / gather_rate
+                     + share * profile.gradient_bytes / scatter_rate
+                     + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
+            fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
     else:  # mirrored / multi-worker: DDP
         parts["state"] = state + profile.gradient_bytes  # .grad and DDP's buckets
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)

@@ -17,12 +17,13 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["collective_rates", "framework_overheads"]
+__all__ = ["collective_rates", "framework_overheads", "sharded_step_s"]
 
 _STEPS = 5
 _WIDTH = 8
@@ -41,10 +42,8 @@ def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) 
     return statistics.median(times)
 
 
-def _ddp_step_s(device: torch.device) -> float:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(nn.Linear(_WIDTH, _WIDTH).to(device))
+def _step_s(model: nn.Module, device: torch.device) -> float:
+    """A training step of ``model`` (wrapped for its layout) on two rows, timed."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.zeros(2, _WIDTH, device=device)
 
@@ -55,6 +54,12 @@ def _ddp_step_s(device: torch.device) -> float:
     return _median_s(step)
 
 
+def _ddp_step_s(device: torch.device) -> float:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return _step_s(DistributedDataParallel(nn.Linear(_WIDTH, _WIDTH).to(device)), device)
+
+
 def _shard_unit_s(device: torch.device) -> float:
     from torch.distributed.fsdp import fully_shard
 
@@ -62,14 +67,7 @@ def _shard_unit_s(device: torch.device) -> float:
     for unit in model:
         fully_shard(unit)
     fully_shard(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    x = torch.zeros(2, _WIDTH, device=device)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        model(x).sum().backward()
-        optimizer.step()
-    return _median_s(step) / (_UNITS + 1)
+    return _step_s(model, device) / (_UNITS + 1)
 
 
 def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
@@ -103,6 +101,21 @@ def collective_rates(nbytes: int) -> dict[str, float]:
     moved = (n - 1) / n * whole.numel() * 4
     return {"bytes_per_s": 2 * moved / max(reduce_s, 1e-9), "latency_s": latency,
             "gather_bytes_per_s": moved / max(gather_s, 1e-9), "scatter_bytes_per_s": moved / max(scatter_s, 1e-9)}
+
+
+def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimizer: Callable[[Any], Any],
+                   step_of: Callable[[nn.Module, Any], None]) -> float:
+    """A step of the recipe's own model sharded over the default group (FSDP2 on each unit, then the
+    root, as sharded does), timed. It holds what sharded costs beyond compute: the all-gathers and
+    the reduce-scatter at the units' real sizes, and FSDP2's copies into and out of its buffers,
+    which gloo's collective rates alone under-count. It shards ``model`` in place: call it last."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit)
+    fully_shard(model)
+    optimizer = make_optimizer(model.parameters())
+    return _median_s(lambda: step_of(model, optimizer))
 
 
 def framework_overheads(device: torch.device) -> dict[str, float]:

@@ -16,6 +16,7 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from distrun.planner.cost import ModelProfile
+from distrun.planner.overheads import sharded_step_s
 from distrun.strategies.sharding.units import pick_units
 
 __all__ = ["measure", "resident_bytes"]
@@ -62,10 +64,12 @@ class _SavedBytes:
     """Bytes autograd saves for backward during a forward, split into inside and outside the units,
     plus the bytes of the units' inputs (what full checkpointing keeps instead)."""
 
-    def __init__(self, units: Iterable[nn.Module]) -> None:
+    def __init__(self, units: Iterable[nn.Module], parameters: Iterable[torch.Tensor]) -> None:
         self.inside = self.outside = self.unit_inputs = 0
         self._depth = 0
-        self._seen: set[int] = set()
+        # A parameter's storage is saved too (a Linear's weight, as a transposed view): it is the
+        # model's, kept whatever the batch, not an activation.
+        self._seen: set[int] = {param.untyped_storage().data_ptr() for param in parameters}
         self._handles = []
         for unit in units:
             self._handles.append(unit.register_forward_pre_hook(self._enter))
@@ -82,7 +86,7 @@ class _SavedBytes:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key not in self._seen and not isinstance(tensor, nn.Parameter):
+        if key not in self._seen:
             self._seen.add(key)
             if self._depth:
                 self.inside += storage.nbytes()
@@ -93,6 +97,15 @@ class _SavedBytes:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _give_back_memory() -> None:
+    """Return freed heap pages to the system (glibc keeps them otherwise), so that what the probe
+    freed no longer counts against a memory cgroup while it goes on."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the pages stay with the process, as before
+        pass
 
 
 def _timed(step: Callable[[], None], device: torch.device, together: Callable[[], None]) -> float:
@@ -126,7 +139,8 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             forward: Callable[[nn.Module, Any], Any], batch_of: Callable[[int], Any], rows: int,
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
-            together: Callable[[], None] = lambda: None, memory_cap_bytes: int | None = None) -> ModelProfile:
+            together: Callable[[], None] = lambda: None, memory_cap_bytes: int | None = None,
+            time_sharded: bool = False) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
     a forward will see (the timings use ``rows``, or fewer where their activations would take more
     than a quarter of ``memory_cap_bytes``, and a quarter of that)."""
@@ -150,8 +164,16 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
     batch_first = batch_of(first)
     step(batch_first)  # the optimizer's state exists after its first step
     optimizer_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
+    forward_backward(batch_first)  # gradients for the optimizer's timed steps
+    t_optimizer = _timed(optimizer.step, device, together)
+    # Then without it: the probe's processes stay within the budget they plan for (each holds the
+    # whole model, as a mirrored rank does, but never its optimizer state and a batch's activations
+    # at once).
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    _give_back_memory()
 
-    saved = _SavedBytes(units)  # on a few rows: activations grow with the rows, and a full batch may not fit
+    saved = _SavedBytes(units, model.parameters())  # on a few rows: activations grow with the rows, and a full batch may not fit
     try:
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda tensor: tensor):
             loss_fn(forward(model, batch_first), batch_first).backward()
@@ -177,20 +199,28 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
     t_large = _timed(lambda: forward_backward(batch_large), device, together)
     slope = max(0.0, (t_large - t_small) / max(1, rows - small))
     intercept = max(0.0, t_small - slope * small)
-    forward_backward(batch_small)  # gradients for the optimizer's timed steps
-    t_optimizer = _timed(optimizer.step, device, together)
     f_large = _timed(forward_only(batch_large), device, together)
     # The pipeline's chain as --pp takes it: the recipe's pp_chain, or an nn.Sequential's children.
     chain = list(chain_from(model)) if chain_from is not None else (
         list(model.children()) if isinstance(model, nn.Sequential) else [])
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
+    sharded_s = 0.0
+    optimizer.zero_grad(set_to_none=True)
+    del batch_large
+    _give_back_memory()
+    if time_sharded:  # last: it shards the model in place
+        def sharded_step(sharded: nn.Module, sharded_optimizer: Any) -> None:
+            sharded_optimizer.zero_grad(set_to_none=True)
+            loss_fn(forward(sharded, batch_small), batch_small).backward()
+            sharded_optimizer.step()
+        sharded_s = sharded_step_s(model, tuple(units), make_optimizer, sharded_step)
     return ModelProfile(
         parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
         units=len(units), largest_unit_bytes=largest_unit, compute_s_per_sample=slope,
         forward_s_per_sample=f_large / rows, activation_bytes_per_sample=int(per_sample),
         checkpointed_activation_bytes_per_sample=int(checkpointed), base_bytes=base_bytes,
         chain_parts=len(chain), boundary_bytes_per_sample=int(boundary), device=device.type, overhead_s=intercept,
-        optimizer_s=t_optimizer)
+        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small)
 
 
 def _first(batch: Any) -> Any:

@@ -33,7 +33,7 @@ _ROUND_TRIPS = 200
 #: Probe processes that measure at once (the job's ranks on this host, at most this many), and the
 #: largest all-reduce they time.
 _MAX_PEERS = 8
-_MAX_COLLECTIVE_BYTES = 256 << 20
+_MAX_COLLECTIVE_BYTES = 64 << 20
 
 
 def _loopback_link() -> dict[str, float]:
@@ -145,7 +145,8 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
                       batch_of=lambda count: to(batch_of(count)), rows=rows, device=device, base_bytes=base,
                       units_from=getattr(recipe, "shard_units", None), chain_from=getattr(recipe, "pp_chain", None),
                       together=dist.barrier if group_size > 1 else lambda: None,
-                      memory_cap_bytes=_memory_cap(device, group_size))
+                      memory_cap_bytes=int(request.get("memory_cap_bytes") or _memory_cap(device, group_size)),
+                      time_sharded=group_size > 1)
     link, overheads = None, {}
     if group_size > 1:
         rates = collective_rates(min(profile.gradient_bytes, _MAX_COLLECTIVE_BYTES))

@@ -38,6 +38,7 @@ from distrun.strategies.checkpoint.catalog import latest_checkpoint
 from distrun.strategies.ps.channel import (Channel, Op, describe_state, lr_factor_word, open_worker_channels,
                                           receive_state)
 from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
+from distrun.strategies.ps.tables import exchange_rows
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
@@ -284,21 +285,7 @@ class ParameterServerStrategy(Strategy):
 
     def _exchange_rows(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
         assert self._layout is not None
-        shape = self._layout.shapes[name]
-        rows = torch.empty((uniq.numel(), *shape[1:]), dtype=self._layout.dtypes[name])
-        asks = []
-        cpu_ids = uniq.cpu()
-        for ref in self._layout.shards_of(name):
-            lo, hi = ref.shard.rows  # type: ignore[misc]
-            mask = (cpu_ids >= lo) & (cpu_ids < hi)
-            wanted = cpu_ids[mask]
-            channel = self._channels[ref.shard.task]
-            channel.send_header(Op.ROWS, self._layout.sparse(ref.shard.task).index(ref), wanted.numel())
-            channel.send(wanted)
-            asks.append((channel, mask, wanted.numel()))
-        for channel, mask, count in asks:
-            rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
-        return rows.to(self.device)
+        return exchange_rows(self._layout, self._channels, name, uniq).to(self.device)
 
     def _sync_wait_s(self, timed_s: float | None) -> float | None:
         """Asynchronous workers wait for no other worker: a worker's step time is its compute time.

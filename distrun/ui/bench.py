@@ -188,6 +188,8 @@ def render_auto(report: Mapping[str, Any]) -> Table:
         table.add_section()
         table.add_row(f"[bold]{row['scenario']}[/bold] (budget {num(row['budget_mb'], ',.0f')} MB a rank)", "", "", "",
                       "")
+        if row.get("plan_error"):
+            table.add_row(f"  [red]auto could not plan:[/red] {row['plan_error']}", "", "", "", "")
         rate = row["contenders"][-1]["samples_per_s"]
         for c in row["contenders"]:
             table.add_row(f"  {c['layout']}", f"{c['samples_per_s']:.1f}",

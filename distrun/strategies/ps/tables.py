@@ -83,6 +83,28 @@ def rowwise_refusal(optimizer: Any, tables: list[nn.Parameter]) -> str | None:
     return None
 
 
+@torch.no_grad()
+def exchange_rows(layout: Any, channels: list[Any], name: str, uniq: torch.Tensor) -> torch.Tensor:
+    """The rows ``uniq`` of table ``name`` (on the CPU), each asked of the ps task holding it: every
+    task's ask is sent before any answer is read, so the tasks look up at once. Parameter-server's
+    workers and the hybrid's replicas both pull this way."""
+    shape = layout.shapes[name]
+    rows = torch.empty((uniq.numel(), *shape[1:]), dtype=layout.dtypes[name])
+    cpu_ids = uniq.cpu()
+    asks = []
+    for ref in layout.shards_of(name):
+        lo, hi = ref.shard.rows
+        mask = (cpu_ids >= lo) & (cpu_ids < hi)
+        wanted = cpu_ids[mask]
+        channel = channels[ref.shard.task]
+        channel.send_header(Op.ROWS, layout.sparse(ref.shard.task).index(ref), wanted.numel())
+        channel.send(wanted)
+        asks.append((channel, mask, wanted.numel()))
+    for channel, mask, count in asks:
+        rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
+    return rows
+
+
 class RowClient:
     """A replica's channels to the ps tasks, for the tables only; counts what crosses them."""
 
@@ -103,20 +125,7 @@ class RowClient:
     def pull(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
         """The rows ``uniq`` of table ``name``, each from the ps task holding it."""
         before = self._moved()
-        shape = self.layout.shapes[name]
-        rows = torch.empty((uniq.numel(), *shape[1:]), dtype=self.layout.dtypes[name])
-        cpu_ids = uniq.cpu()
-        asks = []
-        for ref in self.layout.shards_of(name):
-            lo, hi = ref.shard.rows  # type: ignore[misc]
-            mask = (cpu_ids >= lo) & (cpu_ids < hi)
-            wanted = cpu_ids[mask]
-            channel = self.channels[ref.shard.task]
-            channel.send_header(Op.ROWS, self.layout.sparse(ref.shard.task).index(ref), wanted.numel())
-            channel.send(wanted)
-            asks.append((channel, mask, wanted.numel()))
-        for channel, mask, count in asks:
-            rows[mask] = channel.recv_values((count, *shape[1:]), rows.dtype)
+        rows = exchange_rows(self.layout, self.channels, name, uniq)
         self.step_bytes += self._moved() - before
         return rows.to(self.device)
 
