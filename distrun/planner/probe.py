@@ -206,9 +206,13 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
     sharded_s = 0.0
     optimizer.zero_grad(set_to_none=True)
+    for group in optimizer.param_groups:  # nothing keeps the whole parameters alive once they are sharded
+        group["params"] = []
     del batch_large
     _give_back_memory()
-    if time_sharded:  # last: it shards the model in place
+    # Last, as it shards the model in place; where a rank's budget is tight, the probe keeps within it
+    # and sharded's cost comes from the collectives' rates instead (planner/cost.py).
+    if time_sharded and (memory_cap_bytes is None or base_bytes + 6 * parameter_bytes < memory_cap_bytes):
         def sharded_step(sharded: nn.Module, sharded_optimizer: Any) -> None:
             sharded_optimizer.zero_grad(set_to_none=True)
             loss_fn(forward(sharded, batch_small), batch_small).backward()
