@@ -38,7 +38,7 @@ from distrun.strategies.checkpoint.catalog import latest_checkpoint
 from distrun.strategies.ps.channel import (Channel, Op, describe_state, lr_factor_word, open_worker_channels,
                                           receive_state)
 from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
-from distrun.strategies.ps.tables import exchange_rows
+from distrun.strategies.ps.tables import exchange_rows, send_row_gradients
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
@@ -245,22 +245,7 @@ class ParameterServerStrategy(Strategy):
             # The reply brings the next parameters.
             channel.send_header(Op.PUSH, self._version, self._limit, lr_factor_word(lr_factor))
             channel.send_values(*[g.cpu() for g in pack(grads)])
-            for ref in self._layout.sparse(task):
-                lo, hi = ref.shard.rows  # type: ignore[misc]
-                ids, rows = [], []
-                for name, uniq, values in touched:
-                    if name != ref.name or values.grad is None:
-                        continue
-                    mask = (uniq >= lo) & (uniq < hi)
-                    ids.append(uniq[mask])
-                    rows.append(values.grad[mask])
-                row_shape = self._layout.shapes[ref.name][1:]
-                ids_t = torch.cat(ids).cpu() if ids else torch.zeros(0, dtype=torch.int64)
-                rows_t = (torch.cat(rows).cpu() if rows
-                          else torch.zeros((0, *row_shape), dtype=self._layout.dtypes[ref.name]))
-                channel.send_header(ids_t.numel())
-                channel.send(ids_t)
-                channel.send_values(rows_t)
+            send_row_gradients(self._layout, channel, task, touched)
 
     def _sparse_forward(self, embedding: nn.Embedding, name: str) -> Any:
         """An embedding forward that pulls only the looked-up rows, and keeps them for the push."""

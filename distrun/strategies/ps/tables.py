@@ -84,6 +84,26 @@ def rowwise_refusal(optimizer: Any, tables: list[nn.Parameter]) -> str | None:
 
 
 @torch.no_grad()
+def send_row_gradients(layout: Any, channel: Any, task: int, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Within a PUSH to ``task``: for each of its table shards, the ids and the gradients of the rows a
+    step looked up there (``touched``: name, ids, the rows' tensor), none where it looked up none."""
+    for ref in layout.sparse(task):
+        lo, hi = ref.shard.rows
+        ids, rows = [], []
+        for name, uniq, values in touched:
+            if name == ref.name and values.grad is not None:
+                mask = (uniq >= lo) & (uniq < hi)
+                ids.append(uniq[mask])
+                rows.append(values.grad[mask])
+        row_shape = layout.shapes[ref.name][1:]
+        ids_t = torch.cat(ids).cpu() if ids else torch.zeros(0, dtype=torch.int64)
+        rows_t = (torch.cat(rows).cpu() if rows else torch.zeros((0, *row_shape), dtype=layout.dtypes[ref.name]))
+        channel.send_header(ids_t.numel())
+        channel.send(ids_t)
+        channel.send_values(rows_t)
+
+
+@torch.no_grad()
 def exchange_rows(layout: Any, channels: list[Any], name: str, uniq: torch.Tensor) -> torch.Tensor:
     """The rows ``uniq`` of table ``name`` (on the CPU), each asked of the ps task holding it: every
     task's ask is sent before any answer is read, so the tasks look up at once. Parameter-server's
@@ -136,21 +156,7 @@ class RowClient:
         before = self._moved()
         for task, channel in enumerate(self.channels):
             channel.send_header(Op.PUSH, 0, 0, lr_factor_word(lr_factor))  # no dense shards, no step budget
-            for ref in self.layout.sparse(task):
-                lo, hi = ref.shard.rows  # type: ignore[misc]
-                ids, rows = [], []
-                for name, uniq, values in touched:
-                    if name == ref.name and values.grad is not None:
-                        mask = (uniq >= lo) & (uniq < hi)
-                        ids.append(uniq[mask])
-                        rows.append(values.grad[mask])
-                row_shape = self.layout.shapes[ref.name][1:]
-                ids_t = torch.cat(ids).cpu() if ids else torch.zeros(0, dtype=torch.int64)
-                rows_t = (torch.cat(rows).cpu() if rows
-                          else torch.zeros((0, *row_shape), dtype=self.layout.dtypes[ref.name]))
-                channel.send_header(ids_t.numel())
-                channel.send(ids_t)
-                channel.send_values(rows_t)
+            send_row_gradients(self.layout, channel, task, touched)
         for channel in self.channels:
             channel.recv_header()  # the round is applied (a dense reply would follow: the tables have none)
         self.pushes += 1
