@@ -184,7 +184,8 @@ def train(
             compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
             allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,
             shard_within=shard_within, offload=offload, clip_grad_norm=clip_grad_norm,
-            async_checkpoint=async_checkpoint, data_workers=data_workers, accumulate=accumulate, tp=tp, pp=pp, pp_schedule=pp_schedule,
+            async_checkpoint=async_checkpoint, data_workers=data_workers, accumulate=accumulate, tp=tp, pp=pp,
+            pp_schedule=pp_schedule,
             sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
             microbatches=microbatches or 0,
             activation_checkpointing=activation_checkpointing, sync_every=sync_every, outer_lr=outer_lr,
@@ -199,8 +200,8 @@ def train(
                                                      ("--requirements", requirements)) if used]
             if cluster_only:
                 raise UsageError(f"{cluster_only[0]} is for cluster jobs; it needs --cluster")
-            if ps_tasks is None and StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER:
-                ps_tasks = 1
+            if ps_tasks is None and (StrategyName.parse(strategy) is StrategyName.PARAMETER_SERVER or embeddings == "ps"):
+                ps_tasks = 1  # parameter-server and the hybrid's tables need one; more with --ps-tasks
             spec = alone(build_spec(replicas=replicas, ps_tasks=ps_tasks or 0, **flags))
             if elastic is not None:
                 low, high = parse_elastic(elastic, spec.strategy.replicas)

@@ -193,7 +193,7 @@ def test_which_optimizers_update_row_by_row() -> None:
          "--embeddings ps: for --strategy mirrored or multi-worker"),
         (("--strategy", "ps", "--embeddings", "ps", "--ps-tasks", "1"),
          "--embeddings ps: for --strategy mirrored or multi-worker"),
-        (("--strategy", "mirrored", "--embeddings", "ps"), "--embeddings ps needs ps tasks"),
+        (("--strategy", "mirrored", "--embeddings", "ps", "--ps-tasks", "0"), "--embeddings ps needs ps tasks"),
         (("--strategy", "mirrored", "--embeddings", "ps", "--ps-tasks", "1", "--ps-sync"),
          "--ps-sync with --embeddings ps"),
         (("--strategy", "mirrored", "--embeddings", "rows"), "--embeddings: expected dense or ps"),
