@@ -19,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrun.errors import RecipeError, UsageError
+import psutil
+
+from distrun.errors import RecipeError
 from distrun.launch._oom import cgroup_of
 from distrun.planner.choose import Decision, decide
-from distrun.planner.cost import Link, ModelProfile, Prediction, Resources
+from distrun.planner.cost import Link, ModelProfile, Resources
 
 __all__ = ["Plan", "memory_budget", "plan_local"]
 
@@ -50,19 +52,9 @@ class Plan:
         out = [f"auto: {chosen.layout.describe()}: predicted peak {chosen.peak_bytes / MB:,.0f} MB a rank "
                f"(budget {self.resources.budget_bytes / MB:,.0f} MB, {self.budget_source}), "
                f"{chosen.step_s:.3g} s/step; decided in {self.decide_s:.1f} s"]
-        for prediction, verdict in self.runners_up():
+        for prediction, verdict in self.decision.runners_up():
             out.append(f"  not {prediction.layout.describe()}: {verdict}")
         return out
-
-    def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
-        """The best of each other kind of layout (strategy and pipeline depth), best first."""
-        seen = {_kind(self.decision.chosen)}
-        picked = []
-        for prediction, verdict in self.decision.ranked[1:]:
-            if _kind(prediction) not in seen:
-                seen.add(_kind(prediction))
-                picked.append((prediction, verdict))
-        return picked[:count]
 
     def summary_object(self, measured_peak_mb: float | None, measured_step_s: float | None) -> dict[str, Any]:
         """The ``--json`` summary's ``plan``: the chosen layout in the job file's keys, and every
@@ -83,10 +75,6 @@ class Plan:
         }
 
 
-def _kind(prediction: Prediction) -> tuple[str, int]:
-    return prediction.layout.strategy, prediction.layout.pp
-
-
 def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tuple[int, str]:
     """One rank's budget in bytes, and where it came from."""
     if device == "cuda" and device_free_bytes:
@@ -94,26 +82,11 @@ def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tup
     group = cgroup_of(os.getpid())
     limit = group.limit_bytes() if group is not None else None
     if limit is not None:  # this command stays in it beside the ranks: what it holds is not theirs
-        return (limit - _resident_bytes()) // ranks, f"memory cgroup {group.name}'s limit less this command, " \
+        mine = psutil.Process().memory_info().rss
+        return (limit - mine) // ranks, f"memory cgroup {group.name}'s limit less this command, " \
             f"shared by {ranks} rank(s)"
-    available = _mem_available()
+    available = psutil.virtual_memory().available  # Linux's MemAvailable
     return available // ranks, f"MemAvailable, shared by {ranks} rank(s)"
-
-
-def _resident_bytes() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise UsageError("--strategy auto: /proc/meminfo has no MemAvailable, so the memory budget is unknown")
 
 
 def _run_probe(request: dict[str, Any], recipe: Path) -> dict[str, Any]:

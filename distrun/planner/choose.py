@@ -36,10 +36,20 @@ class Decision:
 
     chosen: Prediction
     ranked: tuple[tuple[Prediction, str], ...]  # (prediction, verdict), the chosen one first
-    budget_bytes: int
 
     def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
-        return list(self.ranked[1:1 + count])
+        """The best of each other kind of layout (strategy and pipeline depth), best first: what
+        the choice is said against (its own variants would only repeat it)."""
+        def kind(prediction: Prediction) -> tuple[str, int]:
+            return prediction.layout.strategy, prediction.layout.pp
+
+        seen = {kind(self.chosen)}
+        picked = []
+        for prediction, verdict in self.ranked[1:]:
+            if kind(prediction) not in seen:
+                seen.add(kind(prediction))
+                picked.append((prediction, verdict))
+        return picked[:count]
 
 
 def _simplicity(layout: Layout) -> tuple[int, int, int, int]:
@@ -116,4 +126,4 @@ def decide(profile: ModelProfile, resources: Resources, global_batch: int) -> De
         else:
             verdict = _why_slower(prediction, chosen)
         ranked.append((prediction, verdict))
-    return Decision(chosen, tuple(ranked), resources.budget_bytes)
+    return Decision(chosen, tuple(ranked))

@@ -41,9 +41,6 @@ __all__ = ["BUDGET_SHARE", "Layout", "Link", "ModelProfile", "Prediction", "Reso
 #: A layout whose predicted peak passes this share of the budget is out: the rest is headroom for
 #: the allocator's fragmentation and what the model does not see (the issue's 90%).
 BUDGET_SHARE = 0.9
-#: Share of a ring all-reduce that DDP hides behind backward (buckets reduce while later layers
-#: still compute). Measured on this project's CPU machine (docs/performance.md); the rest is exposed.
-DDP_OVERLAP = 0.0
 
 
 @dataclass(frozen=True)
@@ -211,8 +208,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         fixed += (m + pp - 1) * layout.accumulate * resources.microbatch_s
         if replicas > 1:  # each stage's gradients all-reduced over the replicas
             link = resources.slowest(replicas * pp)
-            comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp,
-                                                     2 * (replicas - 1))
+            comm += link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp, 2 * (replicas - 1))
     elif layout.strategy == "sharded":
         n = replicas
         parts["state"] = state / n
@@ -242,8 +238,8 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
         if replicas > 1:
             link = resources.slowest(replicas)
-            comm += (1 - DDP_OVERLAP) * link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes,
-                                                     2 * (replicas - 1))
+            # All exposed: on gloo the buckets' all-reduce hid little of it behind backward here.
+            comm += link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes, 2 * (replicas - 1))
             fixed += resources.ddp_step_s
     fixed += max(0.0, resources.loop_step_s - resources.ddp_step_s)  # the loop around any layout's step
     peak = int(sum(parts.values()))

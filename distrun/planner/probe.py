@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -39,15 +40,8 @@ _TIMED_SHARE = 0.25
 
 
 def resident_bytes() -> int:
-    """This process's resident memory now (VmRSS), 0 where /proc cannot tell."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    """This process's resident memory now (VmRSS)."""
+    return int(psutil.Process().memory_info().rss)
 
 
 def _tensor_bytes(value: Any) -> int:

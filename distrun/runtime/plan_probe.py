@@ -76,19 +76,6 @@ def _loopback_link() -> dict[str, float]:
     return {"bytes_per_s": _LINK_BYTES / elapsed, "latency_s": statistics.median(trips) / 2}
 
 
-def _memory_cap(device: Any, group_size: int) -> int:
-    """What one probe process may fill: the GPU's free memory, or its share of MemAvailable."""
-    import torch
-
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 // group_size
-    return 0
-
-
 def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -96,6 +83,7 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     from distrun.planner.overheads import collective_rates, framework_overheads
     from distrun.runtime._loop_probe import loop_step_s
     from distrun.planner.probe import measure, resident_bytes
+    from distrun.runtime._move import to_device
     from distrun.runtime._recipe import load_module, prepare_sys_path
     from distrun.strategies import InputContext
     from distrun.strategies.step.accumulation import batch_rows, split_batch
@@ -129,23 +117,16 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
             have = batch_rows(first) or count
             return split_batch(first, max(1, have // count))[0][0] if have > count else first
 
-    def to(batch: Any) -> Any:
-        if isinstance(batch, torch.Tensor):
-            return batch.to(device)
-        if isinstance(batch, (tuple, list)):
-            return type(batch)(to(item) for item in batch)
-        if isinstance(batch, dict):
-            return {key: to(item) for key, item in batch.items()}
-        return batch
-
     forward = getattr(recipe, "forward", lambda m, b: m(b[0]))
     # Every process of the probe measures at once, as the job's ranks will compute at once on
     # this host's cores and memory.
     profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
-                      batch_of=lambda count: to(batch_of(count)), rows=rows, device=device, base_bytes=base,
+                      batch_of=lambda count: to_device(batch_of(count), device), rows=rows, device=device, base_bytes=base,
                       units_from=getattr(recipe, "shard_units", None), chain_from=getattr(recipe, "pp_chain", None),
                       together=dist.barrier if group_size > 1 else lambda: None,
-                      memory_cap_bytes=int(request.get("memory_cap_bytes") or _memory_cap(device, group_size)),
+                      # A rank's budget (the client's, on CPU) or the GPU's free memory.
+                      memory_cap_bytes=request.get("memory_cap_bytes") or (
+                          int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
                       time_sharded=group_size > 1)
     link, overheads = None, {}
     if group_size > 1:

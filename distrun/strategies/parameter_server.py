@@ -38,7 +38,7 @@ from distrun.strategies.checkpoint.catalog import latest_checkpoint
 from distrun.strategies.ps.channel import (Channel, Op, describe_state, lr_factor_word, open_worker_channels,
                                           receive_state)
 from distrun.strategies.ps.layout import Layout, flat_specs, pack, unpack_into
-from distrun.strategies.ps.tables import exchange_rows, send_row_gradients
+from distrun.strategies.ps.tables import exchange_rows, join_row_shards, send_row_gradients
 from distrun.strategies.base import ReplicaInfo, Reporter, Strategy, zero_grads
 
 __all__ = ["ParameterServerStrategy"]
@@ -312,19 +312,7 @@ class ParameterServerStrategy(Strategy):
         for task, shards in enumerate(self._fetch_state()):
             for ref, (value, state) in zip(self._layout.owned(task), shards):
                 parts.setdefault(ref.index, []).append(((ref.shard.rows or (0, 0))[0], value, state))
-        values: dict[int, torch.Tensor] = {}
-        states: dict[int, dict[str, Any]] = {}
-        for i, pieces in parts.items():
-            pieces.sort(key=lambda piece: piece[0])
-            values[i] = torch.cat([value for _, value, _ in pieces])
-            first_value, first_state = pieces[0][1], pieces[0][2]
-            whole = {}
-            for key, item in first_state.items():
-                split = len(pieces) > 1 and isinstance(item, torch.Tensor) and item.shape == first_value.shape
-                whole[key] = torch.cat([state[key] for _, _, state in pieces]) if split else item
-            if whole:
-                states[i] = whole
-        return values, states
+        return join_row_shards(parts)
 
     def _checkpoint_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model (parameters from the ps tasks, buffers from the chief) and the optimizer

@@ -83,6 +83,25 @@ def rowwise_refusal(optimizer: Any, tables: list[nn.Parameter]) -> str | None:
     return None
 
 
+def join_row_shards(parts: dict[Any, list[tuple[int, torch.Tensor, dict[str, Any]]]]
+                    ) -> tuple[dict[Any, torch.Tensor], dict[Any, dict[str, Any]]]:
+    """Whole values and optimizer state from row shards (``key -> [(first row, value, state)]``, any
+    order): row-shaped state (Adagrad's sum, Adam's moments) joined like the values, scalars once."""
+    values: dict[Any, torch.Tensor] = {}
+    states: dict[Any, dict[str, Any]] = {}
+    for key, pieces in parts.items():
+        pieces.sort(key=lambda piece: piece[0])
+        values[key] = torch.cat([value for _, value, _ in pieces])
+        first_value, first_state = pieces[0][1], pieces[0][2]
+        whole = {}
+        for name, item in first_state.items():
+            rows = isinstance(item, torch.Tensor) and item.shape == first_value.shape
+            whole[name] = torch.cat([state[name] for _, _, state in pieces]) if rows else item
+        if whole:
+            states[key] = whole
+    return values, states
+
+
 @torch.no_grad()
 def send_row_gradients(layout: Any, channel: Any, task: int, touched: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
     """Within a PUSH to ``task``: for each of its table shards, the ids and the gradients of the rows a
@@ -172,19 +191,7 @@ class RowClient:
                 value = channel.recv(self.layout.shard_shape(ref), self.layout.dtypes[ref.name])
                 state = receive_state(channel, shard["state"])
                 parts.setdefault(ref.name, []).append(((ref.shard.rows or (0, 0))[0], value, state))
-        values: dict[str, torch.Tensor] = {}
-        states: dict[str, dict[str, Any]] = {}
-        for name, pieces in parts.items():
-            pieces.sort(key=lambda piece: piece[0])
-            values[name] = torch.cat([value for _, value, _ in pieces])
-            first_value, first_state = pieces[0][1], pieces[0][2]
-            whole = {}
-            for key, item in first_state.items():  # row-shaped state (Adagrad's sum) joined; scalars once
-                rows = isinstance(item, torch.Tensor) and item.shape == first_value.shape
-                whole[key] = torch.cat([state[key] for _, _, state in pieces]) if rows else item
-            if whole:
-                states[name] = whole
-        return values, states
+        return join_row_shards(parts)
 
     def load(self, step: int, values: dict[str, torch.Tensor], states: dict[str, dict[str, Any]]) -> None:
         """Every table (whole, by layout name) and its optimizer state to the ps tasks, each task its
