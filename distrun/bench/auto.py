@@ -1,9 +1,9 @@
 """`distrun bench auto`: auto's pick against every kind of layout, run for real, in one run.
 
 Each scenario is one model (the pipeline recipe at a width, depth and batch) and one memory
-budget: memory to spare, or a v1 memory cgroup whose limit is twice the smallest mirrored need the
-planner predicts (``distrun plan --json`` outside it), so that no mirrored layout fits the
-planner's 90% rule (mirrored itself may still run there: the table shows whether it did). In each,
+budget: memory to spare, or a v1 memory cgroup whose limit gives each rank 88% of the smallest
+mirrored need the planner predicts (``distrun plan --json`` outside it), below it by more than
+the model's error, so that no mirrored layout fits (the table shows whether mirrored ran anyway). In each,
 the contenders are always-mirrored (``mirrored x2``), always-sharded (``sharded x2``), the
 pipeline the planner ranks best, and ``--strategy auto`` itself; every one trains the same steps at
 the same global batch, inside the scenario's cgroup (a run the kernel kills counts 0 samples/s).
@@ -35,6 +35,8 @@ _CGROUPS = Path("/sys/fs/cgroup/memory")
 #: The client beside the ranks in a scenario's cgroup (MB).
 _CLIENT_MB = 100
 _TIMEOUT_S = 900
+#: A "below" scenario's share of mirrored's smallest predicted need that each rank gets.
+_BELOW = 0.88
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,8 @@ SCENARIOS = (
     Scenario("small model, memory to spare", _SMALL, 64, False, steps_factor=20),
     Scenario("17M params, batch 512, memory to spare", _COMPUTE, 512, False),
     Scenario("34M params, batch 8, memory to spare", _PARAMS, 8, False),
-    Scenario("17M params, batch 512, below mirrored's need + 10%", _COMPUTE, 512, True),
-    Scenario("34M params, batch 8, below mirrored's need + 10%", _PARAMS, 8, True),
+    Scenario("17M params, batch 512, a rank 88% of mirrored's predicted need", _COMPUTE, 512, True),
+    Scenario("34M params, batch 8, a rank 88% of mirrored's predicted need", _PARAMS, 8, True),
 )
 
 
@@ -70,7 +72,7 @@ def _distrun(argv: list[str], env: dict[str, str], cgroup: Path | None) -> tuple
 
 
 def _plan(scenario: Scenario, env: dict[str, str], cgroup: Path | None) -> dict[str, Any]:
-    code, lines, err = _distrun(["plan", str(_RECIPE), "--json", "--device", "cpu", "-b", str(scenario.batch),
+    code, lines, err = _distrun(["plan", str(_RECIPE), "--json", "--no-trials", "--device", "cpu", "-b", str(scenario.batch),
                                  "--", *scenario.args], env, cgroup)
     if code != 0 or not lines:
         raise DistrunError(f"bench auto: distrun plan failed in {scenario.name!r}: "
@@ -157,9 +159,9 @@ def run_auto(*, steps: int = 5, scenarios: tuple[Scenario, ...] = SCENARIOS,
                     need = min(c["predicted_peak_mb"] for c in outside["candidates"]
                                if c["layout"].startswith("mirrored x"))
                     group = _cgroup(f"distrun-bench-auto-{os.getpid()}-{index}")
-                    # Two mirrored ranks' smallest predicted need: the planner's 10% headroom rules every
-                    # mirrored layout out (the probe itself needs about that much: docs/strategies.md#auto).
-                    _limit(group, 2 * need + _CLIENT_MB)
+                    # Below two mirrored ranks' smallest predicted need, by more than the model's error:
+                    # mirrored does not fit, by the planner's 90% rule or the kernel's.
+                    _limit(group, 2 * _BELOW * need + _CLIENT_MB)
                 progress(f"{scenario.name}: planning")
                 try:
                     plan = _plan(scenario, env, group)
@@ -183,7 +185,7 @@ def run_auto(*, steps: int = 5, scenarios: tuple[Scenario, ...] = SCENARIOS,
             finally:
                 if group is not None:
                     group.rmdir()
-            best = max(c["samples_per_s"] for c in contenders)
+            best = max(c["samples_per_s"] for c in [*contenders, auto_row])  # auto's pick is a candidate too
             mirrored = next(c for c in contenders if c["layout"] == "mirrored x2")["samples_per_s"]
             sharded = next(c for c in contenders if c["layout"] == "sharded x2")["samples_per_s"]
             rate = auto_row["samples_per_s"]
@@ -195,7 +197,18 @@ def run_auto(*, steps: int = 5, scenarios: tuple[Scenario, ...] = SCENARIOS,
     ok = [r for r in rows if r["vs_best"] is not None]  # a failed auto counts 0: its scenario stays in
     return {"benchmark": "auto", "steps": steps, "rows": rows,
             "geomean_vs_best": _geomean([r["vs_best"] for r in ok]),
-            "geomean_vs_mirrored": _geomean([r["vs_mirrored"] for r in rows if r["vs_mirrored"] is not None]),
-            "geomean_vs_sharded": _geomean([r["vs_sharded"] for r in rows if r["vs_sharded"] is not None]),
+            "worst_vs_best": min((r["vs_best"] for r in ok), default=None),
+            # The issue's reading: each policy's samples/s over the scenarios, a failure counting 0, so a
+            # policy that fails anywhere has a geometric mean of 0 and auto is ahead of it without bound.
+            "geomean_vs_mirrored": _policy_ratio(rows, "mirrored x2"),
+            "geomean_vs_sharded": _policy_ratio(rows, "sharded x2"),
             "mirrored_failed": sum(1 for r in rows if r["vs_mirrored"] is None),
             "sharded_failed": sum(1 for r in rows if r["vs_sharded"] is None)}
+
+
+def _policy_ratio(rows: list[dict[str, Any]], layout: str) -> float | None:
+    """auto's geometric-mean samples/s over a fixed policy's; None where the policy failed somewhere
+    (its mean is 0: auto is ahead of it without bound, and ``*_failed`` says in how many)."""
+    auto = _geomean([r["contenders"][-1]["samples_per_s"] for r in rows])
+    policy = _geomean([next(c for c in r["contenders"] if c["layout"] == layout)["samples_per_s"] for r in rows])
+    return auto / policy if auto is not None and policy else None

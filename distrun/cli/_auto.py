@@ -1,9 +1,9 @@
 """``--strategy auto`` in the CLI: the layout chosen before the job is built, and said.
 
 ``train``, ``plan`` and ``--print-config`` share this: each asks :func:`choose` for the layout
-of a recipe on this machine's ranks, which probes the recipe (client/planning.py) and returns the
-flags the choice sets, the plan (None for a recipe the planner cannot probe), and the lines to
-print. A layout flag given beside ``auto`` is refused: auto chooses it, and a user who wants it
+of a recipe on this machine's ranks, which probes the recipe (client/planning.py), times the
+layouts the model cannot tell apart (cli/_auto_trials.py), and returns the flags the choice sets,
+the plan (None for a recipe the planner cannot probe), and the lines to print. A layout flag given beside ``auto`` is refused: auto chooses it, and a user who wants it
 fixed names the strategy.
 """
 
@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrun.cli._spec import local_layout, recipe_defaults
+from distrun.cli._auto_trials import time_near, trial_flags
+from distrun.cli._spec import build_spec, local_layout, recipe_defaults
+from distrun.client import ClusterJob, JobEnvironment, pack
+from distrun.client._cluster_plan import plan_on_cluster
 from distrun.client.planning import Plan, plan_local
-from distrun.config import RecipeKind, inspect_recipe
+from distrun.config import ClusterSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import UsageError
 from distrun.launch import visible_gpu_count
 from distrun.protocol import JobSummary
 
-__all__ = ["AUTO", "Choice", "choose", "with_measured"]
+__all__ = ["AUTO", "Choice", "choose", "choose_on_cluster", "with_measured"]
 
 AUTO = "auto"
 #: The flags auto sets, with the value each has when nobody gave it.
@@ -38,9 +41,8 @@ class Choice:
     lines: tuple[str, ...]
 
 
-def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size: int | None, seed: int | None,
-           recipe_args: tuple[str, ...] = (), given: dict[str, Any] | None = None) -> Choice:
-    """The layout of ``recipe`` on this machine; ``given``: the layout flags as the command has them."""
+def _fit_recipe(recipe: Path, given: dict[str, Any] | None) -> tuple[Path, RecipeInfo, str | None]:
+    """The recipe's path and what it is; for a recipe the probe cannot lay out, why (else None)."""
     for name, (flag, unset) in _CHOSEN.items():
         value = (given or {}).get(name)
         if value not in (None, unset) and not (name == "microbatches" and value == 0):
@@ -49,18 +51,34 @@ def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size
     if not path.is_file():
         raise UsageError(f"{recipe}: recipe not found")
     info = inspect_recipe(str(path))
+    if info.kind is RecipeKind.FIT:
+        return path, info, None
+    return path, info, ("a plain script builds its own model and loop" if info.kind is RecipeKind.SCRIPT
+                        else "a custom loop builds its model inside main(strategy), where the probe cannot reach it")
+
+
+def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size: int | None, seed: int | None,
+           recipe_args: tuple[str, ...] = (), given: dict[str, Any] | None = None, trials: bool = True) -> Choice:
+    """The layout of ``recipe`` on this machine; ``given``: the layout flags as the command has them;
+    ``trials``: time the layouts the model cannot tell apart (``distrun plan --no-trials``: the model alone)."""
+    path, info, unplanned = _fit_recipe(recipe, given)
     device, ranks = local_layout(device, replicas, visible_gpu_count())
-    if info.kind is not RecipeKind.FIT:
-        what = ("a plain script builds its own model and loop" if info.kind is RecipeKind.SCRIPT
-                else "a custom loop builds its model inside main(strategy), where the probe cannot reach it")
+    if unplanned is not None:
         return Choice({"strategy": "mirrored", "replicas": ranks, "device": device}, None,
-                      (f"auto: {what}, so it can only be placed, not laid out: mirrored x{ranks}",))
+                      (f"auto: {unplanned}, so it can only be placed, not laid out: mirrored x{ranks}",))
     filled = recipe_defaults(info, steps=None, epochs=None, global_batch_size=global_batch_size, seed=seed,
                              checkpoint_every=None)
     plan = plan_local(path, ranks=ranks, global_batch=int(filled["global_batch_size"]), seed=int(filled["seed"]),
                       device=device, args=recipe_args, evaluates="eval_data" in info.functions)
+    notes: list[str] = []
+    base = {"recipe": path, "recipe_args": recipe_args, "device": device, "global_batch_size": global_batch_size,
+            "seed": seed}
+    if trials:
+        decision, spent_s = time_near(plan.decision, plan.decide_s,
+                                      lambda layout, steps: build_spec(**trial_flags(base, layout, steps)), notes.append)
+        plan = dataclasses.replace(plan, decision=decision, decide_s=plan.decide_s + spent_s)
     flags = {**plan.decision.chosen.layout.flags(), "device": device}
-    return Choice(flags, plan, tuple(plan.lines()))
+    return Choice(flags, plan, (*notes, *plan.lines()))
 
 
 def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
@@ -70,3 +88,36 @@ def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
     peak = max(peaks.values()) if peaks else None
     step_s = plan.global_batch / summary.samples_per_s if summary.samples_per_s > 0 else None
     return dataclasses.replace(summary, plan=plan.summary_object(peak, step_s))
+
+
+def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global_batch_size: int | None,
+                      seed: int | None, recipe_args: tuple[str, ...] = (), include: list[Path] | None = None,
+                      environment: JobEnvironment | None = None, given: dict[str, Any] | None = None) -> Choice:
+    """The layout of ``recipe`` on ``cluster``'s worker hosts and slots, from a probe job run there
+    (client/_cluster_plan.py). No trials yet: each would be a cluster job of its own."""
+    path, info, unplanned = _fit_recipe(recipe, given)
+    if unplanned is not None:
+        return Choice({"strategy": "multi-worker", "replicas": None, "device": device}, None,
+                      (f"auto: {unplanned}, so it can only be placed, not laid out: multi-worker",))
+    job = ClusterJob.plan(cluster, StrategyName.MULTI_WORKER)
+    try:
+        slots = sorted({placement.slots for placement in job.placements})
+        if len(slots) > 1:
+            raise UsageError(f"--strategy auto: {cluster.source}'s worker hosts have {', '.join(map(str, slots))} "
+                             "slots; the planner lays out hosts of equal slots (give each the same `slots:`)")
+        if device == "auto":
+            device = "cuda" if job.gpus_everywhere else "cpu"
+        filled = recipe_defaults(info, steps=None, epochs=None, global_batch_size=global_batch_size, seed=seed,
+                                 checkpoint_every=None)
+        probe = PlanProbeSpec(hosts=len(job.placements), ranks_per_host=slots[0])
+        spec = build_spec(recipe=path, recipe_args=recipe_args, strategy=StrategyName.MULTI_WORKER.value, device=device,
+                          replicas=job.replicas, steps=1, epochs=None,
+                          global_batch_size=int(filled["global_batch_size"]), seed=int(filled["seed"]),
+                          checkpoint_dir=None, checkpoint_every=None, gpus=job.replicas if job.gpus_everywhere else 0,
+                          extra_env=probe.to_env())
+    except BaseException:
+        job.close()
+        raise
+    plan = plan_on_cluster(job, spec, pack(path, include or []), environment)
+    flags = {**plan.decision.chosen.layout.flags(), "replicas": None, "device": device}  # replicas: the slots
+    return Choice(flags, plan, tuple(plan.lines()))

@@ -18,6 +18,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from distrun.bench.allreduce import DEFAULT_SIZES_MB, run_allreduce
 from distrun.bench.compression import run_compression
+from distrun.bench.embeddings import render_embeddings, run_embeddings
 from distrun.bench.auto import run_auto
 from distrun.bench.layouts import run_layouts
 from distrun.bench.pipeline import run_pipeline
@@ -42,12 +43,12 @@ _SCALING = ("resnet50", "resnet18", "mlp")
 
 @app.command()
 def bench(
-    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | auto | slowlinks | resnet50 | resnet18 | mlp"),
+    workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | embeddings | auto | slowlinks | resnet50 | resnet18 | mlp"),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline, slowlinks: the (running) cluster to measure (none: this machine).", rich_help_panel="Where"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2).", rich_help_panel="Where"),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL).", rich_help_panel="Where"),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda", rich_help_panel="Where"),
-    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); auto: steps (5); scaling, compression: timed steps (20); pipeline: steps (10); slowlinks: steps (100); elastic: steps (60, a rank lost halfway).", rich_help_panel="Steps and repeats"),
+    steps: int | None = typer.Option(None, "--steps", help="overhead: training steps (200); memory, layouts: steps (3); embeddings: steps (20); auto: steps (5); scaling, compression: timed steps (20); pipeline: steps (10); slowlinks: steps (100); elastic: steps (60, a rank lost halfway).", rich_help_panel="Steps and repeats"),
     warmup: int = typer.Option(5, "--warmup", help="scaling: untimed steps first.", rich_help_panel="Steps and repeats"),
     image_size: int = typer.Option(224, "--image-size", help="scaling: image height and width.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
     batch: int = typer.Option(128, "--batch", help="scaling: images per replica per step.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
@@ -55,6 +56,7 @@ def bench(
     precision: str | None = typer.Option(None, "--precision", help="scaling: fp32 | bf16 | fp16 (default bf16 on GPU, fp32 on CPU).", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
     compile_model: bool = typer.Option(False, "--compile", help="scaling: torch.compile distrun's model and the --compare baseline.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
     compare: str | None = typer.Option(None, "--compare", help="scaling: `ddp` also runs torchrun + DDP of the same model.", rich_help_panel="Workload: resnet50, resnet18, mlp (scaling)"),
+    table_rows: int = typer.Option(1_000_000, "--table-rows", help="embeddings: rows of the embedding table (x 32 dims).", rich_help_panel="Workload: embeddings"),
     sizes_mb: str = typer.Option(",".join(f"{s:g}" for s in DEFAULT_SIZES_MB), "--sizes-mb", help="allreduce: message sizes in MB (2^20 bytes), comma-separated.", rich_help_panel="Workload: allreduce"),
     global_batch_size: int = typer.Option(256, "--global-batch-size", "-b", help="overhead: samples per step.", rich_help_panel="Steps and repeats"),
     repeats: int = typer.Option(3, "--repeats", help="overhead, ttfs: runs per contender, the median reported; allreduce: timed operations per size.", rich_help_panel="Steps and repeats"),
@@ -139,6 +141,10 @@ def bench(
             _positive(steps=steps or 3)
             report = run_layouts(steps=steps or 3, progress=say)
             _show(report, json_output, render_layouts)
+        elif workload == "embeddings":
+            _positive(steps=steps or 20, table_rows=table_rows)
+            report = run_embeddings(rows=table_rows, steps=steps or 20, progress=say)
+            _show(report, json_output, render_embeddings)
         elif workload in _SCALING:
             report = _scaling(workload, cluster_file, replicas, gpus, device, steps or 20, warmup, image_size, batch,
                               strategy, compare, json_output, precision, compile_model)
@@ -146,7 +152,7 @@ def bench(
             if plot is not None:
                 _plot(report, plot)
         else:
-            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, auto, slowlinks, "
+            raise UsageError(f"bench: unknown workload {workload!r}; choose overhead, ttfs, straggler, allreduce, compression, elastic, memory, pipeline, layouts, embeddings, auto, slowlinks, "
                              f"{', '.join(_SCALING)}")
     except KeyboardInterrupt:  # the contenders share our process group and got the SIGINT too
         raise Interrupted("interrupted: benchmark stopped") from None

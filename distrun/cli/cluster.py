@@ -23,6 +23,7 @@ from rich.table import Table
 
 from distrun.cli._app import app, stderr
 from distrun.client import cluster_down, cluster_status, cluster_up
+from distrun.client.brought_up import forget, remember
 from distrun.client.doctor import doctor_exit_code, run_doctor
 from distrun.config import ClusterSpec, load_cluster, local_cluster
 from distrun.protocol.cluster import ClusterReport
@@ -33,11 +34,16 @@ from distrun.ui.cluster import render_doctor
 _CLUSTER_HELP = "The cluster file (YAML, docs/cluster.md); none: this machine, no SSH."
 
 
+def distrun_home() -> str:
+    """``$DISTRUN_HOME`` (``~/.distrun``): the local server's state, and the clusters `up` brought up."""
+    return os.environ.get("DISTRUN_HOME", "~/.distrun")
+
+
 def load_cluster_file(path: Path | None) -> ClusterSpec:
     """The cluster file as written (a Slurm cluster's hosts not known yet), or the embedded default."""
     if path is not None:
         return load_cluster(path)
-    return local_cluster(workdir=os.environ.get("DISTRUN_HOME", "~/.distrun"), python=sys.executable)
+    return local_cluster(workdir=distrun_home(), python=sys.executable)
 
 
 def resolve_cluster(path: Path | None) -> ClusterSpec:
@@ -107,7 +113,20 @@ def _run(cluster_file: Path | None, json_output: bool,
     cluster = load_cluster_file(cluster_file)  # the command resolves it: `up` may ask Slurm for hosts
     with _Stages(cluster, enabled=not json_output and stderr.is_terminal) as stages:
         report = command(cluster, progress=stages, **kwargs)
+    if cluster_file is not None:
+        _note(cluster_file, report)
     _finish(report, json_output)
+
+
+def _note(cluster_file: Path, report: ClusterReport) -> None:
+    """Record the clusters up on this machine for `distrun dashboard` (a healthy `up` in, a clean `down` out)."""
+    try:
+        if report.command == "up" and any(row.status.healthy for row in report.rows):
+            remember(distrun_home(), cluster_file, report.cluster)
+        elif report.command == "down" and report.ok:
+            forget(distrun_home(), cluster_file)
+    except OSError as exc:  # the record is a convenience: the cluster is up (or down) all the same
+        stderr.print(f"warning: cannot record the cluster in {distrun_home()}: {exc}", markup=False)
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""`distrun dashboard`: this machine's or a cluster's jobs, ranks and hosts on a web page."""
+"""`distrun dashboard`: this machine's and its clusters' jobs, ranks and hosts on a web page."""
 
 from __future__ import annotations
 
@@ -7,11 +7,17 @@ import signal
 import webbrowser
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import typer
 
 from distrun.cli._app import app, stderr
-from distrun.cli.cluster import resolve_cluster
+from distrun.cli.cluster import distrun_home, resolve_cluster
+from distrun.client.brought_up import brought_up
+from distrun.errors import DistrunError
+
+if TYPE_CHECKING:
+    from distrun.dashboard import Sources
 
 #: The port a dashboard takes unless told: TensorBoard's 6006 is often taken by TensorBoard.
 DEFAULT_PORT = 6070
@@ -26,10 +32,26 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _sources(cluster_file: Path | None) -> Sources:
+    """CLUSTER alone; without it this machine's server first, then each cluster `up` recorded (one that no
+    longer loads is shown with why, not dropped: a typo in one file hides no other cluster)."""
+    from distrun.dashboard import Source, Sources, Unloaded
+
+    if cluster_file is not None:
+        return Sources((Source.of(resolve_cluster(cluster_file)),))
+    sources, unloaded = [Source.of(resolve_cluster(None))], []
+    for entry in brought_up(distrun_home()):
+        try:
+            sources.append(Source.of(resolve_cluster(Path(entry.file))))
+        except DistrunError as exc:
+            unloaded.append(Unloaded(entry.name, entry.file, exc.message))
+    return Sources(tuple(sources), tuple(unloaded))
+
+
 @app.command()
 def dashboard(
     cluster_file: Path | None = typer.Argument(None, metavar="[CLUSTER]",
-                                               help="The cluster file; none: this machine's jobs (while `distrun up` runs here)."),
+                                               help="The cluster file: that cluster only; none: this machine's jobs (while `distrun up` runs here) and every cluster `distrun up` brought up from here."),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="The port to serve on (0: any free port)."),
     host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR",
                              help="The address to listen on; anything but loopback lets the network reach the page (the token still guards it)."),
@@ -37,13 +59,13 @@ def dashboard(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Serve a page of the jobs (their ranks, charts, logs, stacks; cancel) until Ctrl-C."""
-    from distrun.dashboard import Dashboard, Source  # here: `distrun --help` does not pay for http.server
+    from distrun.dashboard import Dashboard  # here: `distrun --help` does not pay for http.server
 
     if not _loopback(host):
         stderr.print(f"warning: --host {host}: the dashboard listens beyond this machine; anyone who can reach "
                      "it and has the URL's token can cancel jobs (docs/dashboard.md: an `ssh -L` tunnel keeps it "
                      "on loopback)", markup=False)
-    page = Dashboard.bind(Source.of(resolve_cluster(cluster_file)), host, port)
+    page = Dashboard.bind(_sources(cluster_file), host, port)
 
     def _stop(_signum: int, _frame: FrameType | None) -> None:
         page.stop()

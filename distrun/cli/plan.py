@@ -12,7 +12,8 @@ from pathlib import Path
 import typer
 
 from distrun.cli._app import app, stderr
-from distrun.cli._auto import choose
+from distrun.cli._auto import choose, choose_on_cluster
+from distrun.cli.cluster import resolve_cluster
 from distrun.cli._run import print_json
 from distrun.errors import UsageError
 
@@ -25,15 +26,20 @@ def plan(
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
     global_batch_size: int | None = typer.Option(None, "--global-batch-size", "-b", help="Samples per step over all replicas (default: recipe defaults, else 64); auto never changes it."),
     seed: int | None = typer.Option(None, "--seed", help="Seed of the probed model's parameters (default: the recipe's, else 0)."),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="Not yet: the planner probes and budgets this machine."),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="Probe on this cluster's worker hosts and slots (a short job there: the model on their devices, their memory, the links between them) and lay the job out over them."),
+    trials: bool = typer.Option(True, "--trials/--no-trials", help="Run the layouts the cost model cannot tell apart for a few steps each and keep the faster, as train --strategy auto does (--no-trials: the model's decision alone, no training)."),
     json_output: bool = typer.Option(False, "--json", help="Print the plan as one JSON object (the --json summary's `plan`)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Probe RECIPE on this machine and print the layout --strategy auto would choose, with its runners-up."""
     if cluster_file is not None:
-        raise UsageError("distrun plan --cluster: the planner probes and budgets this machine only, for now")
-    choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size, seed=seed,
-                    recipe_args=tuple(recipe_args or ()))
+        if replicas is not None:
+            raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+        choice = choose_on_cluster(resolve_cluster(cluster_file), recipe, device=device,
+                                   global_batch_size=global_batch_size, seed=seed, recipe_args=tuple(recipe_args or ()))
+    else:
+        choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size, seed=seed,
+                        recipe_args=tuple(recipe_args or ()), trials=trials)
     if json_output:
         print_json({"type": "plan", **(choice.plan.summary_object(None, None) if choice.plan else
                                        {"chosen": {"strategy": {"name": choice.flags["strategy"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import typer
 from rich.markup import escape  # help is rich markup: "distrun[wandb]" would lose "[wandb]" as a style tag
 
 from distrun.cli._app import app, stderr
-from distrun.cli._auto import AUTO, choose, with_measured
+from distrun.cli._auto import AUTO, choose, choose_on_cluster, with_measured
 from distrun.cli._job_file import job_from_files
 from distrun.cli._run import JsonStream, print_json, run_job
 from distrun.cli._spec import (
@@ -156,13 +157,19 @@ def train(
             strategy = default_strategy(cluster_file is not None)
         plan = None
         if strategy == AUTO:  # the planner chooses the layout before the job is built
+            given = {"tp": tp, "pp": pp, "microbatches": microbatches,
+                     "activation_checkpointing": activation_checkpointing, "accumulate": accumulate}
             if cluster_file is not None:
-                raise UsageError("--strategy auto: on a cluster the planner is not built yet (it probes and "
-                                 "budgets this machine only); name a strategy, or run `distrun plan` here")
-            choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
-                            seed=seed, recipe_args=tuple(recipe_args or ()),
-                            given={"tp": tp, "pp": pp, "microbatches": microbatches,
-                                   "activation_checkpointing": activation_checkpointing, "accumulate": accumulate})
+                if replicas is not None:
+                    raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
+                choice = choose_on_cluster(resolve_cluster(cluster_file), recipe, device=device,
+                                           global_batch_size=global_batch_size, seed=seed,
+                                           recipe_args=tuple(recipe_args or ()), include=include, given=given,
+                                           environment=JobEnvironment(str(requirements) if requirements else None,
+                                                                      allow_skew))
+            else:
+                choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
+                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given)
             for line in choice.lines:
                 stderr.print(line, markup=False, soft_wrap=True)
             plan, chosen = choice.plan, dict(choice.flags)
@@ -234,7 +241,8 @@ def train(
         return run_cluster_job(resolve_cluster(cluster_file), flags, include, json_output=json_output, detach=detach,
                         results_dir=results_dir if fetch else None, max_restarts=max_restarts,
                         hang_timeout_s=hang_timeout_s, elastic=elastic, stream=stream,
-                        environment=JobEnvironment(str(requirements) if requirements else None, allow_skew))
+                        environment=JobEnvironment(str(requirements) if requirements else None, allow_skew),
+                        decorate=(lambda summary: with_measured(plan, summary)) if plan is not None else None)
     except (DistrunError, KeyboardInterrupt) as exc:  # before the job had a summary of its own
         stream.failed_before_the_job(exc, recipe=recipe, strategy=strategy, replicas=replicas)
         raise
@@ -243,8 +251,10 @@ def train(
 def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[Path], *, json_output: bool,
                     detach: bool, results_dir: Path | None, max_restarts: int = 0,
                     hang_timeout_s: float | None = None, elastic: str | None = None,
-                    stream: JsonStream | None = None, environment: JobEnvironment | None = None) -> JobSummary | None:
-    """Open the training hosts (world size), pack and ship the code, then run like a local job."""
+                    stream: JsonStream | None = None, environment: JobEnvironment | None = None,
+                    decorate: Callable[[JobSummary], JobSummary] | None = None) -> JobSummary | None:
+    """Open the training hosts (world size), pack and ship the code, then run like a local job;
+    ``decorate``: what the command adds to the summary (``--strategy auto``'s plan)."""
     job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
     try:
         device = str(flags.pop("device"))
@@ -295,7 +305,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
     else:
         print_json(_job_line(job))
     fetch = (lambda summary: job.fetch_results(results_dir / job.job_id, summary)) if results_dir else None
-    return run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch, stream=stream)
+    return run_job(job, json_output=json_output, host_of_rank=job.host_of_rank, after=fetch, stream=stream,
+                   decorate=decorate)
 
 
 def _job_line(job: ClusterJob) -> dict[str, Any]:

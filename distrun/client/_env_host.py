@@ -6,7 +6,8 @@ standard library only and imports nothing of distrun's. It reads one JSON object
 stdin and prints one JSON object on stdout::
 
     python -c SOURCE check|build   < {"root", "version", "wanted", "requirements", "index", "complete",
-                                      "keep", "lease", "variants": {"plain"|"with_distrun": {"spec", "wheels"}}}
+                                      "keep", "lease", "installer",
+                                      "variants": {"plain"|"with_distrun": {"spec", "wheels"}}}
     python -c SOURCE inspect       < {"modules": [...], "path": [...]}
 
 ``check`` says which interpreter the server should run and whether its environment is
@@ -20,17 +21,16 @@ virtualenv, a ``.pth`` that adds its site folders too (a venv made from a venv i
 layered on the base interpreter only), so torch and CUDA installed here are used, not
 downloaded again. Its name hashes the client's spec (requirements and wheels' sha256s)
 with this interpreter's version, prefix and platform: a changed ``python:`` is another
-environment. The ready marker is written last, after pip succeeded; a failed build is
+environment. It is installed with uv where this host has it (on PATH, beside this
+python, or this python's ``uv`` package; ``installer:`` may ask for one), else with pip,
+with the same requirements, wheels folder and index; uv sees the base's packages through
+metadata-only copies while it runs (``_shadow_base``). The marker records which installer
+built it. The ready marker is written last, after the installer succeeded; a failed build is
 removed, so the next `up` starts clean and the cluster is left as it was. A lock per
 name makes two hosts sharing a home folder (NFS) build it once.
 
-After a build, environments past the newest ``keep`` (by last use: ``check`` touches
-``.last-used`` of a ready one) are removed, but never one in use: one a process runs
-(its path in the process's command line: a server, its warm interpreter, a cold rank; or
-in a server's ``interpreter`` file under the workdir, for hosts sharing it over NFS), or
-one a job's lease names (``.in-use/<job>``, written here for a job's ``--requirements``
-layer) while that job's folder on the server has no ``result.json`` (ranks forked from a
-warm interpreter show nothing of their layer in /proc). Without /proc nothing is removed.
+After a build, old environments and wheels folders go (``_env_collect.py``, whose source
+``host_script()`` sends before this one: a host may have no distrun to import it from).
 """
 
 import fcntl
@@ -46,12 +46,12 @@ import sys
 import sysconfig
 import time
 
-MARKER = ".distrun-ready"
+if __name__ != "__main__":  # imported on the client (client/_skew); on a host, host_script() put this source first
+    from distrun.client._env_collect import LAST_USED, LEASES, MARKER, collect_old
+
 PIP_TIMEOUT_S = 1800
-LAST_USED = ".last-used"
-LEASES = ".in-use"
-#: A lease whose job never reached the server (refused before its submit) is void after this.
-LEASE_UNSUBMITTED_S = 600
+#: The INSTALLER of a base distribution's metadata copy, shown to uv while it installs (``_shadow_base``).
+SHADOW = "distrun-base-metadata"
 
 
 def _distrun_version():
@@ -125,6 +125,106 @@ def _last_error(log):
     return (errors[-1] if errors else (lines[-1] if lines else "pip printed nothing"))[:400]
 
 
+def _last_uv_error(log):
+    """uv's verdict in one line: its last ``error:`` (older uv: ``×``) line, with the cause after it
+    (``cause:``, ``Caused by:``, older uv's ``╰─▶``, and their wrapped lines), hints left out."""
+    marks = ("error:", "×", "cause:", "caused by:", "╰─▶", "hint:", "help:")
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    starts = [i for i, line in enumerate(lines) if line.lower().startswith(("error:", "×"))]
+    if not starts:
+        return ("uv: " + (lines[-1] if lines else "uv printed nothing"))[:400]
+
+    def text(line):
+        for mark in marks:
+            if line.lower().startswith(mark):
+                return line[len(mark):].strip()
+        return line
+
+    head, cause = text(lines[starts[-1]]).rstrip(":"), []
+    for line in lines[starts[-1] + 1:]:
+        if line.lower().startswith(("hint:", "help:", "error:", "×")) or (cause and line.lower().startswith(marks)):
+            break
+        cause.append(text(line))
+    return ("uv: " + head + (": " + " ".join(cause) if cause else ""))[:400]
+
+
+def _find_uv(choice):
+    """The command that runs uv here (a list), or None: pip then. On PATH, beside this python, or its
+    ``uv`` package's binary (``pip install uv`` puts it in the python's bin, which PATH may not name)."""
+    if choice == "pip":
+        return None
+    found = shutil.which("uv")
+    beside = os.path.join(os.path.dirname(sys.executable), "uv")
+    if found is None and os.access(beside, os.X_OK):
+        found = beside
+    if found is None:
+        try:
+            from uv import find_uv_bin
+
+            found = find_uv_bin()
+        except Exception:  # noqa: BLE001 - no uv package, or one without its binary: pip
+            found = None
+    return [found] if found else None
+
+
+def _uv_version(uv):
+    try:
+        done = subprocess.run(uv + ["--version"], stdin=subprocess.DEVNULL, capture_output=True, timeout=30)
+        said = done.stdout.decode(errors="replace").split()
+        return "uv " + said[1] if len(said) >= 2 and said[0] == "uv" else "uv"
+    except (OSError, subprocess.SubprocessError):
+        return "uv"
+
+
+def _shadow_base(env_dir, exclude=()):
+    """uv reads only the environment's own site-packages (astral-sh/uv#2500), not the base
+    interpreter's that ``--system-site-packages`` shows: without help it would download torch
+    again. So the base's distributions get metadata-only copies in the environment while uv
+    runs (METADATA, and a RECORD naming only the copy, so that an upgrade removes just the
+    copy); they are removed after it: imports and versions are the base's, as with pip."""
+    from importlib import metadata
+
+    site_dir = sysconfig.get_path("purelib", vars={"base": env_dir, "platbase": env_dir})
+    made, seen = [], set(exclude)
+    cwd = os.getcwd()
+    for dist in metadata.distributions(path=[p for p in sys.path if p not in ("", cwd)]):
+        folder = str(getattr(dist, "_path", "") or "")
+        try:
+            name = re.sub(r"[-_.]+", "-", dist.metadata["Name"] or "").lower()
+            text = dist.read_text("METADATA")
+        except Exception:  # noqa: BLE001 - a broken dist-info: uv does not see it, as it would not anyway
+            continue
+        if not name or name in seen or not folder.endswith(".dist-info") or not text:
+            continue
+        seen.add(name)
+        copy = os.path.join(site_dir, os.path.basename(folder))
+        if os.path.exists(copy):
+            continue
+        os.makedirs(copy)
+        base = os.path.basename(copy)
+        files = {"METADATA": text, "INSTALLER": SHADOW + "\n"}
+        direct = dist.read_text("direct_url.json")
+        if direct:
+            files["direct_url.json"] = direct
+        files["RECORD"] = "".join("%s/%s,,\n" % (base, key) for key in list(files) + ["RECORD"])
+        for key, value in files.items():
+            with open(os.path.join(copy, key), "w") as out:
+                out.write(value)
+        made.append(copy)
+    return made
+
+
+def _unshadow(made):
+    for copy in made:
+        try:
+            with open(os.path.join(copy, "INSTALLER")) as source:
+                mine = source.read().strip() == SHADOW
+        except OSError:
+            continue  # uv replaced it: the environment now holds its own version of that package
+        if mine:
+            shutil.rmtree(copy, ignore_errors=True)
+
+
 def _requirement_of(line, requirements):
     for requirement in requirements:
         if requirement and requirement in line:
@@ -150,30 +250,52 @@ def _build(config, answer):
             requirements.append("distrun==" + config["version"])
         with open(os.path.join(env_dir, "requirements.txt"), "w") as out:
             out.write("\n".join(requirements) + "\n")
-        argv = [answer["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
-                "--no-warn-script-location", "-r", os.path.join(env_dir, "requirements.txt")]
+        uv = _find_uv(config.get("installer", "auto"))
+        if config.get("installer") == "uv" and uv is None:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            return {"error": "installer: uv, and there is no uv on PATH, beside %s, or in its uv package"
+                             % sys.executable, "requirement": "", "log": ""}
+        argv = ([answer["python"], "-m", "pip", "install", "--disable-pip-version-check", "--no-input",
+                 "--no-warn-script-location"] if uv is None else uv + ["pip", "install", "--python", answer["python"]])
+        argv += ["-r", os.path.join(env_dir, "requirements.txt")]
         if config["index"] is False:
             argv.append("--no-index")
         elif isinstance(config["index"], str):
             argv += ["--index-url", config["index"]]
         if answer["wheels"]:
             argv += ["--find-links", answer["wheels"]]
-        env = dict(os.environ, PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              env=env, timeout=PIP_TIMEOUT_S)
+        env = dict(os.environ, PIP_NO_INPUT="1", PIP_DISABLE_PIP_VERSION_CHECK="1", UV_NO_PROGRESS="1",
+                   UV_PYTHON_DOWNLOADS="never")
+        shadows = _shadow_base(env_dir, exclude=("distrun",) if answer["needs_distrun"] else ()) if uv else []
+        wheels_lock = open(answer["wheels"] + ".lock", "a") if answer["wheels"] else None
+        try:
+            if wheels_lock is not None:
+                fcntl.flock(wheels_lock, fcntl.LOCK_SH)  # no collection removes the folder under the install
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=env, timeout=PIP_TIMEOUT_S)
+        except OSError as exc:  # a uv that cannot run (not executable, another platform's binary)
+            shutil.rmtree(env_dir, ignore_errors=True)
+            return {"error": "cannot run %s: %s" % (argv[0], exc.strerror or exc), "requirement": "", "log": ""}
+        finally:
+            _unshadow(shadows)
+            if wheels_lock is not None:
+                wheels_lock.close()
         log = done.stdout.decode(errors="replace")
+        installer = _uv_version(uv) if uv else "pip"
         if done.returncode != 0:
             shutil.rmtree(env_dir, ignore_errors=True)
-            line = _last_error(log)
-            if "No module named pip" in log:
-                line = ("%s has no pip to install %s with (`%s -m ensurepip`, or the python3-pip package)"
+            line = _last_error(log) if uv is None else _last_uv_error(log)
+            if uv is None and "No module named pip" in log:
+                line = ("%s has no pip to install %s with (`%s -m ensurepip`, the python3-pip package, or uv)"
                         % (sys.executable, ", ".join(requirements), sys.executable))
-            return {"error": line, "requirement": _requirement_of(line, requirements), "log": log[-4000:]}
+            return {"error": line, "requirement": _requirement_of(line, requirements), "log": log[-4000:],
+                    "installer": installer}
         with open(os.path.join(env_dir, "install.log"), "w") as out:
             out.write(log)
         with open(os.path.join(env_dir, MARKER), "w") as out:  # last: the environment is whole
-            json.dump({"name": answer["name"], "requirements": requirements, "built_at": time.time()}, out)
-    return dict(answer, ready=True, installed=True)
+            json.dump({"name": answer["name"], "requirements": requirements, "built_at": time.time(),
+                       "installer": installer, "wheels": answer["wheels"]}, out)
+    return dict(answer, ready=True, installed=True, installer=installer)
 
 
 def _version_of(dist):
@@ -250,109 +372,6 @@ def _mark_used(config, answer):
         pass  # a read-only environment is still usable; it is only never removed
 
 
-def _last_used(env_dir):
-    times = []
-    for name in (LAST_USED, MARKER):
-        try:
-            times.append(os.stat(os.path.join(env_dir, name)).st_mtime)
-        except OSError:
-            pass
-    return max(times) if times else 0.0
-
-
-def _command_lines():
-    """Every process's command line this user may read, or None where there is no /proc."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    lines = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open("/proc/%s/cmdline" % pid, "rb") as source:
-                    lines.append(source.read().replace(b"\0", b" ").decode(errors="replace"))
-            except OSError:
-                continue
-    return lines
-
-
-def _servers_interpreters(workdir):
-    """The interpreters `up` started servers with, from every host's state folder under ``workdir``
-    (``<cluster>/<host>/interpreter``): on a home folder shared over NFS, other hosts' servers use
-    these environments too, and their processes are not in this host's /proc."""
-    found = []
-    for cluster in _listdir(workdir):
-        if cluster.startswith("."):  # .envs: a cluster's name never starts with a dot
-            continue
-        for host in _listdir(os.path.join(workdir, cluster)):
-            try:
-                with open(os.path.join(workdir, cluster, host, "interpreter")) as source:
-                    found.append(source.read().strip())
-            except OSError:
-                continue
-    return found
-
-
-def _leased(env_dir):
-    """Whether a job that may still run holds a lease on ``env_dir``."""
-    folder = os.path.join(env_dir, LEASES)
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return False
-    for name in names:
-        try:
-            with open(os.path.join(folder, name)) as source:
-                lease = json.load(source)
-            job_dir, at = str(lease["folder"]), float(lease["at"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return True  # unreadable: assume in use
-        attempts = [path for path in (job_dir, *(os.path.join(os.path.dirname(job_dir), n) for n in
-                    _listdir(os.path.dirname(job_dir)) if n.startswith(os.path.basename(job_dir) + "-r")))
-                    if os.path.isdir(path)]
-        if not attempts and time.time() - at < LEASE_UNSUBMITTED_S:
-            return True
-        if any(not os.path.exists(os.path.join(path, "result.json")) for path in attempts):
-            return True
-    return False
-
-
-def _listdir(path):
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _collect(root, keep, current):
-    """Remove ready environments past the newest ``keep`` by last use; never ``current`` or one in use."""
-    envs = []
-    for name in _listdir(root):
-        path = os.path.join(root, name)
-        if not name.startswith("wheels-") and os.path.isfile(os.path.join(path, MARKER)):
-            envs.append((_last_used(path), path))
-    envs.sort(reverse=True)
-    old = [path for _, path in envs[max(1, int(keep)):] if path != current]
-    if not old:
-        return []
-    running = _command_lines()
-    if running is None:
-        return []
-    running += _servers_interpreters(os.path.dirname(root))
-    removed = []
-    for path in old:
-        if any(path + os.sep in line for line in running) or _leased(path):
-            continue
-        with open(path + ".lock", "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # not while another `up` builds or checks it
-            except OSError:
-                continue
-            os.remove(os.path.join(path, MARKER))  # first: a half-removed environment is never taken as ready
-            shutil.rmtree(path, ignore_errors=True)
-        removed.append(os.path.basename(path))
-    return removed
-
-
 def main():
     config = json.loads(sys.stdin.read())
     if sys.argv[1] == "inspect":
@@ -363,7 +382,7 @@ def main():
         answer = _build(config, answer)
         if answer.get("installed"):
             try:
-                answer["removed"] = _collect(_absolute(config["root"]), config.get("keep", 5), answer["dir"])
+                answer["removed"] = collect_old(_absolute(config["root"]), config.get("keep", 5), answer["dir"])
             except OSError:
                 answer["removed"] = []  # an old environment that stays is no reason to fail a build that worked
     if answer.get("python") is not None and answer.get("ready"):

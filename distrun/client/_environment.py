@@ -6,10 +6,11 @@ should run, with one command that builds nothing (``check``). The answer is the 
 an environment named by content: the requirements, the sha256 of every wheel, and (when
 the host's python has no distrun or another version) the client's own distrun as a wheel
 (``_self_wheel``). A ready environment costs nothing more. Otherwise the wheels go to the
-host once per set of hashes (over SFTP), and ``build`` makes the virtualenv with pip
-(``_env_host`` runs there, with the host's python and the standard library only).
+host once per set of hashes (over SFTP), and ``build`` makes the virtualenv with uv where
+the host has it, else pip (``_env_host`` runs there, with the host's python and the
+standard library only); the row's note says which.
 
-A failed install is one line, ``HOST: installing REQ failed: <pip's last error line>``
+A failed install is one line, ``HOST: installing REQ failed: <pip's or uv's last error line>``
 (HostError, exit 6), and nothing of it stays on the host.
 """
 
@@ -61,6 +62,7 @@ class EnvironmentPlan:
     with_distrun: str  # ... and with the client's distrun in it
     keep: int = DEFAULT_KEEP_ENVIRONMENTS  # after a build, the newest environments a host keeps
     lease: tuple[str, str] | None = None  # (job id, its folder on the host): the job uses the environment
+    installer: str = "auto"  # ``installer:``: auto (uv where a host has it, else pip), uv or pip
 
     def wheels_dir(self, with_distrun: bool) -> str | None:
         shas = [wheel.sha256 for wheel in self.wheels] + ([source_digest()] if with_distrun else [])
@@ -80,12 +82,14 @@ class HostEnvironment:
     wheels_ready: bool = True
     installed: bool = False  # this `up` built it
     site: str | None = None  # its site-packages folder (a job's layer goes first on the ranks' PYTHONPATH)
+    installer: str | None = None  # what built it, when this `up` did: "pip" or "uv 0.9.2"
 
     @property
     def note(self) -> str:
         if self.name is None:
             return ""
-        what = "built" if self.installed else "reused"
+        what = f"built with {self.installer}" if self.installed and self.installer else (
+            "built" if self.installed else "reused")
         return f"environment {self.name} {what}" + (" (distrun from the client)" if self.needs_distrun else "")
 
 
@@ -101,7 +105,8 @@ def plan_environment(cluster: ClusterSpec) -> EnvironmentPlan:
     return EnvironmentPlan(requirements=requirements, wheels=wheels, index=index,
                            wanted=spec is not None and not spec.empty, root=cluster.environments_dir,
                            plain=plain, with_distrun=_with_distrun(plain),
-                           keep=spec.keep if spec is not None else DEFAULT_KEEP_ENVIRONMENTS)
+                           keep=spec.keep if spec is not None else DEFAULT_KEEP_ENVIRONMENTS,
+                           installer=spec.installer if spec is not None else "auto")
 
 
 def check_environment(remote: Remote, host: HostSpec, plan: EnvironmentPlan) -> HostEnvironment:
@@ -138,13 +143,14 @@ def _answer(host: HostSpec, said: dict[str, Any], *, check: bool) -> HostEnviron
     return HostEnvironment(python=str(said["python"]), name=str(said["name"]), ready=bool(said["ready"]),
                            needs_distrun=bool(said["needs_distrun"]), wheels_ready=bool(said.get("wheels_ready")),
                            installed=not check and bool(said.get("installed")),
-                           site=str(said["site"]) if said.get("site") else None)
+                           site=str(said["site"]) if said.get("site") else None,
+                           installer=str(said["installer"]) if said.get("installer") else None)
 
 
 def _run_script(remote: Remote, host: HostSpec, plan: EnvironmentPlan, mode: str, *, timeout_s: float) -> dict:
     config = {
         "root": plan.root, "version": __version__, "wanted": plan.wanted, "requirements": list(plan.requirements),
-        "index": plan.index, "complete": _COMPLETE, "keep": plan.keep,
+        "index": plan.index, "complete": _COMPLETE, "keep": plan.keep, "installer": plan.installer,
         "lease": {"job": plan.lease[0], "folder": plan.lease[1]} if plan.lease else None,
         "variants": {"plain": {"spec": plan.plain, "wheels": plan.wheels_dir(False)},
                      "with_distrun": {"spec": plan.with_distrun, "wheels": plan.wheels_dir(True)}},
@@ -205,5 +211,7 @@ def _with_distrun(plain: str) -> str:
 
 @lru_cache(maxsize=1)
 def host_script() -> str:
-    """``_env_host.py``'s source: run on a host as ``python -c SOURCE MODE`` (it may have no distrun)."""
-    return (Path(__file__).with_name("_env_host.py")).read_text(encoding="utf-8")
+    """``_env_collect.py``'s source, then ``_env_host.py``'s: run on a host as ``python -c SOURCE MODE``
+    (it may have no distrun to import them from)."""
+    here = Path(__file__).parent
+    return "\n\n".join((here / name).read_text(encoding="utf-8") for name in ("_env_collect.py", "_env_host.py"))

@@ -77,7 +77,7 @@ def job_plan(cluster: ClusterSpec, requirements: str) -> EnvironmentPlan:
     plain = hashlib.sha256(json.dumps({"job": lines, "base": base.plain, "index": index}).encode()).hexdigest()
     return EnvironmentPlan(requirements=lines, wheels=base.wheels, index=index, wanted=True, root=base.root,
                            plain=plain, with_distrun=hashlib.sha256(f"{plain}\0distrun".encode()).hexdigest(),
-                           keep=base.keep)
+                           keep=base.keep, installer=base.installer)
 
 
 def _layer(link: HostLink, plan: EnvironmentPlan, job_id: str) -> tuple[str, str, str]:

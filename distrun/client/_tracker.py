@@ -130,6 +130,7 @@ class JobTracker:
                 self._total_steps = event.total_steps
             if event.rank == 0 and event.lr is not None:
                 self._lr = event.lr
+            self._syncs.add_step(event)  # --embeddings ps: its bytes a step
             if self._first_step_at is None:
                 self._first_step_at = event.time
             self._last_step_at = time.time()

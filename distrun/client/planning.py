@@ -49,9 +49,11 @@ class Plan:
     def lines(self) -> list[str]:
         """The block printed before step 1: the choice, its prediction, up to three runners-up."""
         chosen = self.decision.chosen
+        step = f"{chosen.step_s:.3g} s/step" if chosen.timed_step_s is None else \
+            f"{chosen.timed_step_s:.3g} s/step timed (the model said {chosen.step_s:.3g})"
         out = [f"auto: {chosen.layout.describe()}: predicted peak {chosen.peak_bytes / MB:,.0f} MB a rank "
                f"(budget {self.resources.budget_bytes / MB:,.0f} MB, {self.budget_source}), "
-               f"{chosen.step_s:.3g} s/step; decided in {self.decide_s:.1f} s"]
+               f"{step}; decided in {self.decide_s:.1f} s"]
         for prediction, verdict in self.decision.runners_up():
             out.append(f"  not {prediction.layout.describe()}: {verdict}")
         return out
@@ -63,12 +65,14 @@ class Plan:
         return {
             "chosen": chosen.layout.job_file(),
             "predicted_peak_mb": round(chosen.peak_bytes / MB, 1),
-            "predicted_step_s": chosen.step_s,
+            "predicted_step_s": chosen.expected_step_s,
+            "model_step_s": chosen.step_s,  # the cost model's, where a trial's time is the prediction
+            "timed": chosen.timed_step_s is not None,
             "decide_s": round(self.decide_s, 3),
             "probe_s": round(self.probe_s, 3),
             "budget_mb": round(self.resources.budget_bytes / MB, 1),
             "candidates": [{"layout": p.layout.describe(), "predicted_peak_mb": round(p.peak_bytes / MB, 1),
-                            "predicted_step_s": p.step_s, "verdict": verdict}
+                            "predicted_step_s": p.step_s, "timed_step_s": p.timed_step_s, "verdict": verdict}
                            for p, verdict in self.decision.ranked],
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
@@ -99,10 +103,11 @@ def _run_probe(request: dict[str, Any], recipe: Path) -> dict[str, Any]:
                           f"{PROBE_TIMEOUT_S:.0f} s") from None
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     reply = json.loads(lines[-1]) if lines else None
-    if reply is None and done.returncode < 0:  # its first process killed (a peer's death ends it too)
-        raise RecipeError(f"{recipe}: --strategy auto's probe was killed by signal {-done.returncode}"
-                          f"{' (the out-of-memory killer?)' if done.returncode == -9 else ''}: each of its "
-                          f"{request['ranks_here']} process(es) builds the whole model and its optimizer; "
+    killed = -done.returncode if reply is None and done.returncode < 0 else (reply or {}).get("killed_signal")
+    if killed:  # one of its processes killed (the first's watchers name a peer's death)
+        raise RecipeError(f"{recipe}: --strategy auto's probe was killed by signal {killed}"
+                          f"{' (the out-of-memory killer?)' if killed == 9 else ''}: each of its "
+                          f"{request['ranks_here']} process(es) holds the whole model and its gradients; "
                           "give the job more memory, or name a strategy", detail=done.stderr)
     if reply is None:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]

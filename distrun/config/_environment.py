@@ -8,9 +8,12 @@ host, as a pip error::
 
     requirements: requirements.txt        # pip's format, relative to the cluster file
     requirements: ["clickutil==1.0", "einops>=0.7"]   # or the lines themselves
+    requirements: pyproject.toml           # [project].dependencies (or a uv.lock: its pinned packages)
+    requirements: {file: pyproject.toml, extras: [gpu]}   # ... and optional-dependencies
     wheels: wheels/                        # a folder of .whl files on the client, shipped to the hosts
     index: false                           # true: pip's own index; a URL: that index; false: none
     keep_environments: 5                   # on each host, the newest environments kept (by last use)
+    installer: auto                        # uv where the host has it, else pip; or uv, or pip
 
 ``index`` defaults to ``false`` when ``wheels:`` is given (an offline host's packages are
 the folder's) and to ``true`` otherwise; ``index: true`` with ``wheels:`` uses both.
@@ -25,17 +28,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from distrun.config._requirements import is_toml_source, requirement_lines
 from distrun.errors import ConfigError
 
 __all__ = ["EnvironmentSpec", "ENVIRONMENT_KEYS", "parse_environment"]
 
-ENVIRONMENT_KEYS = ("requirements", "wheels", "index", "keep_environments")
+ENVIRONMENT_KEYS = ("requirements", "wheels", "index", "keep_environments", "installer")
+#: ``installer:``: auto is uv where a host has it (on PATH, beside its python, or its python's
+#: ``uv`` package), else pip; uv or pip: that one only (uv missing on a host: exit 6).
+INSTALLERS = ("auto", "uv", "pip")
 #: Environments a host keeps (the cluster's and jobs' ``--requirements`` layers, by last use) when
 #: a build adds one; an environment a server or a running job uses is never removed.
 DEFAULT_KEEP_ENVIRONMENTS = 5
 
 #: A requirements file is read whole on the client; a larger one is not a requirements file.
 MAX_REQUIREMENTS_BYTES = 1024 * 1024
+#: A uv.lock holds every wheel's hash for every platform: a large project's reaches megabytes.
+MAX_LOCK_BYTES = 32 * 1024 * 1024
 _URL = re.compile(r"^https?://[^\s'\"\\]+$")
 
 
@@ -53,6 +62,7 @@ class EnvironmentSpec:
     index: bool | str = True
     source: str | None = None  # the requirements file, when the lines came from one
     keep: int = DEFAULT_KEEP_ENVIRONMENTS  # ``keep_environments``
+    installer: str = "auto"  # one of INSTALLERS
 
     @property
     def empty(self) -> bool:
@@ -76,7 +86,11 @@ def parse_environment(top: dict[str, Any], err: Err, base_dir: Path) -> Environm
     keep = top.get("keep_environments", DEFAULT_KEEP_ENVIRONMENTS)
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= 1000:
         raise err("keep_environments", f"must be a whole number from 1 to 1000. Received: {keep!r}"[:200])
-    return EnvironmentSpec(requirements=requirements, wheels=wheels, index=index, source=source, keep=keep)
+    installer = top.get("installer", "auto")
+    if installer not in INSTALLERS:
+        raise err("installer", f"must be one of {', '.join(INSTALLERS)}. Received: {installer!r}"[:200])
+    return EnvironmentSpec(requirements=requirements, wheels=wheels, index=index, source=source, keep=keep,
+                           installer=installer)
 
 
 def _requirements(value: Any, err: Err, base_dir: Path) -> tuple[tuple[str, ...], str | None]:
@@ -89,19 +103,30 @@ def _requirements(value: Any, err: Err, base_dir: Path) -> tuple[tuple[str, ...]
                 raise err(f"requirements[{i}]", f"must be one requirement on one line. Received: {item!r}"[:200])
             lines.append(item.strip())
         return tuple(lines), None
+    extras: tuple[str, ...] = ()
+    if isinstance(value, dict):
+        unknown = sorted(set(map(str, value)) - {"file", "extras"})
+        if unknown:
+            raise err(f"requirements.{unknown[0]}", "unknown key (a requirements mapping has file: and extras:)")
+        raw_extras = value.get("extras", [])
+        if not isinstance(raw_extras, list) or not all(isinstance(x, str) and x.strip() for x in raw_extras):
+            raise err("requirements.extras", f"must be a list of extra names. Received: {raw_extras!r}"[:200])
+        extras, value = tuple(x.strip() for x in raw_extras), value.get("file")
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
-        raise err("requirements", "must be a requirements file (relative to the cluster file) or a list of "
-                                  f"requirements. Received: {value!r}"[:200])
+        raise err("requirements", "must be a requirements file, a pyproject.toml or a uv.lock (relative to the "
+                                  f"cluster file), or a list of requirements. Received: {value!r}"[:200])
     path = _local(value, base_dir)
+    if extras and not is_toml_source(path):
+        raise err("requirements.extras", f"only a pyproject.toml or a uv.lock has extras, not {path}")
     try:
-        if path.stat().st_size > MAX_REQUIREMENTS_BYTES:
-            raise err("requirements", f"{path} is larger than 1 MiB; it is not a requirements file")
+        limit = MAX_LOCK_BYTES if is_toml_source(path) else MAX_REQUIREMENTS_BYTES
+        if path.stat().st_size > limit:
+            raise err("requirements", f"{path} is larger than {limit // 2**20} MiB; it is not a requirements file")
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
         raise err("requirements", f"cannot read {path}: {why}") from None
-    lines = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
-    return lines, str(path)
+    return requirement_lines(path, text, extras, err), str(path)
 
 
 def _wheels(value: Any, err: Err, base_dir: Path) -> str:

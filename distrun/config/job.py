@@ -247,8 +247,6 @@ def _validate_embeddings(spec: JobSpec) -> None:
         ("--max-staleness", "its rounds are synchronous: nothing is stale", ps.max_staleness is not None),
         ("--tp/--pp", "not supported yet", spec.parallel.ranks_per_replica > 1),
         ("--elastic", "not supported yet", strategy.elastic),
-        ("--clip-grad-norm", "not supported yet (the norm would leave out the rows' gradients)",
-         spec.training.clip_grad_norm is not None),
     ) if on]
     if blocked:
         raise ConfigError(f"{blocked[0][0]} with --embeddings ps: {blocked[0][1]}")

@@ -1,4 +1,4 @@
-"""`distrun dashboard`: the jobs, ranks and hosts of this machine or a cluster on a web page.
+"""`distrun dashboard`: the jobs, ranks and hosts of this machine and its clusters on a web page.
 
 Another client of the same servers and job records as the CLI (``client``), served by the
 standard library's HTTP server with its page shipped in the package (``static/``): nothing
@@ -8,5 +8,6 @@ to install, nothing fetched from the internet. Guarded by a token first (``_guar
 from distrun.dashboard._guard import Guard, Verdict
 from distrun.dashboard._server import Dashboard
 from distrun.dashboard._source import Source
+from distrun.dashboard._sources import Sources, Unloaded
 
-__all__ = ["Dashboard", "Guard", "Source", "Verdict"]
+__all__ = ["Dashboard", "Guard", "Source", "Sources", "Unloaded", "Verdict"]

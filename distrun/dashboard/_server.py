@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from distrun.dashboard._guard import Guard
-from distrun.dashboard._source import Source
+from distrun.dashboard._sources import Sources
 from distrun.errors import DistrunError, UsageError
 
 __all__ = ["Dashboard", "PAGES"]
@@ -50,11 +50,11 @@ class Dashboard:
 
     httpd: ThreadingHTTPServer
     guard: Guard
-    source: Source
+    source: Sources
     stopping: threading.Event
 
     @classmethod
-    def bind(cls, source: Source, host: str, port: int, names: tuple[str, ...] = ()) -> Dashboard:
+    def bind(cls, source: Sources, host: str, port: int, names: tuple[str, ...] = ()) -> Dashboard:
         """Listen on ``host``:``port`` (0: any free port); ``names``: other Host names it answers to."""
         try:
             httpd = _Server((host, port), _Handler)

@@ -22,8 +22,10 @@ from distrun.dashboard._watch import JobWatch
 from distrun.errors import UsageError
 from distrun.protocol import event_to_dict
 
-__all__ = ["Source", "JOB_ID", "WATCHED"]
+__all__ = ["Source", "JOB_ID", "LOCAL", "WATCHED"]
 
+#: The label of this machine's own server and its jobs, beside the clusters' names.
+LOCAL = "local"
 #: What a job id looks like (`local-20250101-120000-42-1`, `20250101-120000-ab12cd`, `...-r1`).
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 #: How many of the newest jobs the jobs page shows figures for (each is followed or replayed once).
@@ -60,14 +62,19 @@ class Source:
 
     @property
     def name(self) -> str:
-        return "this machine" if self.cluster.local else self.cluster.name
+        """The label the pages give the cluster's jobs and hosts: ``local`` for this machine's server."""
+        return LOCAL if self.cluster.local else self.cluster.name
+
+    def lists(self, job_id: str) -> bool:
+        """Whether the cluster's servers list ``job_id`` (the shared look at them, not a new one)."""
+        return any(row.job == job_id for row in self._list()[0])
 
     def jobs(self) -> dict[str, Any]:
         """Every job, newest first, with its figures; ``unreachable``: hosts not listed, and why."""
         rows, unreachable = self._list()
         listed = []
         for index, row in enumerate(rows):
-            item = _row(row)
+            item = {**_row(row), "cluster": self.name}
             if index < WATCHED:
                 head = self.watch(row.job).head()
                 item.update({key: head[key] for key in ("step", "total_steps", "loss", "samples_per_s", "elapsed_s")})
@@ -81,7 +88,7 @@ class Source:
         with self._lock:
             watch = self._watches.get(job_id)
             if watch is None or watch.ended and watch.head()["state"] == "unknown":  # not found then: ask again
-                watch = self._watches[job_id] = JobWatch(self.cluster, job_id, self._final_state).start()
+                watch = self._watches[job_id] = JobWatch(self.cluster, job_id, self._final_state, self.name).start()
             return watch
 
     def _final_state(self, job_id: str) -> tuple[str, str | None]:

@@ -20,9 +20,9 @@ from distrun.client import ClusterJob
 from distrun.config import ClusterSpec
 from distrun.errors import DistrunError
 from distrun.dashboard._timeline import timeline_entry
-from distrun.protocol import SERVER_RANK, Eval, Event, JobSnapshot, Output, Step
+from distrun.protocol import SERVER_RANK, Eval, Event, JobSnapshot, Output, ReplicaStatus, Step
 
-__all__ = ["JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS"]
+__all__ = ["JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS", "wait_pct"]
 
 #: Output lines a watch keeps (the oldest go first): a page shows the tail, `distrun logs` has all.
 MAX_LINES = 20_000
@@ -66,16 +66,18 @@ class Update:
 
 class JobWatch:
     """Follows ``job_id`` on ``cluster`` in a thread; ``read(cursor)`` gives a page what is new.
-    ``final_state(job_id)`` is asked once the follow ends: the state and reason the servers recorded."""
+    ``final_state(job_id)`` is asked once the follow ends: the state and reason the servers recorded;
+    ``label``: the cluster's name as the pages show it (``local``)."""
 
-    def __init__(self, cluster: ClusterSpec, job_id: str, final_state: Callable[[str], tuple[str, str | None]]) -> None:
+    def __init__(self, cluster: ClusterSpec, job_id: str, final_state: Callable[[str], tuple[str, str | None]],
+                 label: str = "") -> None:
         self.job_id = job_id
         self._cluster = cluster
         self._final_state = final_state
         self._changed = threading.Condition()
         self._job: ClusterJob | None = None
         self._closing = False
-        self._head: dict[str, Any] = {"job": job_id, "state": "connecting", "reason": None, "recipe": "",
+        self._head: dict[str, Any] = {"job": job_id, "cluster": label, "state": "connecting", "reason": None, "recipe": "",
                                       "strategy": "", "step": 0, "total_steps": None, "loss": None,
                                       "samples_per_s": 0.0, "hosts": [], "elapsed_s": 0.0, "ended": False}
         self._head_version = 0
@@ -87,6 +89,7 @@ class JobWatch:
         self._lines_base = 0  # the absolute index of self._lines[0]
         self._events: list[dict[str, Any]] = []  # the timeline (``_timeline``): few, all kept
         self._evals: list[dict[str, Any]] = []  # each evaluation's step and metrics, for their charts
+        self._waits: dict[int, float | None] = {}  # rank -> its newest Step's wait share, in percent
         self._thread = threading.Thread(target=self._run, name=f"dashboard-watch-{job_id}", daemon=True)
 
     def start(self) -> JobWatch:
@@ -158,6 +161,8 @@ class JobWatch:
                 if isinstance(event, Output):
                     self._add_line(event, job)
                 elif isinstance(event, Step):
+                    if event.compute_ms is not None:  # kept until the next figure, as the tracker keeps compute_ms
+                        self._waits[event.rank] = wait_pct(event)
                     self._add_point(event, job.snapshot())
                 elif event is not None:
                     self._add_event(event, job)
@@ -219,7 +224,9 @@ class JobWatch:
         rows = [{"rank": row.rank, "host": row.host or job.host_of_rank(row.rank), "device": row.device, "step": row.step,
                  "loss": row.loss, "samples_per_s": round(row.samples_per_s, 2), "mem_mb": round(row.mem_mb),
                  "peak_mem_mb": round(row.peak_mem_mb), "status": row.status.value, "role": row.role,
-                 "compute_ms": row.compute_ms, "slow": row.slow, "gpu_util": row.gpu_util} for row in snapshot.rows]
+                 "compute_ms": row.compute_ms, "wait_pct": self._waits.get(row.rank),
+                 "slow": row.slow if row.status is ReplicaStatus.RUNNING else None,  # as the live table flags it
+                 "gpu_util": row.gpu_util} for row in snapshot.rows]
         head = {"recipe": snapshot.recipe, "strategy": snapshot.strategy, "step": snapshot.step,
                 "total_steps": snapshot.total_steps, "loss": _chief_loss(snapshot),
                 "samples_per_s": round(snapshot.samples_per_s, 2), "elapsed_s": round(_wall(snapshot, ended_at), 1),
@@ -244,6 +251,16 @@ class JobWatch:
             self._head.update(state=state, reason=reason, ended=True)
             self._head_version += 1
             self._changed.notify_all()
+
+
+def wait_pct(event: Step) -> float | None:
+    """The share of the rank's step spent waiting for its peers, in percent: the step's wall time less
+    its compute time, both as the rank measured them over the same steps (``Step.step_ms`` and
+    ``compute_ms``, the figures the straggler watch judges by). None where the strategy cannot tell
+    its wait from its compute."""
+    if event.step_ms is None or event.compute_ms is None or event.step_ms <= 0:
+        return None
+    return round(100.0 * max(event.step_ms - event.compute_ms, 0.0) / event.step_ms, 1)
 
 
 def _chief_loss(snapshot: JobSnapshot) -> float | None:

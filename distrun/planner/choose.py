@@ -9,21 +9,22 @@ into. The global batch never changes.
 A candidate whose predicted peak passes 90% of the budget is out. Of the rest the fastest
 predicted step wins; a prediction within :data:`NEAR` of the fastest loses to the simpler
 layout (fewer moving parts: no pipeline, no checkpointing, no accumulation, no sharding),
-because the model's error is larger than that gap.
+because the model's error is larger than that gap. Where the CLI can, it then runs the near
+ones for a few steps (cli/_auto_trials.py) and :func:`retime` keeps the faster.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from distrun.errors import ConfigError
 from distrun.planner.cost import BUDGET_SHARE, Layout, ModelProfile, Prediction, Resources, fits, predict
 
-__all__ = ["Decision", "NEAR", "candidates", "decide"]
+__all__ = ["Decision", "NEAR", "candidates", "decide", "retime"]
 
 #: Two predictions closer than this share are a tie, which the simpler layout takes: the issue's
-#: 15%, within which the model cannot tell two layouts apart (timing each for a few steps, as the
-#: issue asks for such ties, is not built yet).
+#: 15%, within which the model cannot tell two layouts apart (the CLI then times them: see
+#: :func:`retime`).
 NEAR = 0.15
 #: --accumulate counts searched (each must divide a replica's batch).
 ACCUMULATE = (1, 2, 4, 8, 16)
@@ -36,6 +37,7 @@ class Decision:
 
     chosen: Prediction
     ranked: tuple[tuple[Prediction, str], ...]  # (prediction, verdict), the chosen one first
+    budget_mb: float = 0.0  # a rank's, as the verdicts say it
 
     def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
         """The best of each other kind of layout (strategy and pipeline depth), best first: what
@@ -83,7 +85,12 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
 
 
 def _why_slower(prediction: Prediction, best: Prediction) -> str:
+    if prediction.timed_step_s is not None and best.timed_step_s is not None:
+        slower = prediction.timed_step_s / best.timed_step_s - 1 if best.timed_step_s > 0 else 0.0
+        return f"timed at {prediction.timed_step_s:.3g} s/step, {slower:.0%} slower"
     slower = prediction.step_s / best.step_s - 1 if best.step_s > 0 else 0.0
+    if best.timed_step_s is not None and slower < 0.005:  # the model liked it, the trials did not reach it
+        return f"{prediction.step_s:.3g} s/step by the model, not timed"
     if prediction.comm_share >= 0.5:
         cause = f"{prediction.comm_share:.0%} waiting on the links"
     elif prediction.fixed_s >= 0.5 * prediction.step_s:
@@ -118,12 +125,29 @@ def decide(profile: ModelProfile, resources: Resources, global_batch: int) -> De
     fastest = min(p.step_s for p in fitting)
     near = [p for p in fitting if p.step_s <= fastest * (1 + NEAR)]
     chosen = min(near, key=lambda p: (_simplicity(p.layout), p.step_s))
+    return _ranked(chosen, predictions, [fits(p, resources) for p in predictions], budget_mb)
+
+
+def _ranked(chosen: Prediction, predictions: list[Prediction], fitting: list[bool], budget_mb: float) -> Decision:
+    """The decision with ``chosen`` first and every other prediction's verdict, fitting ones first."""
     ranked: list[tuple[Prediction, str]] = [(chosen, "chosen")]
-    rest = sorted((p for p in predictions if p is not chosen), key=lambda p: (not fits(p, resources), p.step_s))
-    for prediction in rest:
-        if not fits(prediction, resources):
+    rest = sorted((pair for pair in zip(predictions, fitting) if pair[0] is not chosen),
+                  key=lambda pair: (not pair[1], pair[0].timed_step_s is None, pair[0].expected_step_s))
+    for prediction, fit in rest:
+        if not fit:
             verdict = f"needs {prediction.peak_bytes / MB:,.0f} MB a rank, the budget is {budget_mb:,.0f} MB"
         else:
             verdict = _why_slower(prediction, chosen)
         ranked.append((prediction, verdict))
-    return Decision(chosen, tuple(ranked))
+    return Decision(chosen, tuple(ranked), budget_mb)
+
+
+def retime(decision: Decision, timed: dict[Layout, float]) -> Decision:
+    """The decision once some fitting layouts were run for a few steps (``timed``: layout -> seconds
+    a step): the fastest timed one is chosen, and its time is the step the plan predicts; the
+    untimed keep the model's verdicts, now against the chosen one's model prediction."""
+    predictions = [replace(p, timed_step_s=timed.get(p.layout)) for p, _ in decision.ranked]
+    fitting = [not verdict.startswith("needs ") for _, verdict in decision.ranked]
+    timed_ones = [p for p in predictions if p.timed_step_s is not None]
+    chosen = min(timed_ones, key=lambda p: p.expected_step_s)
+    return _ranked(chosen, predictions, fitting, decision.budget_mb)

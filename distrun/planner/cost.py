@@ -169,6 +169,13 @@ class Prediction:
     exposed_comm_s: float
     parts: dict[str, int] = field(default_factory=dict)  # memory: name -> bytes
     fixed_s: float = 0.0  # the loop's, DDP's, FSDP's units' and the pipeline's microbatches' own costs
+    #: the step a short real run of this layout took (``--strategy auto``'s trials), where it was timed
+    timed_step_s: float | None = None
+
+    @property
+    def expected_step_s(self) -> float:
+        """What a step will take: the trial's time where there was one, else the model's."""
+        return self.timed_step_s if self.timed_step_s is not None else self.step_s
 
     @property
     def comm_share(self) -> float:

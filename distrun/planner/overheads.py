@@ -85,19 +85,19 @@ def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
     return _median_s(step, group) / _MICROBATCHES
 
 
-def collective_rates(nbytes: int) -> dict[str, float]:
-    """The collectives' rates among the default group's ranks, each timed on ``nbytes`` (the
-    gradients, capped): an all-reduce moves ``2(n-1)/n`` of them (its ``bytes_per_s``), an
+def collective_rates(nbytes: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """The collectives' rates among ``group``'s ranks (the default group's), each timed on ``nbytes``
+    (the gradients, capped): an all-reduce moves ``2(n-1)/n`` of them (its ``bytes_per_s``), an
     all-gather and a reduce-scatter ``(n-1)/n`` each. gloo runs the last two far slower than its
     ring all-reduce, which is why sharded pays more than its bytes say on CPU. One number's
     all-reduce gives a message's latency."""
-    n = dist.get_world_size()
+    n = dist.get_world_size(group)
     shard = max(1, nbytes // 4 // n)
     whole, part, one = torch.zeros(shard * n), torch.zeros(shard), torch.zeros(1)
-    latency = _median_s(lambda: dist.all_reduce(one)) / (2 * (n - 1))
-    reduce_s = _median_s(lambda: dist.all_reduce(whole))
-    gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part))
-    scatter_s = _median_s(lambda: dist.reduce_scatter_tensor(part, whole))
+    latency = _median_s(lambda: dist.all_reduce(one, group=group), group) / (2 * (n - 1))
+    reduce_s = _median_s(lambda: dist.all_reduce(whole, group=group), group)
+    gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part, group=group), group)
+    scatter_s = _median_s(lambda: dist.reduce_scatter_tensor(part, whole, group=group), group)
     moved = (n - 1) / n * whole.numel() * 4
     return {"bytes_per_s": 2 * moved / max(reduce_s, 1e-9), "latency_s": latency,
             "gather_bytes_per_s": moved / max(gather_s, 1e-9), "scatter_bytes_per_s": moved / max(scatter_s, 1e-9)}

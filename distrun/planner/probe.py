@@ -3,7 +3,8 @@
 What it measures, and how, so the cost model's inputs are figures and not guesses:
 
 - parameter and gradient bytes, from the model; optimizer-state bytes after one real step of the
-  recipe's optimizer (Adam's moments exist only then);
+  recipe's optimizer (Adam's moments exist only then), over the whole model where its state fits
+  beside it, else over the largest unit and scaled (the probe holds no more than a layout would);
 - a sample's forward-and-backward time: the median of a few runs at two batch sizes, with the
   threads one rank gets, as slope (per sample) and intercept (per forward); the optimizer's step
   apart (once a step, on whatever share of the state a rank holds);
@@ -129,43 +130,70 @@ def _boundary_bytes(chain: list[nn.Module], inputs: Any) -> int:
     return largest
 
 
+def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Callable[[Any], Any],
+                    parameter_bytes: int, forward_backward: Callable[[Any], None], batch: Any,
+                    device: torch.device, together: Callable[[], None], agree: Callable[[bool], bool],
+                    base_bytes: int, memory_cap_bytes: int | None) -> tuple[int, float]:
+    """The recipe's optimizer's state bytes (after its first step: Adam's moments exist only then) and
+    its step's time, over the whole model.
+
+    Where the whole model's state would crowd the budget the probe measures for (a layout that
+    shards the state may fit where a copy of it does not), the optimizer is built on the largest
+    unit's parameters alone and both figures are scaled by the bytes: an optimizer's state and its
+    step go element by element. So a probe process never holds more than the parameters, their
+    gradients and a batch's activations, less than any layout's rank but a sharded one's over many
+    ranks (docs/strategies.md#auto).
+    """
+    whole = agree(memory_cap_bytes is None or base_bytes + 5 * parameter_bytes <= memory_cap_bytes // 2)
+    params = list(model.parameters()) if whole else \
+        list(max(units, key=lambda unit: sum(p.numel() * p.element_size() for p in unit.parameters())).parameters())
+    part_bytes = sum(p.numel() * p.element_size() for p in params)
+    optimizer = make_optimizer(params)
+    forward_backward(batch)
+    optimizer.step()  # the state exists after the first step
+    state_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
+    forward_backward(batch)  # gradients for the timed steps
+    step_s = _timed(optimizer.step, device, together)
+    # Then without it: the timed batches' activations never meet the optimizer's state.
+    model.zero_grad(set_to_none=True)
+    optimizer.state.clear()
+    for group in optimizer.param_groups:
+        group["params"] = []
+    del optimizer
+    _give_back_memory()
+    scale = parameter_bytes / part_bytes if part_bytes else 1.0
+    return int(state_bytes * scale), step_s * scale
+
+
 def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
             forward: Callable[[nn.Module, Any], Any], batch_of: Callable[[int], Any], rows: int,
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
-            together: Callable[[], None] = lambda: None, memory_cap_bytes: int | None = None,
-            time_sharded: bool = False) -> ModelProfile:
+            together: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda flag: flag,
+            memory_cap_bytes: int | None = None, time_sharded: bool = False) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
     a forward will see (the timings use ``rows``, or fewer where their activations would take more
-    than a quarter of ``memory_cap_bytes``, and a quarter of that)."""
+    than a quarter of ``memory_cap_bytes``, and a quarter of that).
+
+    ``together`` lines the probe's processes up; ``agree`` makes a choice all of them take (true only
+    where it is true in each): a choice read from a process's own memory could differ between them,
+    and one process sharding the model while another does not would wait forever."""
     model = model.to(device)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     units = pick_units(model, units_from).modules
     largest_unit = max((sum(p.numel() * p.element_size() for p in unit.parameters()) for unit in units),
                        default=parameter_bytes)
-    optimizer = make_optimizer(model.parameters())
 
     def forward_backward(batch: Any) -> None:
-        optimizer.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         loss_fn(forward(model, batch), batch).backward()
-
-    def step(batch: Any) -> None:
-        forward_backward(batch)
-        optimizer.step()
 
     first = min(rows, _FIRST_ROWS)
     batch_first = batch_of(first)
-    step(batch_first)  # the optimizer's state exists after its first step
-    optimizer_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
-    forward_backward(batch_first)  # gradients for the optimizer's timed steps
-    t_optimizer = _timed(optimizer.step, device, together)
-    # Then without it: the probe's processes stay within the budget they plan for (each holds the
-    # whole model, as a mirrored rank does, but never its optimizer state and a batch's activations
-    # at once).
-    optimizer.zero_grad(set_to_none=True)
-    optimizer.state.clear()
-    _give_back_memory()
+    optimizer_bytes, t_optimizer = _optimizer_cost(model, units, make_optimizer, parameter_bytes, forward_backward,
+                                                   batch_first, device, together, agree, base_bytes,
+                                                   memory_cap_bytes)
 
     saved = _SavedBytes(units, model.parameters())  # on a few rows: activations grow with the rows, and a full batch may not fit
     try:
@@ -173,7 +201,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             loss_fn(forward(model, batch_first), batch_first).backward()
     finally:
         saved.close()
-    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     per_sample = (saved.inside + saved.outside) / first
     checkpointed = (saved.outside + saved.unit_inputs) / first
     # The timed batches: the replica's rows where their activations take at most a quarter of what
@@ -199,14 +227,12 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         list(model.children()) if isinstance(model, nn.Sequential) else [])
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
     sharded_s = 0.0
-    optimizer.zero_grad(set_to_none=True)
-    for group in optimizer.param_groups:  # nothing keeps the whole parameters alive once they are sharded
-        group["params"] = []
+    model.zero_grad(set_to_none=True)
     del batch_large
     _give_back_memory()
     # Last, as it shards the model in place; where a rank's budget is tight, the probe keeps within it
     # and sharded's cost comes from the collectives' rates instead (planner/cost.py).
-    if time_sharded and (memory_cap_bytes is None or base_bytes + 6 * parameter_bytes < memory_cap_bytes):
+    if time_sharded and agree(memory_cap_bytes is None or base_bytes + 6 * parameter_bytes < memory_cap_bytes):
         def sharded_step(sharded: nn.Module, sharded_optimizer: Any) -> None:
             sharded_optimizer.zero_grad(set_to_none=True)
             loss_fn(forward(sharded, batch_small), batch_small).backward()

@@ -15,7 +15,7 @@ from typing import Any
 
 from distrun.errors import HostError
 
-__all__ = ["ServerState", "ServerInfo", "HostStatus", "HostRow", "ClusterReport", "config_digest"]
+__all__ = ["ServerState", "GpuReading", "ServerInfo", "HostStatus", "HostRow", "ClusterReport", "config_digest"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,18 @@ class ServerState:
 
 
 @dataclass(frozen=True)
+class GpuReading:
+    """One GPU as NVML read it when the server answered ``status``: utilisation over NVML's last sample
+    period (percent) and memory in use and in all (bytes)."""
+
+    index: int
+    name: str
+    util_pct: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     version: str
     protocol: int
@@ -58,21 +70,31 @@ class ServerInfo:
     jobs_running: int
     config_sha256: str
     warm: bool  # the warm interpreter (torch imported) is ready to fork training processes
+    #: The host's GPUs read through NVML, and ``gpu_note``: why there are none (``NVML not found: ...``);
+    #: None from a server that does not read them (an older one).
+    gpus: tuple[GpuReading, ...] = ()
+    gpu_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["gpu_names"] = list(self.gpu_names)
+        data["gpus"] = [asdict(gpu) for gpu in self.gpus]
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServerInfo:
         names = {f.name for f in fields(cls)}
-        missing = names - data.keys()
+        missing = names - data.keys() - _OPTIONAL
         if missing:
             raise ValueError(f"server status lacks {sorted(missing)}")
-        values = {key: data[key] for key in names}
+        values = {key: data[key] for key in names if key in data}
         values["gpu_names"] = tuple(values["gpu_names"])
+        values["gpus"] = tuple(GpuReading(**gpu) for gpu in values.get("gpus") or ())
         return cls(**values)
+
+
+#: ServerInfo's fields an older server does not send.
+_OPTIONAL = frozenset({"gpus", "gpu_note"})
 
 
 class HostStatus(str, Enum):

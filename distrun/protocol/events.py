@@ -120,6 +120,11 @@ class Step(Event):
     #: The learning rate the newest step used (the first param group's; a recipe's scheduler moves
     #: it). None where unknown: a custom loop, a plain script, a JSON line from before it was sent.
     lr: float | None = None
+    #: ``--embeddings ps``: this replica's mean bytes a step so far, of table rows pulled plus row
+    #: gradients pushed (the ps tasks' traffic; ids and headers aside), and of dense gradients
+    #: all-reduced by DDP. None under other strategies.
+    embedding_bytes_per_step: float | None = None
+    dense_grad_bytes_per_step: float | None = None
 
 
 @dataclass(frozen=True)

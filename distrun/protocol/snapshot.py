@@ -73,7 +73,9 @@ class JobSnapshot:
     mfu: float | None = None  # ...and with flops_per_token, on a known GPU: model FLOPs/s over the peak
     straggler_line: str | None = None  # slow ranks named: host, rank, how much slower
     mesh: dict[str, int] | None = None  # --tp/--pp: the degrees ({"dp": 2, "tp": 2, "pp": 1}); None: one rank a replica
-    sync_line: str | None = None  # --strategy diloco: outer steps so far and the newest sync's bytes and seconds
+    #: --strategy diloco: outer steps so far and the newest sync's bytes and seconds; --embeddings ps: the
+    #: bytes a step moves, table rows to and from the ps tasks and dense gradients all-reduced.
+    sync_line: str | None = None
     lr: float | None = None  # the chief's newest Step event's learning rate (a fit recipe's; None: unknown)
     micro_batch: tuple[int, int] | None = None  # --accumulate: (a replica's micro-batch samples, micro-batches a step)
 
@@ -171,6 +173,11 @@ class JobSummary:
     outer_steps: int | None = None
     sync_mb: float | None = None
     sync_blocked_s: float | None = None
+    #: ``--embeddings ps``: bytes a step on a replica (the mean over steps and replicas) of table rows
+    #: pulled plus row gradients pushed (ps traffic, ids aside), and of dense gradients all-reduced
+    #: (the dense parameters' gradients, which DDP's buckets carry); None under other strategies.
+    embedding_bytes_per_step: float | None = None
+    dense_grad_bytes_per_step: float | None = None
     #: ``--accumulate N``: the samples of one micro-batch on a replica (a forward and backward), and N;
     #: None and 1 without accumulation.
     micro_batch_size: int | None = None

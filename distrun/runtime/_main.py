@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from distrun.config import JobSpec, PredictSpec, RecipeKind, StrategyName, inspect_recipe
+from distrun.config import JobSpec, PlanProbeSpec, PredictSpec, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import RecipeError
 from distrun.protocol import Done, Eval, Output, Started
 from distrun.protocol.secret import job_secret_from
@@ -134,6 +134,16 @@ def main() -> None:
             strategy.close()
             if spec.strategy.name.collective:
                 _leave_together(launch, store)
+            _exit(0)
+        probing = PlanProbeSpec.from_env(os.environ)
+        if probing is not None:  # --strategy auto on a cluster: measure the model and the links, then leave
+            from distrun.runtime._cluster_probe import probe_in_job
+
+            probe_in_job(module, spec, strategy.device, probing)
+            writer.emit(Done(rank=launch.rank, time=time.time(), steps=0, final_loss=None, samples_per_s=0.0,
+                             first_step_time=None, peak_mem_mb=reporter.peak_mem_mb()))
+            strategy.close()
+            _leave_together(launch, store)
             _exit(0)
         checkpoint = os.environ.get(EVAL_CHECKPOINT_VAR)
         if checkpoint:  # the evaluator role: one checkpoint, then leave

@@ -111,7 +111,9 @@ def _load(strategy: Any, checkpoint: str | None, directory: str | None) -> Path:
     else:
         found = latest_checkpoint(directory) if directory else None
         if found is None:
-            raise CheckpointError(f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/)")
+            raise CheckpointError(f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/; "
+                                  "on a cluster every training host must see the folder, or pass a checkpoint on "
+                                  "the client with --checkpoint: it is shipped)")
         path = found
     if shards.is_sharded(path):
         _same_shapes(strategy, path)

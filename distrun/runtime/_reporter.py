@@ -59,6 +59,7 @@ class EventReporter:
         self._last_epoch = 0
         self._pushes: int | None = None
         self._staleness: int | None = None
+        self._bytes_per_step: tuple[float, float] | None = None  # --embeddings ps: (embeddings, dense gradients)
         self._timed_steps = 0  # steps in the current window with a known wall time...
         self._step_s = 0.0  # ...their wall time...
         self._wait_s = 0.0  # ...and the part of it spent waiting for peers
@@ -115,6 +116,10 @@ class EventReporter:
     def worker_progress(self, pushes: int, staleness: int) -> None:
         """parameter-server workers: own pushes and the last push's staleness (sent with the next Step)."""
         self._pushes, self._staleness = pushes, staleness
+
+    def bytes_moved(self, embedding_bytes_per_step: float, dense_grad_bytes_per_step: float) -> None:
+        """``--embeddings ps``: this replica's mean bytes a step so far (sent with the next Step)."""
+        self._bytes_per_step = (embedding_bytes_per_step, dense_grad_bytes_per_step)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self._writer.emit(Log(rank=self._rank, time=time.time(), step=step, scalars=scalars))
@@ -204,6 +209,8 @@ class EventReporter:
                 step_ms=round(step_s / steps * 1e3, 3) if steps else None,
                 compute_ms=round(max(step_s - wait_s, 0.0) / steps * 1e3, 3) if steps and known else None,
                 lr=self._current_lr(),
+                embedding_bytes_per_step=self._bytes_per_step[0] if self._bytes_per_step else None,
+                dense_grad_bytes_per_step=self._bytes_per_step[1] if self._bytes_per_step else None,
             )
         )
 

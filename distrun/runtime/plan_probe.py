@@ -13,7 +13,6 @@ JSON then holds ``error`` (one line) and ``location`` (file, line), and the proc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import os
@@ -30,10 +29,8 @@ from typing import Any
 #: Bytes pushed through the loopback link, and the small round trips timed for its latency.
 _LINK_BYTES = 16 << 20
 _ROUND_TRIPS = 200
-#: Probe processes that measure at once (the job's ranks on this host, at most this many), and the
-#: largest all-reduce they time.
+#: Probe processes that measure at once (the job's ranks on this host, at most this many).
 _MAX_PEERS = 8
-_MAX_COLLECTIVE_BYTES = 64 << 20
 
 
 def _loopback_link() -> dict[str, float]:
@@ -80,13 +77,8 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     import torch
     import torch.distributed as dist
 
-    from distrun.planner.overheads import collective_rates, framework_overheads
-    from distrun.runtime._loop_probe import loop_step_s
-    from distrun.planner.probe import measure, resident_bytes
-    from distrun.runtime._move import to_device
+    from distrun.runtime._probe_recipe import measure_recipe
     from distrun.runtime._recipe import load_module, prepare_sys_path
-    from distrun.strategies import InputContext
-    from distrun.strategies.step.accumulation import batch_rows, split_batch
 
     torch.set_num_threads(max(1, int(request["threads"])))
     prepare_sys_path(request["recipe"], tuple(request.get("args", ())))
@@ -97,48 +89,10 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     if request.get("evaluates"):
         import distrun.runtime._metrics  # noqa: F401 - torchmetrics, which a rank imports to evaluate
     device = torch.device(request.get("device", "cpu"))
-    # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
-    # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
-    # the free memory the budget reads).
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
-    recipe = load_module(request["recipe"])
-    batch_size, rows = int(request["global_batch_size"]), int(request["rows"])
-    torch.manual_seed(int(request.get("seed", 0)))
-    model = recipe.model()
-    data = recipe.train_data(InputContext(1, 0, batch_size, int(request.get("seed", 0))))
-    collate = torch.utils.data.default_collate
-    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-        def batch_of(count: int) -> Any:
-            return collate([data[i % len(data)] for i in range(count)])
-    else:  # an iterable of batches: the first, cut to size
-        first = next(iter(data))
-
-        def batch_of(count: int) -> Any:
-            have = batch_rows(first) or count
-            return split_batch(first, max(1, have // count))[0][0] if have > count else first
-
-    forward = getattr(recipe, "forward", lambda m, b: m(b[0]))
-    # Every process of the probe measures at once, as the job's ranks will compute at once on
-    # this host's cores and memory.
-    profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
-                      batch_of=lambda count: to_device(batch_of(count), device), rows=rows, device=device, base_bytes=base,
-                      units_from=getattr(recipe, "shard_units", None), chain_from=getattr(recipe, "pp_chain", None),
-                      together=dist.barrier if group_size > 1 else lambda: None,
-                      # A rank's budget (the client's, on CPU) or the GPU's free memory.
-                      memory_cap_bytes=request.get("memory_cap_bytes") or (
-                          int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
-                      time_sharded=group_size > 1)
-    link, overheads = None, {}
-    if group_size > 1:
-        rates = collective_rates(min(profile.gradient_bytes, _MAX_COLLECTIVE_BYTES))
-        link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
-        overheads = {**framework_overheads(device), **rates}
-    overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
+    measured = measure_recipe(load_module(request["recipe"]), request, rank, group_size, device)
     if group_size > 1:
         dist.destroy_process_group()
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return {"profile": dataclasses.asdict(profile), "link": link or _loopback_link(), "device_free_bytes": free,
-            "overheads": overheads}
+    return {**measured, "link": measured["link"] or _loopback_link()}
 
 
 def _fork_peers(count: int) -> tuple[int, list[int]]:
@@ -153,6 +107,54 @@ def _fork_peers(count: int) -> tuple[int, list[int]]:
     return 0, pids
 
 
+#: Taken by whoever speaks for the probe: its first process with its reply or its error, or the
+#: watcher of a peer that died. Only one JSON line is ever printed.
+_SPEAKING = threading.Lock()
+
+
+def _error_reply(exc: BaseException, recipe: str) -> dict[str, Any]:
+    """The recipe's error, one line, with the recipe's own line it was raised at where there is one."""
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
+              if os.path.abspath(frame.filename) == os.path.abspath(recipe)]
+    location = [frames[-1].filename, frames[-1].lineno] if frames else None
+    return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "location": location,
+            "detail": traceback.format_exc()}
+
+
+def _peer_error(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"error-{rank}.json")
+
+
+def _watch_peers(peers: list[int], store_dir: str) -> list[threading.Thread]:
+    """End the probe at once when a peer dies before it is done: the first process would otherwise
+    wait the group's timeout for it, and then name gloo's timeout instead of the cause (a peer's own
+    error, which it leaves in the store's folder, or the signal that killed it)."""
+    def watch(rank: int, pid: int) -> None:
+        with contextlib.suppress(ChildProcessError):
+            _, status = os.waitpid(pid, 0)
+            if status == 0 or not _SPEAKING.acquire(blocking=False):
+                return
+            killed = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            try:
+                with open(_peer_error(store_dir, rank), encoding="utf-8") as file:
+                    reply = json.load(file)
+            except (OSError, ValueError):
+                reply = {"error": f"probe process {rank} was killed by signal {killed}" if killed else
+                         f"probe process {rank} failed (exit {os.WEXITSTATUS(status)})", "location": None,
+                         "killed_signal": killed}
+            print(json.dumps(reply), flush=True)
+            for other in peers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(other, signal.SIGKILL)
+            os._exit(3)
+
+    threads = [threading.Thread(target=watch, args=(rank, pid), daemon=True)
+               for rank, pid in enumerate(peers, start=1)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def main() -> None:
     request = json.loads(sys.argv[1])
     started = time.perf_counter()
@@ -161,30 +163,34 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="distrun-probe-") as store_dir:
         rank, peers = _fork_peers(group_size)
-        if rank:  # a peer: measure beside the first, then leave without a word
+        if rank:  # a peer: measure beside the first, then leave; its own error goes to stderr
+            code = 0
             try:
                 with contextlib.redirect_stdout(sys.stderr):
                     _probe(request, rank, group_size, store_dir)
+            except BaseException as exc:  # noqa: BLE001 - the first process says it
+                with open(_peer_error(store_dir, rank), "w", encoding="utf-8") as file:
+                    json.dump(_error_reply(exc, request["recipe"]), file)
+                code = 3
             finally:
-                os._exit(0)
+                sys.stderr.flush()
+                os._exit(code)
+        watchers = _watch_peers(peers, store_dir)
         try:
             reply = _probe(request, 0, group_size, store_dir)
         except Exception as exc:  # noqa: BLE001 - the recipe's error, named where it was raised
+            if not _SPEAKING.acquire(blocking=False):
+                time.sleep(60)  # a peer's watcher is saying why, and ends the process
             for pid in peers:  # they would wait for this process in the group that will not form
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            frames = [frame for frame in traceback.extract_tb(exc.__traceback__)
-                      if os.path.abspath(frame.filename) == os.path.abspath(request["recipe"])]
-            location = [frames[-1].filename, frames[-1].lineno] if frames else None
-            print(json.dumps({"error": f"{type(exc).__name__}: {exc}".splitlines()[0], "location": location,
-                              "detail": traceback.format_exc()}))
-            sys.exit(3)
-        finally:
-            for pid in peers:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, 0)
-    reply["probe_s"] = time.perf_counter() - started
-    print(json.dumps(reply))
+            print(json.dumps(_error_reply(exc, request["recipe"])), flush=True)
+            os._exit(3)
+        for watcher in watchers:  # the peers end after their last collective; the store outlives them
+            watcher.join(timeout=30)
+    if _SPEAKING.acquire(blocking=False):
+        reply["probe_s"] = time.perf_counter() - started
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""Facts about the host for `status`: CPUs, memory, load, GPUs. psutil, never torch."""
+"""Facts about the host for `status`: CPUs, memory, load, GPUs. psutil, never torch.
+
+The GPUs' utilisation and memory come from NVML (``pynvml``, the optional ``gpu`` extra),
+imported on first use and opened once per server; without it the answer says why there are
+none, so that a page can tell "no GPU" from "not asked"."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
+from typing import Any
 
 import psutil
 
 from distrun.launch import visible_gpu_count
+from distrun.protocol.cluster import GpuReading
 
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 
@@ -36,3 +43,36 @@ def host_facts() -> dict[str, object]:
         "memory_available_bytes": int(memory.available),
         "load_1m": float(os.getloadavg()[0]),
     }
+
+
+def gpu_readings() -> tuple[tuple[GpuReading, ...], str | None]:
+    """Every GPU NVML sees on this host, read now, and why there are none (None when there are some)."""
+    nvml, why = _nvml()
+    if nvml is None:
+        return (), why
+    readings = []
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            name = nvml.nvmlDeviceGetName(handle)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            readings.append(GpuReading(index, name.decode() if isinstance(name, bytes) else str(name),
+                                       float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                                       int(memory.used), int(memory.total)))
+    except Exception as exc:  # noqa: BLE001 - NVMLError and kin: say so, never fail `status`
+        return tuple(readings), f"NVML failed: {exc}"
+    return tuple(readings), None if readings else "NVML found none"
+
+
+@functools.lru_cache(maxsize=1)
+def _nvml() -> tuple[Any, str | None]:
+    """pynvml, initialised once; or None and why (no package, no driver library)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None, "NVML not found: no pynvml (pip install 'distrun[gpu]')"
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        return None, f"NVML not found: {exc}"
+    return pynvml, None

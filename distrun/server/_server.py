@@ -25,7 +25,7 @@ from distrun._version import __version__
 from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
 from distrun.server._doctor import ProbeListener, doctor_facts
-from distrun.server._hostinfo import gpu_names, host_facts
+from distrun.server._hostinfo import gpu_names, gpu_readings, host_facts
 from distrun.server._jobs import JobError, JobManager
 from distrun.server._net import address_to_bind
 from distrun.server._warm import WarmInterpreter
@@ -211,12 +211,13 @@ class WorkerServer:
     # -- requests
 
     def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
+        gpus, gpu_note = gpu_readings()
         info = ServerInfo(
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), state_dir=str(self.state_dir.path),
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
             gpu_names=self._gpu_names, jobs_running=self.jobs.running(), config_sha256=self.config_sha256,
-            warm=self.warm.ready,
+            warm=self.warm.ready, gpus=gpus, gpu_note=gpu_note,
             **host_facts(),  # type: ignore[arg-type]
         )
         return info.to_dict()

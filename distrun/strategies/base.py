@@ -53,6 +53,8 @@ class Reporter(Protocol):
 
     def worker_progress(self, pushes: int, staleness: int) -> None: ...
 
+    def bytes_moved(self, embedding_bytes_per_step: float, dense_grad_bytes_per_step: float) -> None: ...
+
     def log(self, step: int, scalars: dict[str, float]) -> None: ...
 
     def checkpoint(self, step: int, path: str, blocked_ms: float) -> None: ...
@@ -228,7 +230,7 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         self._wrapped_optimizer = optimizer
         stepping = self._stepping_optimizer(optimizer)
         if self._step.settings.clip_grad_norm and stepping is not None:
-            clip_before_step(stepping, self._step.settings.clip_grad_norm)
+            self._clip_before_step(stepping, self._step.settings.clip_grad_norm)
         model, optimizer = self._step.finish(model, optimizer, unscale_in_step=self._unscale_in_step,
                                              compile_whole=not self._compiles_units)
         self._model, self._optimizer = model, optimizer
@@ -236,6 +238,11 @@ class Strategy(ReplicaCollectives, CheckpointReplica, ElasticReplica, ABC):
         if self.joined and self._healed_position is None:
             self._heal_joiner()  # the members already training rebuilt their DDP with us and heal us now
         return model, optimizer
+
+    def _clip_before_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """``--clip-grad-norm``: the global norm of ``optimizer``'s gradients, clipped before each step
+        (the hybrid's norm takes in its tables' rows too)."""
+        clip_before_step(optimizer, max_norm)
 
     def _stepping_optimizer(self, optimizer: Any) -> torch.optim.Optimizer | None:
         """The torch optimizer that really steps this replica's parameters (what --clip-grad-norm

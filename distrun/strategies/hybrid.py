@@ -14,6 +14,12 @@ answers every replica when it has. The next step's pulls see that update, so the
 are one-device's wherever the recipe's optimizer changes only the rows a step looks up (SGD,
 Adagrad, SparseAdam): one that would move other rows too is refused in one line naming it.
 
+Each step a replica reports what it moved (``Reporter.bytes_moved``: the live view's line and the
+summary): its rows pulled and their gradients pushed, and its dense gradients, which DDP
+all-reduces. Mirrored would all-reduce every table's whole gradient instead; ``bench embeddings``
+sets the two side by side. ``--clip-grad-norm`` clips one norm over the dense gradients and the
+tables' (each made from every replica's rows), as one-device clips its own.
+
 The whole tables never reach a replica (never a GPU): they are built on the CPU with the
 model, as every strategy builds it, and dropped there. The chief's checkpoint gathers each table
 from its shards, so it is the plain model's and loads under any strategy.
@@ -59,6 +65,7 @@ class _EmbeddingsOnPs:
         self._keys: list[str] = []  # the plain model's state_dict keys, in its order
         self._positions: dict[str, int] = {}  # table path -> its index in the optimizer's state_dict
         self._base_lr: float | None = None
+        self._dense_grad_bytes = 0  # a step's dense gradients, which DDP all-reduces
 
     def _wrap(self, root: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         me: Strategy = self  # type: ignore[assignment]
@@ -96,6 +103,7 @@ class _EmbeddingsOnPs:
             if isinstance(optimizer, torch.optim.Optimizer):
                 optimizer.state.pop(weight, None)  # Adagrad makes its state at construction
             weight.data = torch.empty(0, dtype=weight.dtype)  # the replica's copy goes; the ps tasks hold it
+        self._dense_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if isinstance(optimizer, torch.optim.Optimizer):
             self._base_lr = float(optimizer.param_groups[0]["lr"]) or None
             optimizer.register_step_post_hook(self._push)
@@ -125,6 +133,57 @@ class _EmbeddingsOnPs:
         factor = float(optimizer.param_groups[0]["lr"]) / self._base_lr if self._base_lr else 1.0
         with _ps_link():
             self._rows.push(factor)
+        me: Strategy = self  # type: ignore[assignment]
+        me._reporter.bytes_moved(self._rows.row_bytes / self._rows.pushes, float(self._dense_grad_bytes))
+
+    def _clip_before_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """``--clip-grad-norm`` over the dense gradients and the tables' rows together: one-device's clip."""
+
+        def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            self._clip(opt, max_norm)
+
+        optimizer.register_step_pre_hook(clip)
+
+    @torch.no_grad()
+    def _clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
+        """``clip_grad_norm_``'s rule over one-device's gradients: the dense ones (DDP's mean, the same on
+        every replica) and each table's whole gradient, which is the mean of every replica's row
+        gradients, summed where their rows meet. Each replica gathers the others' rows of each table
+        to make it (only its norm is needed), so every replica scales by the same factor, and the
+        ps tasks' mean of the scaled pushes is the clipped table gradient."""
+        assert self._rows is not None
+        me: Strategy = self  # type: ignore[assignment]
+        dense = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        rows = [(name, ids, values.grad) for name, ids, values in self._rows.touched if values.grad is not None]
+        norms = [torch.linalg.vector_norm(grad, 2.0) for grad in dense]
+        for name in self._rows.layout.names:
+            mine = [(ids, grad) for table, ids, grad in rows if table == name]
+            norm = self._table_norm(name, mine, me)
+            if norm is not None:
+                norms.append(norm)
+        if not norms:
+            return
+        total = torch.linalg.vector_norm(torch.stack([norm.to(me.device) for norm in norms]), 2.0)
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s, to the letter
+        for grad in [*dense, *(grad for _name, _ids, grad in rows)]:
+            grad.mul_(factor.to(grad.device))
+
+    def _table_norm(self, name: str, mine: list[tuple[torch.Tensor, torch.Tensor]], me: Strategy
+                    ) -> torch.Tensor | None:
+        """The norm of table ``name``'s gradient over the global batch: every replica's row gradients
+        (``mine`` here), gathered, summed by row id and averaged over the replicas as the ps tasks
+        will; None where no replica looked the table up this step."""
+        dim = self._rows.layout.shapes[name][1:]  # type: ignore[union-attr]
+        ids = torch.cat([ids for ids, _ in mine]) if mine else torch.zeros(0, dtype=torch.int64, device=me.device)
+        grads = (torch.cat([grad for _, grad in mine]) if mine
+                 else torch.zeros((0, *dim), dtype=self._rows.layout.dtypes[name], device=me.device))  # type: ignore[union-attr]
+        ids, grads = me.gather(ids).to(me.device), me.gather(grads).to(me.device)  # every replica's, in replica order
+        if not ids.numel():
+            return None
+        unique, where = torch.unique(ids, return_inverse=True)
+        table = torch.zeros((unique.numel(), *grads.shape[1:]), dtype=grads.dtype, device=grads.device)
+        table.index_add_(0, where, grads)
+        return torch.linalg.vector_norm(table / me.num_replicas, 2.0)
 
     def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if self._rows is not None:

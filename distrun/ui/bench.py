@@ -177,12 +177,18 @@ def render_auto(report: Mapping[str, Any]) -> Table:
     def num(value: Any, form: str) -> str:
         return "-" if value is None else f"{value:{form}}"
 
+    def policy(name: str) -> str:
+        failed = report[f"{name}_failed"]
+        ratio = report[f"geomean_vs_{name}"]
+        return f"ahead without bound (it failed in {failed} scenario(s))" if ratio is None and failed else \
+            f"{num(ratio, '.2f')}x"
+
     table = _contenders(f"--strategy auto against every kind of layout, {report['steps']} steps each",
                         "predicted/measured peak: the highest rank (VmHWM); step: the global batch over samples/s; "
-                        "0 samples/s: the run failed (killed over its cgroup's limit). Geometric means of auto's "
-                        f"ratio: to the best {num(report['geomean_vs_best'], '.2f')}x, to always-mirrored "
-                        f"{num(report['geomean_vs_mirrored'], '.2f')}x ({report['mirrored_failed']} scenario(s) where "
-                        f"it failed left out), to always-sharded {num(report['geomean_vs_sharded'], '.2f')}x",
+                        "0 samples/s: the run failed (killed over its cgroup's limit). auto's ratio to the best "
+                        f"contender: geometric mean {num(report['geomean_vs_best'], '.2f')}x, worst "
+                        f"{num(report.get('worst_vs_best'), '.2f')}x; geometric means against always-mirrored "
+                        f"{policy('mirrored')}, always-sharded {policy('sharded')} (a failure counts 0)",
                         ("scenario / layout", "samples/s", "peak MB pred/meas", "step s pred/meas", "auto vs it"))
     for row in report["rows"]:
         table.add_section()

@@ -155,6 +155,10 @@ def render_summary(summary: JobSummary) -> RenderableType:
     if summary.outer_steps is not None:  # diloco: --steps counts inner steps
         table.add_row("outer steps", f"{summary.outer_steps} ({summary.sync_mb:.2f} MB sent by rank 0, "
                                      f"{summary.sync_blocked_s:.2f} s waited)")
+    if summary.embedding_bytes_per_step is not None:  # --embeddings ps
+        table.add_row("bytes a step", f"{summary.embedding_bytes_per_step:,.0f} B of embedding rows pulled and "
+                                      f"pushed, {summary.dense_grad_bytes_per_step or 0:,.0f} B of dense gradients "
+                                      "all-reduced (each replica)")
     table.add_row("final loss", fmt_loss(summary.final_loss))
     table.add_row("samples/s (mean)", fmt_rate(summary.samples_per_s) + " from the end of step 1 to the last")
     if summary.tokens_per_s is not None:

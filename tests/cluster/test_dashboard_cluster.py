@@ -1,5 +1,7 @@
-"""`distrun dashboard CLUSTER` (issue 50) on the namespace lab: a 2-host job's hosts and ranks on its
-page in a real headless browser, and the page after the job's end and a reload.
+"""`distrun dashboard` (issue 50) on the namespace lab: a 2-host job's hosts and ranks on its page in a
+real headless browser, and the page after the job's end and a reload. Without CLUSTER: `up` recorded
+the lab, so the page shows it beside this machine's local server (none runs there), each job and
+host labelled with its cluster, and each host's GPU panel saying why it has none.
 
 The dashboard and the browser both run in the lab's client namespace (where the hosts are
 reachable and the dashboard's loopback is): the browser's part is a small Playwright script
@@ -10,6 +12,8 @@ makes it take docs/dashboard.md's screenshot of the running job.
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,7 +64,7 @@ def eval_data(ctx):
 
 # Run in the client namespace: argv = URL, job id, the two host addresses. Prints what it saw.
 BROWSER = textwrap.dedent("""
-    import json, os, sys
+    import json, os, re, sys
     from playwright.sync_api import expect, sync_playwright
     url, job, hosts = sys.argv[1], sys.argv[2], sys.argv[3:]
     origin = url.split("/?")[0]
@@ -72,6 +76,10 @@ BROWSER = textwrap.dedent("""
         rows = page.get_by_role("table", name="ranks").locator("tbody tr")
         expect(rows).to_have_count(2, timeout=30_000)
         running = [rows.nth(i).get_by_role("cell").nth(1).inner_text() for i in range(2)]
+        for i in range(2):  # each rank's wait share, once its first timed steps are in
+            expect(rows.nth(i).get_by_role("cell").nth(9)).to_have_text(re.compile(r"^[0-9]{1,3}%%$"), timeout=30_000)
+        waits = [rows.nth(i).get_by_role("cell").nth(9).inner_text() for i in range(2)]
+        job_cluster = page.locator("dl.summary dt:text-is('cluster') + dd").inner_text()
         if os.environ.get("DISTRUN_DASHBOARD_SCREENSHOT"):  # docs/dashboard.md's picture, on request
             page.set_viewport_size({"width": 1280, "height": 860})
             chart = page.get_by_role("img", name="eval loss", exact=True)  # polled: the CSP forbids eval'd waits
@@ -92,12 +100,16 @@ BROWSER = textwrap.dedent("""
         listed = page.locator(f"tr[data-job='{job}']")
         expect(listed.get_by_role("cell").nth(2)).to_have_text("succeeded", timeout=30_000)
         listed_hosts = listed.get_by_role("cell").nth(8).inner_text()
+        listed_cluster = listed.get_by_role("cell").nth(12).inner_text()
         page.goto(f"{origin}/hosts")
-        expect(page.get_by_role("table", name="hosts").locator("tbody tr")).to_have_count(2, timeout=30_000)
-        shown = page.get_by_role("table", name="hosts").inner_text()
+        host_rows = page.get_by_role("table", name="hosts").locator("tbody tr")
+        expect(host_rows).to_have_count(3, timeout=30_000)  # this machine's (no server here) and the lab's two
+        expect(host_rows.nth(2).get_by_role("cell").nth(13)).not_to_have_text("—", timeout=30_000)
+        seen_hosts = [[host_rows.nth(i).get_by_role("cell").nth(n).inner_text() for n in (0, 2, 12, 13)]
+                      for i in range(3)]
         print(json.dumps({"running": running, "after": after, "points": points, "evals": evals,
-                          "listed_hosts": listed_hosts,
-                          "hosts_page": [host in shown for host in hosts]}))
+                          "listed_hosts": listed_hosts, "waits": waits, "job_cluster": job_cluster,
+                          "listed_cluster": listed_cluster, "hosts_page": seen_hosts}))
         browser.close()
 """ % CHROMIUM)
 
@@ -112,9 +124,15 @@ def test_a_two_host_job_on_the_dashboard_survives_its_end_and_a_reload(lab: Lab,
     recipe = tmp_path / "dash2" / "dashtwo.py"
     recipe.parent.mkdir()
     recipe.write_text(RECIPE)
-    page = subprocess.Popen(_in_client(lab, sys.executable, "-m", "distrun", "dashboard", str(cluster), "--port", "0",
+    # `up` (again: the servers are kept) records the cluster in a DISTRUN_HOME of the test's own; the
+    # dashboard without CLUSTER then shows it beside this machine's (no local server there).
+    home = {**os.environ, "DISTRUN_HOME": str(tmp_path / "home")}
+    up = subprocess.run(_in_client(lab, sys.executable, "-m", "distrun", "up", str(cluster), "--json"),
+                        capture_output=True, text=True, timeout=120, cwd=lab.root, env=home)
+    assert up.returncode == 0 and str(cluster) in (tmp_path / "home" / "clusters.json").read_text(), up.stderr[-2000:]
+    page = subprocess.Popen(_in_client(lab, sys.executable, "-m", "distrun", "dashboard", "--port", "0",
                                        "--no-browser"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=lab.root)
+                            cwd=lab.root, env=home)
     train = subprocess.Popen(_in_client(lab, sys.executable, "-m", "distrun", "train", str(recipe), "--cluster",
                                         str(cluster), "--steps", "150", "--global-batch-size", "8", "--eval-every", "50",
                                         "--json"),
@@ -138,8 +156,16 @@ def test_a_two_host_job_on_the_dashboard_survives_its_end_and_a_reload(lab: Lab,
         _out, err = train.communicate(timeout=120)
         assert train.returncode == 0, err[-2000:]
         assert sorted(found["running"]) == sorted(found["after"]) and len(set(found["after"])) == 2, found
-        assert found["points"] > 0 and found["evals"] >= 2 and all(found["hosts_page"]), found
+        assert found["points"] > 0 and found["evals"] >= 2, found
         assert all(host in found["listed_hosts"] for host in found["after"]), found
+        assert all(re.fullmatch(r"\d{1,3}%", wait) for wait in found["waits"]), found
+        assert found["job_cluster"] == found["listed_cluster"] == "lab", found
+        local, *lab_rows = found["hosts_page"]
+        assert local[2] == "local" and local[1] == "not running", found
+        assert all(any(address in row[0] for row in lab_rows) for address in addresses), found
+        for host, state, cluster_name, gpus in lab_rows:  # each lab host's server probed for GPUs, and said why none
+            assert state == "up" and cluster_name == "lab", found
+            assert re.fullmatch(r"no GPU \(NVML not found: .+\)", gpus), found
     finally:
         for proc in (train, page):
             if proc.poll() is None:

@@ -4,14 +4,18 @@ Two namespace hosts with real sshd and no route to any package index: the only p
 are a wheel this module builds with ``pip wheel`` (``clickutil``, ``VALUE = 41``; 2.0 has
 42) and the client's own distrun. The hosts share this machine's filesystem, as hosts
 sharing a home folder over NFS do, so they share an environment too (built once, under a
-lock). The tests run in order on one lab: build, reuse, rebuild, a failed install; then
-distrun from the client, a changed ``python:``, and (no lab) bad paths, the keys' parsing
-and a port that never sends an SSH banner.
+lock). The lab's python has uv beside it (the ``test`` extra installs it), so ``installer:
+auto`` builds with uv; ``installer: pip`` keeps pip's path tested. The tests run in order on
+one lab: build (uv), reuse, rebuild from a pyproject.toml (pip), a changed ``python:``, a
+failed install (uv, then pip); then distrun from the client, and (no lab) bad paths, the
+keys' parsing and a port that never sends an SSH banner.
 """
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
 import socket
 import json
 import subprocess
@@ -83,13 +87,29 @@ def _cluster(lab: Lab, name: str, extra: str, python: str | None = None) -> Path
     return path
 
 
+#: The rows of the last `up` of each cluster file: the next test starts from them (no `up` only to look).
+_LAST: dict[Path, dict] = {}
+
+
 def _up(lab: Lab, cluster: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
     t0 = time.monotonic()
     proc = lab_cli(lab, "up", str(cluster), "--json", timeout=300)
     wall_s = time.monotonic() - t0
     reports = [line for line in json_lines(proc) if line.get("type") == "cluster"]
     assert reports, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return proc, {row["host"]: row for row in reports[-1]["hosts"]}, wall_s
+    rows = {row["host"]: row for row in reports[-1]["hosts"]}
+    if proc.returncode == 0:
+        _LAST[cluster] = rows
+    return proc, rows, wall_s
+
+
+def _last_up(lab: Lab, cluster: Path) -> dict:
+    """The rows of the previous test's `up` of ``cluster`` (one now, when this test runs alone)."""
+    return _LAST[cluster] if cluster in _LAST else _up(lab, cluster)[1]
+
+
+def _marker(lab: Lab, name: str) -> dict:
+    return json.loads((lab.workdir / ".envs" / name / ".distrun-ready").read_text())
 
 
 def _python_of(row: dict) -> str:
@@ -118,6 +138,7 @@ def _env_keys(out: Path) -> str:
 
 def test_a_package_only_in_wheels_trains_on_two_hosts(lab: Lab) -> None:
     assert importlib.util.find_spec("clickutil") is None  # the client has no clickutil: only the hosts' environment
+    assert importlib.util.find_spec("uv") is not None, "uv is in the test extra: pip install -e '.[test]'"
     out = lab.root / "out"
     out.mkdir()
     cluster = _cluster(lab, "env", _env_keys(out))
@@ -128,10 +149,13 @@ def test_a_package_only_in_wheels_trains_on_two_hosts(lab: Lab) -> None:
     assert len(names) == 1  # one interpreter, one spec, one shared filesystem: one environment, built once
     name = names.pop()
     notes = sorted(row["message"] for row in rows.values())
-    assert notes == [f"environment {name} built", f"environment {name} reused"], notes
+    uv = _marker(lab, name)["installer"]  # the lab's python has uv beside it: installer auto takes it
+    assert uv.startswith("uv ") and notes == [f"environment {name} built with {uv}", f"environment {name} reused"], notes
     env_dir = lab.workdir / ".envs" / name
-    assert (env_dir / ".distrun-ready").exists() and "Successfully installed clickutil-1.0" in (
-        env_dir / "install.log").read_text()
+    assert "+ clickutil==1.0" in (env_dir / "install.log").read_text()
+    # uv saw the base's packages (torch...) through their metadata, and left none of those copies behind.
+    site = next(env_dir.glob("lib/python*/site-packages"))
+    assert sorted(path.name for path in site.glob("*.dist-info")) == ["clickutil-1.0.dist-info"]
     print(f"first up, environment built: {wall_s:.1f} s")
 
     recipe = lab.root / "code" / "uses_clickutil.py"
@@ -149,7 +173,7 @@ def test_a_package_only_in_wheels_trains_on_two_hosts(lab: Lab) -> None:
 
 def test_a_second_up_reuses_the_environment(lab: Lab) -> None:
     cluster = lab.root / "env.yaml"
-    name = _env_name(next(iter(_up(lab, cluster)[1].values())))
+    name = _env_name(next(iter(_last_up(lab, cluster).values())))
     env_dir = lab.workdir / ".envs" / name
     marker, log = (env_dir / ".distrun-ready").stat(), (env_dir / "install.log").stat()
     before = sorted(path.name for path in (lab.workdir / ".envs").iterdir())
@@ -163,42 +187,89 @@ def test_a_second_up_reuses_the_environment(lab: Lab) -> None:
     print(f"second up, nothing changed: {wall_s:.1f} s")
 
 
+def _old_wheels_folder(lab: Lab, name: str, age_s: float) -> Path:
+    folder = lab.workdir / ".envs" / f"wheels-{name}"
+    folder.mkdir()
+    (folder / "clickutil-0.1-py3-none-any.whl").write_bytes(b"not read")
+    (folder / ".complete").touch()
+    for path in (folder / ".complete", folder):
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+    return folder
+
+
 def test_a_changed_requirement_rebuilds_the_environment(lab: Lab) -> None:
+    """The requirement now from a pyproject.toml's dependencies, installed by pip (``installer: pip``).
+    The build then removes wheels folders that no environment was built from, but not one a build
+    holds (its lock) or one sent within the hour (a build from it may be on its way)."""
     cluster = lab.root / "env.yaml"
-    old = {host: _env_name(row) for host, row in _up(lab, cluster)[1].items()}
-    (lab.root / "requirements.txt").write_text("# from a file now\nclickutil==2.0\n")
-    cluster.write_text(cluster.read_text().replace("requirements: [clickutil==1.0]", "requirements: requirements.txt"))
-    up, rows, _ = _up(lab, cluster)
+    old = {host: _env_name(row) for host, row in _last_up(lab, cluster).items()}
+    wheels = {p for p in (lab.workdir / ".envs").glob("wheels-*") if p.is_dir()}
+    assert wheels and all(path.name.endswith(".lock") is False for path in wheels)
+    stale = _old_wheels_folder(lab, "0000000000000001", age_s=7200)
+    held = _old_wheels_folder(lab, "0000000000000002", age_s=7200)
+    fresh = _old_wheels_folder(lab, "0000000000000003", age_s=60)
+    (lab.root / "pyproject.toml").write_text('[project]\nname = "trainer"\nversion = "0.1"\n'
+                                             'dependencies = ["clickutil==2.0"]\n')
+    cluster.write_text(cluster.read_text().replace("requirements: [clickutil==1.0]",
+                                                   "requirements: pyproject.toml\ninstaller: pip"))
+    with open(f"{held}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)  # as a build from it does
+        up, rows, _ = _up(lab, cluster)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    assert not stale.exists() and held.exists() and fresh.exists()
+    assert all(path.exists() for path in wheels)  # the environments were built from them
     assert [row["status"] for row in rows.values()] == ["restarted", "restarted"]  # the old servers were stale
     for host, row in rows.items():
         assert _env_name(row) != old[host]
         assert _value_in(_python_of(row)).startswith("42 ")
+    name = _env_name(next(iter(rows.values())))
+    assert f"environment {name} built with pip" in {row["message"] for row in rows.values()}
+    assert _marker(lab, name)["installer"] == "pip" and _marker(lab, name)["requirements"] == ["clickutil==2.0"]
     assert (lab.workdir / ".envs" / next(iter(old.values())) / ".distrun-ready").exists()  # the old one is kept
+
+
+def test_a_changed_python_makes_the_running_server_stale(lab: Lab) -> None:
+    """Issue 49, item 5: `python:` changed, and `up` used to keep the server on the old interpreter.
+    The same interpreter under another path is another `python:`, so another environment too."""
+    cluster = lab.root / "env.yaml"
+    old = {host: _env_name(row) for host, row in _last_up(lab, cluster).items()}
+    other = lab.root / "bin" / "python3"
+    other.parent.mkdir(exist_ok=True)
+    other.symlink_to(sys.executable)
+    cluster.write_text(cluster.read_text().replace(f"python: {sys.executable}", f"python: {other}")
+                       .replace("\ninstaller: pip", ""))
+    up, rows, _ = _up(lab, cluster)
+    assert up.returncode == 0 and {row["status"] for row in rows.values()} == {"restarted"}, up.stdout[-3000:]
+    for host, row in rows.items():
+        assert _env_name(row) != old[host]
+        assert _value_in(_python_of(row)).startswith("42 ")
 
 
 def test_an_unresolvable_requirement_is_exit_6_naming_the_host(lab: Lab) -> None:
     cluster = lab.root / "env.yaml"
-    before = {host: row["server"]["pid"] for host, row in _up(lab, cluster)[1].items()}
-    cluster.write_text(cluster.read_text().replace("requirements: requirements.txt",
+    before = {host: row["server"]["pid"] for host, row in _last_up(lab, cluster).items()}
+    cluster.write_text(cluster.read_text().replace("requirements: pyproject.toml",
                                                    "requirements: [clickutil==2.0, nosuchpkg==3.1]"))
     envs = sorted(path.name for path in (lab.workdir / ".envs").iterdir() if not path.name.endswith(".lock"))
-    up, rows, _ = _up(lab, cluster)
+    up, rows, _ = _up(lab, cluster)  # installer auto: uv
     assert up.returncode == 6, up.stdout[-3000:] + up.stderr[-3000:]
     failed = [row for row in rows.values() if row["status"] == "error"]
     assert failed, rows
     for row in failed:
-        assert row["message"].startswith("installing nosuchpkg==3.1 failed: ERROR: No matching distribution found "
-                                         "for nosuchpkg==3.1"), row["message"]
+        assert row["message"].startswith("installing nosuchpkg==3.1 failed: uv: No solution found when resolving "
+                                         "dependencies: Because nosuchpkg was not found"), row["message"]
+        assert "\n" not in row["message"]
     # The cluster is left as it was: every server still the one from before, no environment half-built.
     status = lab_cli(lab, "status", str(cluster), "--json")
     assert status.returncode == 0, status.stdout[-3000:] + status.stderr[-3000:]
     assert {row["host"]: row["server"]["pid"] for row in json.loads(status.stdout)["hosts"]} == before
     assert sorted(path.name for path in (lab.workdir / ".envs").iterdir() if not path.name.endswith(".lock")) == envs
-    plain = lab_cli(lab, "up", str(cluster))  # the table's notes: one line per failed host, naming it
+    cluster.write_text(cluster.read_text() + "\ninstaller: pip\n")
+    plain = lab_cli(lab, "up", str(cluster))  # pip's verdict; the table's notes: one line per failed host, naming it
     assert plain.returncode == 6
     lines = [line for line in plain.stdout.splitlines() if "nosuchpkg==3.1" in line]
     assert lines and all(any(line.strip().startswith(f"{host}:") for host in rows) for line in lines), plain.stdout
+    assert "ERROR: No matching distribution found for nosuchpkg==3.1" in plain.stdout, plain.stdout
 
 
 def test_distrun_itself_comes_from_the_client(lab: Lab) -> None:
@@ -221,24 +292,6 @@ def test_distrun_itself_comes_from_the_client(lab: Lab) -> None:
     down = lab_cli(lab, "down", str(cluster), "--json")
     assert down.returncode == 0, down.stdout[-3000:] + down.stderr[-3000:]
     cluster.unlink()
-
-
-def test_a_changed_python_makes_the_running_server_stale(lab: Lab) -> None:
-    """Issue 49, item 5: `python:` changed, and `up` used to keep the server on the old interpreter."""
-    cluster = _cluster(lab, "plain", "")
-    try:
-        up, rows, _ = _up(lab, cluster)
-        assert up.returncode == 0 and {row["status"] for row in rows.values()} == {"started"}, up.stdout[-3000:]
-        assert {_python_of(row) for row in rows.values()} == {sys.executable}  # nothing asked: the python as is
-        other = lab.root / "bin" / "python3"  # the same interpreter under another path: another `python:`
-        other.parent.mkdir(exist_ok=True)
-        other.symlink_to(sys.executable)
-        cluster.write_text(cluster.read_text().replace(f"python: {sys.executable}", f"python: {other}"))
-        up, rows, _ = _up(lab, cluster)
-        assert up.returncode == 0 and {row["status"] for row in rows.values()} == {"restarted"}, up.stdout[-3000:]
-        assert {_python_of(row) for row in rows.values()} == {str(other)}
-    finally:
-        lab_cli(lab, "down", str(cluster))
 
 
 @pytest.mark.parametrize("extra, named", [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import runpy
 import subprocess
 import sys
 import time
@@ -462,3 +463,128 @@ def test_another_user_of_the_chief_host_cannot_read_the_jobs_store(lab: Lab, clu
     assert owner[chief_port].startswith("READ") and int(owner[chief_port].split()[1]) > 0, owner
     # Another user reads it on no port of the chief's network.
     assert chief_port in stranger and not [said for said in stranger.values() if said.startswith("READ")], stranger
+
+
+_PREDICTS = EQUIV + '''
+
+def predict_data(ctx):
+    gen = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(13, 6, generator=gen))  # 13 rows: shares of 7 and 6 over two hosts
+'''
+
+
+def _applied_here(recipe: Path, checkpoint: Path) -> torch.Tensor:
+    """The checkpoint's model applied in this process to predict_data, in order."""
+    module = runpy.run_path(str(recipe))
+    model = module["model"]()
+    model.load_state_dict(load_checkpoint(checkpoint, model_only=True)["model"])
+    model.eval()
+    data = module["predict_data"](None)
+    with torch.no_grad():
+        return model(torch.stack([data[i][0] for i in range(len(data))]))
+
+
+def test_predict_on_the_cluster_brings_the_outputs_home(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    """Issue 47 item 4: `distrun predict --cluster` runs a cluster checkpoint's model on both hosts;
+    rank 0 writes in its host's job folder and the client copies the file to --output. A checkpoint
+    given with --checkpoint is shipped to each host, whose ranks read their own copy."""
+    recipe = tmp_path / "code" / "predicts.py"
+    recipe.parent.mkdir()
+    recipe.write_text(_PREDICTS)
+    trained = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--steps", "3", "--checkpoint-every", "2",
+                      "--checkpoint-dir", str(tmp_path / "ck"), "--no-fetch", "--json")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    newest, older = latest_checkpoint(tmp_path / "ck"), tmp_path / "ck" / "ckpt-000000002.pt"
+    (tmp_path / "home").mkdir()
+
+    out = tmp_path / "home" / "out.pt"
+    run = lab_cli(lab, "predict", str(recipe), "--cluster", str(cluster), "--checkpoint-dir", str(tmp_path / "ck"),
+                  "-o", str(out), "-b", "4", "--json")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = json_lines(run)
+    assert lines[0]["type"] == "job" and lines[0]["world_size"] == 2 and len(lines[0]["hosts"]) == 2
+    assert lines[-1]["status"] == "succeeded"
+    got = torch.load(out, weights_only=True)
+    assert got["checkpoint"] == str(newest)
+    torch.testing.assert_close(got["outputs"], _applied_here(recipe, newest), rtol=1e-5, atol=1e-6)
+    # Rank 0 wrote in h1's job folder, never at --output: the file there is the client's copy.
+    on_host = list(lab.workdir.glob(f"*/*/jobs/{lines[0]['job']}/predictions.pt"))
+    assert len(on_host) == 1 and on_host[0].read_bytes() == out.read_bytes(), on_host
+
+    shipped_out = tmp_path / "home" / "older.pt"
+    run = lab_cli(lab, "predict", str(recipe), "--cluster", str(cluster), "--checkpoint", str(older),
+                  "-o", str(shipped_out), "--json")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    job = json_lines(run)[0]["job"]
+    got = torch.load(shipped_out, weights_only=True)
+    assert f"/jobs/{job}/shipped/ckpt-000000002.pt" in got["checkpoint"], got["checkpoint"]
+    want = _applied_here(recipe, older)
+    torch.testing.assert_close(got["outputs"], want, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(want, _applied_here(recipe, newest)), "steps 2 and 3 predict alike: nothing is told apart"
+    assert list(lab.workdir.glob(f"*/*/jobs/{job}/shipped")) == [], "the shipped copies outlived the job"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("-s", "parameter-server"), "distrun predict --strategy parameter-server: predict runs on a cluster with "),
+    (("--replicas", "2"), "--replicas: on a cluster each host runs its `slots:`"),
+    ((), "{tmp}/nope.yaml: no such file"),
+], ids=["ps", "replicas", "no-file"])
+def test_predict_on_a_cluster_refuses_bad_flags_in_one_line(tmp_path: Path, flags: tuple[str, ...], says: str) -> None:
+    """Said before any host is reached (the cluster file is not even read): exit 2, one line."""
+    recipe = tmp_path / "predicts.py"
+    recipe.write_text(_PREDICTS)
+    result = run_cli("predict", str(recipe), "--cluster", str(tmp_path / "nope.yaml"), "--checkpoint-dir",
+                     str(tmp_path), "-o", str(tmp_path / "out.pt"), *flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {says.format(tmp=tmp_path)}"), lines
+
+
+def _shape(lab: Lab, name: str, rate_mbit: float | None) -> None:
+    """Shape host ``name``'s link to ``rate_mbit`` both ways (tc tbf), or take the shaping off."""
+    ns = lab.hosts[name][0]
+    port = f"v{lab.netns.tag[-6:]}{name}"[:15]  # its veth's end in the bridge, as the lab named it
+    for where, dev in ((ns, "eth0"), (lab.netns.bridge_ns, port)):
+        if rate_mbit is None:
+            subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
+        else:
+            burst_kb = max(32, int(rate_mbit * 1000 / 8 * 0.004))
+            subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                            f"{rate_mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "100ms"],
+                           capture_output=True, text=True, check=True)
+
+
+#: A 2.1M-parameter model at a batch whose compute outweighs its 8.4 MB of gradients on the lab's
+#: veth, but not on a 100 Mbit/s link, over which a pipeline's activations (1 KB a sample) go instead.
+AUTO_RECIPE = REPO / "distrun" / "bench" / "_pipeline_recipe.py"
+AUTO_ARGS = ("--width", "256", "--layers", "4", "--samples", "1024")
+
+
+def test_auto_on_the_cluster_measures_its_link_and_a_slow_one_makes_it_pipeline(lab: Lab, cluster: Path,
+                                                                                 tmp_path: Path) -> None:
+    """The probe runs as a job on the cluster's own hosts and slots: on the lab's fast veth the ring
+    all-reduce costs little and multi-worker is chosen; with h2's link shaped to 100 Mbit/s the
+    same recipe is laid out as a pipeline across the hosts, multi-worker said to lose on the link,
+    and the job runs there to its end."""
+    fast = lab_cli(lab, "plan", str(AUTO_RECIPE), "--cluster", str(cluster), "--json", "--device", "cpu", "-b", "512",
+                   "--", *AUTO_ARGS, timeout=300)
+    assert fast.returncode == 0, fast.stdout[-3000:] + fast.stderr[-3000:]
+    plan = json_lines(fast)[-1]
+    print("fast link:", [(c["layout"], round(c["predicted_step_s"], 3), c["verdict"]) for c in plan["candidates"] if "accumulate" not in c["layout"]])
+    assert plan["chosen"]["strategy"]["name"] == "multi-worker" and plan["chosen"]["parallel"]["pp"] == 1, plan
+    assert {c["layout"] for c in plan["candidates"]} >= {"multi-worker x2", "sharded x2"}
+    _shape(lab, "h2", 100)
+    try:
+        slow = lab_cli(lab, "train", str(AUTO_RECIPE), "--cluster", str(cluster), "-s", "auto", "--json", "--device",
+                       "cpu", "--steps", "2", "-b", "512", "--", *AUTO_ARGS, timeout=600)
+    finally:
+        _shape(lab, "h2", None)
+    assert slow.returncode == 0, slow.stdout[-3000:] + slow.stderr[-3000:]
+    summary = json_lines(slow)[-1]
+    plan = summary["plan"]
+    print("100 Mbit/s:", "\n".join(line for line in slow.stderr.splitlines() if "auto" in line or "not " in line))
+    assert plan["chosen"]["parallel"]["pp"] == 2, plan["candidates"][:4]
+    ring = next(c for c in plan["candidates"] if c["layout"] == "multi-worker x2")
+    assert "waiting on the links" in ring["verdict"], ring
+    assert summary["status"] == "succeeded" and summary["steps"] == 2 and plan["measured_step_s"] > 0
+    assert plan["predicted_peak_mb"] > 0 and plan["decide_s"] > 0

@@ -49,9 +49,11 @@ UNCHAINED = PIPELINE_RECIPE.read_text().replace('''def model() -> nn.Module:
     def __init__(self):
         super().__init__()
         width = ARGS.width
+        # The chained model's layers, drawn from the seed in its order (the blocks first) and named in it.
+        blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+                               for _ in range(ARGS.layers))
         self.first = nn.Sequential(nn.Linear(ARGS.inputs, width), nn.ReLU())
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                    for _ in range(ARGS.layers))
+        self.blocks = blocks
         self.head = nn.Linear(width, _CLASSES)
 
     def forward(self, x):
@@ -99,7 +101,7 @@ def _limit(group: Path, megabytes: float) -> None:
 def _smallest_mirrored_need_mb(recipe: Path, *args: str) -> float:
     """The planner's own smallest predicted peak of a data-parallel layout (any accumulation or
     checkpointing), outside any cgroup."""
-    result = run_cli("plan", str(recipe), "--json", "--device", "cpu", "-b", BATCH, "--", *args)
+    result = run_cli("plan", str(recipe), "--json", "--no-trials", "--device", "cpu", "-b", BATCH, "--", *args)
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     needs = [c["predicted_peak_mb"] for c in plan["candidates"] if c["layout"].startswith("mirrored x")]
@@ -125,10 +127,12 @@ def _one_device(recipe: Path, ckpt: Path, *args: str) -> dict:
 
 
 def _same_parameters(ckpt: Path, reference: dict) -> None:
+    """The checkpoint's parameters are ``reference``'s, in order (the unchained recipe builds the same
+    layers in the same order from the same seed, under other names)."""
     model = load_checkpoint(latest_checkpoint(ckpt))["model"]
-    assert set(model) == set(reference)
-    for key, tensor in reference.items():
-        torch.testing.assert_close(model[key], tensor, rtol=0, atol=2e-6, msg=key)
+    assert len(model) == len(reference)
+    for (key, tensor), (_, expected) in zip(model.items(), reference.items()):
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=2e-6, msg=key)
 
 
 def test_memory_to_spare_keeps_mirrored(unchained, tmp_path):
@@ -149,9 +153,22 @@ def test_memory_to_spare_keeps_mirrored(unchained, tmp_path):
     _same_parameters(tmp_path / "auto", _one_device(unchained, tmp_path / "one", *args))
 
 
-def test_a_budget_below_mirrored_chooses_a_pipeline_that_runs_within_it(memory_cgroup, tmp_path):
-    need = _smallest_mirrored_need_mb(PIPELINE_RECIPE, *BIG)
-    _limit(memory_cgroup, 2 * need + CLIENT_MB)
+@pytest.fixture(scope="module")
+def big_one_device(tmp_path_factory) -> dict:
+    """One-device's parameters of the big model after the tests' steps: both budget tests' reference."""
+    return _one_device(PIPELINE_RECIPE, tmp_path_factory.mktemp("one"), *BIG)
+
+
+@pytest.fixture(scope="module")
+def big_need_mb() -> float:
+    """The big model's smallest mirrored need, as the planner predicts it: the same model whether
+    written as a chain or not, so both budget tests share one probe."""
+    return _smallest_mirrored_need_mb(PIPELINE_RECIPE, *BIG)
+
+
+def test_a_budget_below_mirrored_chooses_a_pipeline_that_runs_within_it(big_need_mb, big_one_device, memory_cgroup,
+                                                                          tmp_path):
+    _limit(memory_cgroup, 2 * big_need_mb + CLIENT_MB)
     summary = _auto_in(memory_cgroup, PIPELINE_RECIPE, tmp_path / "auto", tmp_path / "home", *BIG)
     plan = summary["plan"]
     assert plan["chosen"]["parallel"]["pp"] == 2, plan["chosen"]
@@ -162,15 +179,51 @@ def test_a_budget_below_mirrored_chooses_a_pipeline_that_runs_within_it(memory_c
     assert "oom_kill 0" in oom or "oom_kill" not in oom, oom  # it ran within the cgroup's limit
     written = load_checkpoint(latest_checkpoint(tmp_path / "auto"))
     assert written["mesh"]["pp"] == 2 and written["layout"]["accumulate"] == plan["chosen"]["training"]["accumulate"]
-    _same_parameters(tmp_path / "auto", _one_device(PIPELINE_RECIPE, tmp_path / "one", *BIG))
+    _same_parameters(tmp_path / "auto", big_one_device)
 
 
-def test_a_model_without_a_chain_under_the_same_budget_is_sharded(unchained, memory_cgroup, tmp_path):
-    need = _smallest_mirrored_need_mb(unchained, *BIG)
-    _limit(memory_cgroup, 2 * need + CLIENT_MB)
+def test_a_model_without_a_chain_under_the_same_budget_is_sharded(unchained, big_need_mb, big_one_device, memory_cgroup,
+                                                                   tmp_path):
+    _limit(memory_cgroup, 2 * big_need_mb + CLIENT_MB)
     summary = _auto_in(memory_cgroup, unchained, tmp_path / "auto", tmp_path / "home", *BIG)
     plan = summary["plan"]
     assert plan["chosen"]["strategy"]["name"] == "sharded" and plan["chosen"]["parallel"]["pp"] == 1, plan["chosen"]
     assert not any("--pp" in c["layout"] for c in plan["candidates"])  # nothing to cut, nothing offered
-    _same_parameters(tmp_path / "auto", _one_device(unchained, tmp_path / "one", *BIG))
+    _same_parameters(tmp_path / "auto", big_one_device)
 
+
+
+def test_trials_run_the_layouts_the_model_cannot_tell_apart_and_keep_the_faster(unchained):
+    """A step of milliseconds is mostly what the model cannot see: the best layout and the best of
+    another kind each run for real for a few steps, and the faster measured one is chosen, its
+    measured step the plan's prediction (called directly, so the 30 s budget the probe shares does
+    not decide whether the trials run)."""
+    from distrun.cli._auto_trials import SHORT_STEP_S, time_near, trial_flags
+    from distrun.cli._spec import build_spec
+    from distrun.planner.choose import decide
+    from distrun.planner.cost import Link, ModelProfile, Resources
+
+    mb = 10**6
+    profile = ModelProfile(parameter_bytes=mb, gradient_bytes=mb, optimizer_bytes=2 * mb, units=2, largest_unit_bytes=mb,
+                           compute_s_per_sample=1e-6, forward_s_per_sample=3e-7, activation_bytes_per_sample=1000,
+                           checkpointed_activation_bytes_per_sample=100, base_bytes=300 * mb)
+    resources = Resources(ranks=2, hosts=1, budget_bytes=10_000 * mb, within_host=Link(1e9, 1e-5))
+    decision = decide(profile, resources, int(BATCH))
+    assert decision.chosen.step_s < SHORT_STEP_S
+    base = {"recipe": unchained, "recipe_args": ("--width", "8", "--layers", "2", "--samples", "512"),
+            "device": "cpu", "global_batch_size": int(BATCH), "seed": None}
+    ran: list[tuple[str, int]] = []
+
+    def make_spec(layout, steps):
+        ran.append((layout.describe(), steps))
+        return build_spec(**trial_flags(base, layout, steps))
+
+    retimed, spent_s = time_near(decision, 0.0, make_spec)
+    timed = {p.layout.describe(): p.timed_step_s for p, _ in retimed.ranked if p.timed_step_s is not None}
+    assert sorted(timed) == sorted(name for name, _ in ran) == ["mirrored x2", "sharded x2"], (ran, timed)
+    assert all(steps >= 4 for _, steps in ran) and all(step_s > 0 for step_s in timed.values())
+    assert retimed.chosen.timed_step_s == min(timed.values())
+    assert retimed.chosen.expected_step_s == retimed.chosen.timed_step_s
+    loser = next(verdict for p, verdict in retimed.ranked if p.timed_step_s is not None and verdict != "chosen")
+    assert loser.startswith("timed at "), loser
+    assert spent_s < 60

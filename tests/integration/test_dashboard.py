@@ -225,6 +225,7 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     row = page.locator(f"tr[data-job='{job.id}']")
     expect(row).to_be_visible(timeout=15_000)
     expect(row.get_by_role("cell").nth(2)).to_have_text("running")
+    expect(row.get_by_role("cell").nth(12)).to_have_text("local")  # no CLUSTER: this machine's server, labelled
     row.get_by_role("link", name=job.recipe).click()
     page.wait_for_url(f"**/jobs/{job.id}")
 
@@ -246,6 +247,11 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
         assert time.monotonic() < deadline, f"no progress on the page: steps {first_steps} -> {steps}, points {first_points} -> {points}"
         time.sleep(0.3)
     assert [body_rows.nth(i).get_by_role("cell").nth(0).inner_text() for i in range(2)] == ["0", "1"]
+    # The wait share per rank (the step's wait for its peer over its wall time), as a percentage.
+    expect(ranks.get_by_role("columnheader", name="wait", exact=True)).to_be_visible()
+    for i in range(2):
+        expect(body_rows.nth(i).get_by_role("cell").nth(9)).to_have_text(re.compile(r"^\d{1,3}%$"), timeout=10_000)
+    expect(page.locator("dl.summary dt:text-is('cluster') + dd")).to_have_text("local")  # the job's cluster
     events = page.get_by_role("list", name="events")
     expect(events).to_contain_text("rank 0 started on cpu")
     expect(events).to_contain_text("rank 1 started on cpu")
@@ -286,6 +292,14 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     expect(page.get_by_role("log", name="logs")).to_contain_text("hello from rank 0")
     page.goto(served.origin + "/")
     expect(page.locator(f"tr[data-job='{job.id}']").get_by_role("cell").nth(2)).to_have_text("stopped", timeout=15_000)
+
+    # Hosts: this machine's server, and its GPU panel saying why there is none (the probe ran on the server).
+    page.goto(served.origin + "/hosts")
+    hosts = page.get_by_role("table", name="hosts").locator("tbody tr")
+    expect(hosts).to_have_count(1, timeout=15_000)
+    expect(hosts.get_by_role("cell").nth(2)).to_have_text("up")
+    expect(hosts.get_by_role("cell").nth(12)).to_have_text("local")
+    expect(hosts.get_by_role("cell").nth(13)).to_have_text(re.compile(r"^no GPU \(NVML not found: .+\)$"))
     context.close()
     assert not problems, problems
 
@@ -311,3 +325,25 @@ def test_listening_beyond_loopback_warns_and_sigterm_ends_it(warm_start: None) -
     assert proc.returncode == 0, err[-2000:]
     assert err.splitlines()[0].startswith("warning: --host 0.0.0.0: the dashboard listens beyond this machine"), err
     assert "dashboard stopped" in err
+
+
+def test_the_record_of_clusters_up_keeps_one_entry_a_file_and_forgets_the_gone(tmp_path: Path) -> None:
+    """What `up` records and `down` forgets for the dashboard without CLUSTER (no server needed)."""
+    from distrun.client.brought_up import RECORD, brought_up, forget, remember
+
+    home, lab, other = tmp_path / "home", tmp_path / "lab.yaml", tmp_path / "other.yaml"
+    lab.write_text("x")
+    other.write_text("x")
+    assert brought_up(str(home)) == ()
+    remember(str(home), lab, "lab")
+    remember(str(home), other, "other")
+    remember(str(home), lab, "lab")  # up again: one entry, renewed (now the newest)
+    assert [(entry.name, entry.file) for entry in brought_up(str(home))] == [("other", str(other)), ("lab", str(lab))]
+    other.unlink()  # a file that is gone is left out
+    assert [entry.name for entry in brought_up(str(home))] == ["lab"]
+    forget(str(home), lab)
+    assert brought_up(str(home)) == ()
+    (home / RECORD).write_text("{not json")  # an unreadable record reads as empty, and is rewritten whole
+    assert brought_up(str(home)) == ()
+    remember(str(home), lab, "lab")
+    assert [entry.name for entry in brought_up(str(home))] == ["lab"]

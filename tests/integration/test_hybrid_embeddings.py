@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from distrun.strategies import latest_checkpoint
+from distrun.strategies.data.plan import GlobalBatchPlan
 from tests.conftest import REPO, run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
@@ -49,12 +51,52 @@ def _assert_same_training(hybrid: dict, one: dict) -> None:
                                        msg=f"{index}.{key}")
 
 
-def _recipe_model() -> torch.nn.Module:
+def _recipe() -> Any:
     spec = importlib.util.spec_from_file_location("recommender_under_test", RECOMMENDER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.model()
+    return module
+
+
+def _recipe_model() -> torch.nn.Module:
+    return _recipe().model()
+
+
+def _expected_bytes_per_step(tables: dict[str, slice], steps: int = 20) -> dict[int, float]:
+    """Each replica's mean bytes a step of table rows, from the batches it read: per table, the
+    batch's unique ids times a row's bytes (fp32), once pulled and once pushed as a gradient.
+    ``tables``: the recipe's table name -> the columns of a sample that index it."""
+    recipe = _recipe()
+    ids = recipe.train_data(None).tensors[0]
+    row_bytes = {"users": recipe.USER_DIM * 4, "categories": recipe.CATEGORY_DIM * 4}
+    plan = GlobalBatchPlan(len(ids), recipe.defaults["global_batch_size"], 2, seed=0)  # the job's default seed
+    order = plan.order(0)
+    expected = {}
+    for replica in range(2):
+        total = 0
+        for batch in range(steps):
+            mine = ids[list(plan.share(order, batch, replica).indices)]
+            total += sum(2 * torch.unique(mine[:, columns]).numel() * row_bytes[name]
+                         for name, columns in tables.items())
+        expected[replica] = total / steps
+    return expected
+
+
+def _dense_grad_bytes(off_ps: tuple[str, ...]) -> int:
+    """The recipe model's parameters but the tables on the ps tasks, in fp32 bytes: what DDP all-reduces."""
+    return sum(p.numel() * 4 for name, p in _recipe_model().named_parameters() if name.split(".")[0] not in off_ps)
+
+
+def _assert_bytes_moved(lines: list[dict], embeddings: dict[int, float], dense: int) -> None:
+    """Each replica's last Step event, the live line and the summary report what the batches moved."""
+    last = {line["rank"]: line for line in lines if line.get("type") == "step"}
+    for replica, figure in embeddings.items():
+        assert last[replica]["embedding_bytes_per_step"] == pytest.approx(figure, rel=1e-9), (replica, figure)
+        assert last[replica]["dense_grad_bytes_per_step"] == dense
+    summary = lines[-1]
+    assert summary["embedding_bytes_per_step"] == pytest.approx(sum(embeddings.values()) / 2, rel=1e-9)
+    assert summary["dense_grad_bytes_per_step"] == dense
 
 
 def test_adagrad_with_the_table_on_one_ps_task_ends_with_one_device_parameters(tmp_path: Path) -> None:
@@ -72,6 +114,7 @@ def test_adagrad_with_the_table_on_one_ps_task_ends_with_one_device_parameters(t
     assert moved[0]["dense_grad_mb"] > 0
     summary = lines[-1]
     assert summary["status"] == "succeeded" and summary["replicas"] == 2 and summary["steps"] == 20
+    _assert_bytes_moved(lines, _expected_bytes_per_step({"users": slice(0, 1)}), _dense_grad_bytes(("users",)))
     _train(RECOMMENDER, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "one"))
     hybrid, one = _checkpoint(tmp_path / "hybrid"), _checkpoint(tmp_path / "one")
     _assert_same_training(hybrid, one)
@@ -88,6 +131,9 @@ def test_both_tables_split_over_two_ps_tasks_equal_one_device(tmp_path: Path) ->
     assert any("ps0:" in p and "users.weight[0:10000]" in p and "categories.weight[0:32]" in p
                for p in placement), placement
     assert any("ps1:" in p and "users.weight[10000:20000]" in p for p in placement), placement
+    # The category table's ids repeat within a batch (3 a sample of 64): each row crosses once a step.
+    _assert_bytes_moved(lines, _expected_bytes_per_step({"users": slice(0, 1), "categories": slice(1, None)}),
+                        _dense_grad_bytes(("users", "categories")))
     _train(RECOMMENDER, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "one"))
     _assert_same_training(_checkpoint(tmp_path / "hybrid"), _checkpoint(tmp_path / "one"))
 
@@ -135,6 +181,23 @@ def test_sgd_from_a_job_file_equals_one_device(tmp_path: Path) -> None:
     hybrid, one = _checkpoint(tmp_path / "hybrid"), _checkpoint(tmp_path / "one")
     assert one["optimizer"]["state"] == {}  # plain SGD keeps none
     _assert_same_training(hybrid, one)
+
+
+def test_clip_grad_norm_takes_in_the_rows_and_equals_one_device(tmp_path: Path) -> None:
+    """One global norm over the dense gradients and every table's rows, gathered from both replicas
+    (the category rows meet across them): one-device's clip. The clip must bite (the unclipped
+    run ends elsewhere), and a norm without the rows (the dense part alone) would scale less."""
+    clip = ("--clip-grad-norm", "0.05")
+    _train(RECOMMENDER, *HYBRID, "--ps-tasks", "2", "--ps-partition-mb", "0.001", "--steps", "20", *clip,
+           "--checkpoint-dir", str(tmp_path / "hybrid"), "--", "--optimizer", "sgd")
+    _train(RECOMMENDER, "--strategy", "one-device", "--steps", "20", *clip, "--checkpoint-dir", str(tmp_path / "one"),
+           "--", "--optimizer", "sgd")
+    _train(RECOMMENDER, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "free"),
+           "--", "--optimizer", "sgd")
+    hybrid, one, free = (_checkpoint(tmp_path / name) for name in ("hybrid", "one", "free"))
+    _assert_same_training(hybrid, one)
+    moved = max((free["model"][key] - value).abs().max().item() for key, value in one["model"].items())
+    assert moved > 1e-3, moved
 
 
 def test_resume_on_another_ps_layout_sends_the_tables_back_and_ends_as_one_device(tmp_path: Path) -> None:
@@ -205,3 +268,36 @@ def test_where_embeddings_ps_does_not_apply_is_one_line_exit_2(args: tuple[str, 
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1, result.stderr
+
+
+def test_the_live_view_and_the_summary_show_the_bytes_a_step() -> None:
+    """Each replica's newest figures, their mean in the summary and a line under the live tables;
+    a job whose Step events carry none (any other strategy) shows neither."""
+    from rich.console import Console
+
+    from distrun.client._tracker import JobTracker
+    from distrun.protocol import Step
+    from distrun.ui import render_progress, render_summary
+
+    def step(rank: int, embedding: float | None, dense: float | None) -> Step:
+        return Step(rank=rank, time=1.0, step=5, epoch=0, loss=0.5, samples_per_s=10.0, mem_mb=1.0,
+                    embedding_bytes_per_step=embedding, dense_grad_bytes_per_step=dense)
+
+    def text(renderable: Any) -> str:
+        console = Console(width=200, record=True, color_system=None)
+        console.print(renderable)
+        return console.export_text()
+
+    tracker = JobTracker("recommender.py", "mirrored", replicas=2, ps_tasks=1)
+    tracker.update(step(0, 4000.0, 5380.0))
+    tracker.update(step(1, 4200.0, 5380.0))
+    assert ("embeddings ps: a step moves 4.1 KB of rows pulled and pushed, 5.4 KB of dense gradients all-reduced"
+            in text(render_progress(tracker.snapshot())))
+    summary = tracker.summary("succeeded")
+    assert summary.embedding_bytes_per_step == 4100.0 and summary.dense_grad_bytes_per_step == 5380.0
+    assert "4,100 B of embedding rows pulled and pushed, 5,380 B of dense gradients" in text(render_summary(summary))
+    plain = JobTracker("recommender.py", "mirrored", replicas=2)
+    plain.update(step(0, None, None))
+    assert plain.summary("succeeded").embedding_bytes_per_step is None
+    assert "bytes a step" not in text(render_summary(plain.summary("succeeded")))
+    assert "embeddings ps" not in text(render_progress(plain.snapshot()))

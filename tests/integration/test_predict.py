@@ -152,7 +152,7 @@ def test_a_checkpoint_of_another_model_names_the_file_and_the_shapes(checkpoints
     (("--checkpoint-dir", "{tmp}/none"), 5, "--checkpoint-dir {tmp}/none: no such folder"),
     (("--checkpoint-dir", "{tmp}"), 5, "--checkpoint-dir {tmp}: no checkpoint to predict with"),
     (("--checkpoint-dir", "{tmp}", "-s", "ps"), 2, "distrun predict --strategy ps: predict runs here with"),
-    (("--checkpoint-dir", "{tmp}", "--cluster", "{tmp}/c.yaml"), 2, "distrun predict --cluster: not supported yet"),
+    (("--checkpoint-dir", "{tmp}", "--cluster", "{tmp}/c.yaml"), 2, "{tmp}/c.yaml: no such file"),
 ])
 def test_bad_flags_are_one_line_with_their_exit_code(write_recipe, tmp_path, flags, code, says):
     recipe = write_recipe(recipe_of(3))

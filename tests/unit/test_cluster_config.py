@@ -71,7 +71,7 @@ def test_the_first_worker_becomes_chief_when_none_is_named() -> None:
     ("hosts:\n  - {address: a, roles: [wroker]}\n",
      "c.yaml:2: hosts[0].roles[0]: unknown role 'wroker' (did you mean 'worker'?); roles are chief, worker, ps, evaluator"),
     ("hots:\n  - a\n", "c.yaml:1: hots: unknown key (did you mean 'hosts'?); known keys: name, scheduler, "
-                       "slurm, ssh, python, workdir, setup, requirements, wheels, index, keep_environments, env, network, hosts, job"),
+                       "slurm, ssh, python, workdir, setup, requirements, wheels, index, keep_environments, installer, env, network, hosts, job"),
     ("name: x\n", "c.yaml:1: hosts: is required: list the machines of the cluster"),
     ("hosts: []\n", "c.yaml:1: hosts: must be a non-empty list of hosts. Received: []"),
     ("ssh: {port: 70000}\nhosts: [a]\n", "c.yaml:1: ssh.port: must be between 1 and 65535. Received: 70000"),

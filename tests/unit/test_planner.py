@@ -125,3 +125,41 @@ def test_each_layouts_measured_fixed_costs_are_added_once_a_step():
     assert piped.fixed_s == pytest.approx(0.003 + (4 + 2 - 1) * 0.003)  # the loop less DDP's, 5 schedule slots
     for prediction in (mirrored, sharded, piped):
         assert prediction.step_s == pytest.approx(prediction.compute_s + prediction.exposed_comm_s + prediction.fixed_s)
+
+
+def test_retime_keeps_the_faster_trial_and_says_the_model_was_overruled():
+    from distrun.planner.choose import retime
+
+    decision = decide(PROFILE, _resources(10_000), 64)
+    first, second = decision.chosen.layout, next(p.layout for p, verdict in decision.ranked[1:]
+                                                  if not verdict.startswith("needs ") and p.layout.pp > 1)
+    # The trials overrule the model: the one it liked less ran faster.
+    retimed = retime(decision, {first: 0.30, second: 0.20})
+    assert retimed.chosen.layout == second and retimed.chosen.expected_step_s == 0.20
+    assert retimed.chosen.step_s == next(p.step_s for p, _ in decision.ranked if p.layout == second)
+    verdicts = dict((p.layout, verdict) for p, verdict in retimed.ranked)
+    assert verdicts[second] == "chosen" and verdicts[first] == "timed at 0.3 s/step, 50% slower"
+    # What did not fit still does not, whatever was timed.
+    tight = decide(PROFILE, _resources(1_300), 64)
+    pipe = tight.chosen.layout
+    assert retime(tight, {pipe: 1.0}).chosen.layout == pipe
+    assert [v for _, v in retime(tight, {pipe: 1.0}).ranked if v.startswith("needs ")] == \
+        [v for _, v in tight.ranked if v.startswith("needs ")]
+
+
+def test_trials_take_the_best_and_a_near_or_short_runner_up_of_another_kind():
+    from distrun.cli._auto_trials import SHORT_STEP_S, TRIAL_NEAR, _to_time
+
+    decision = decide(PROFILE, _resources(10_000), 64)
+    chosen = _to_time(decision)
+    assert chosen[0].step_s == min(p.step_s for p, v in decision.ranked if not v.startswith("needs "))
+    kinds = {(p.layout.strategy, p.layout.pp) for p in chosen}
+    assert len(kinds) == len(chosen)  # never two variants of one kind
+    if len(chosen) == 2:
+        assert chosen[1].step_s <= chosen[0].step_s * (1 + TRIAL_NEAR) or chosen[0].step_s < SHORT_STEP_S
+    assert TRIAL_NEAR >= NEAR  # the 15% ties are always timed
+    tiny = ModelProfile(parameter_bytes=MB, gradient_bytes=MB, optimizer_bytes=2 * MB, units=2, largest_unit_bytes=MB,
+                        compute_s_per_sample=1e-6, forward_s_per_sample=3e-7, activation_bytes_per_sample=1000,
+                        checkpointed_activation_bytes_per_sample=100, base_bytes=300 * MB)
+    short = _to_time(decide(tiny, _resources(10_000), 64))
+    assert len(short) == 2 and short[0].step_s < SHORT_STEP_S  # a short step: the runner-up is timed too

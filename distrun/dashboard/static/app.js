@@ -63,7 +63,8 @@ function jobsView() {
   document.title = "jobs · distrun";
   const status = el("p", { class: "dim", role: "status", text: "connecting…" });
   const jobs = table("jobs", [["recipe"], ["job"], ["state"], ["step", true], ["loss", true], ["samples/s", true],
-                              ["strategy"], ["replicas", true], ["hosts"], ["started"], ["wall", true], ["why"]]);
+                              ["strategy"], ["replicas", true], ["hosts"], ["started"], ["wall", true], ["why"],
+                              ["cluster"]]);
   main.replaceChildren(el("h1", { text: "Jobs" }), status, jobs.element);
   const source = new EventSource("/api/jobs/events");
   source.onmessage = (message) => {
@@ -71,9 +72,14 @@ function jobsView() {
     document.getElementById("where").textContent = data.cluster;
     const notes = [];
     if (data.error) notes.push(data.error);
+    const failed = (data.clusters || []).filter((cluster) => cluster.error);
+    for (const cluster of failed) notes.push(`${cluster.name}: ${cluster.error}`);
     if (data.unreachable && data.unreachable.length) notes.push(`not listed: ${data.unreachable.join("; ")}`);
-    status.textContent = notes.length ? notes.join(" · ") : `${data.jobs.length} job(s), newest first`;
-    status.className = data.error ? "error" : "dim";
+    const counts = (data.clusters || []).filter((cluster) => !cluster.error)
+      .map((cluster) => `${cluster.name}: ${cluster.jobs}`).join(", ");
+    status.textContent = `${data.jobs.length} job(s), newest first${counts ? ` (${counts})` : ""}`
+      + (notes.length ? ` · ${notes.join(" · ")}` : "");
+    status.className = data.error || failed.length ? "error" : "dim";
     jobs.body.replaceChildren(...data.jobs.map((job) => el("tr", { "data-job": job.job },
       cell(el("a", { href: `/jobs/${encodeURIComponent(job.job)}`, text: job.recipe })),
       cell(job.job, false, "dim"),
@@ -81,7 +87,7 @@ function jobsView() {
       cell(stepOf(job), true), cell(fmtNum(job.loss), true), cell(fmtNum(job.samples_per_s), true),
       cell(job.strategy), cell(job.world_now ? `${job.world_now} of ${job.world_size}` : job.world_size, true),
       cell(job.hosts.join(", ")), cell(when(job.started_at)), cell(duration(job.elapsed_s), true),
-      cell(job.why || "", false, "why"))));
+      cell(job.why || "", false, "why"), cell(job.cluster, false, "cluster"))));
   };
   source.onerror = () => { status.textContent = "reconnecting…"; };
 }
@@ -96,7 +102,8 @@ function jobView(jobId) {
   const cancelButton = el("button", { type: "button", class: "danger", text: "Cancel" });
   const facts = el("dl", { class: "summary" });
   const ranks = table("ranks", [["rank", true], ["host"], ["device"], ["step", true], ["loss", true], ["samples/s", true],
-                                ["memory MB", true], ["peak MB", true], ["compute ms", true], ["status"]]);
+                                ["memory MB", true], ["peak MB", true], ["compute ms", true], ["wait", true],
+                                ["status"]]);
   const charts = [makeChart("loss", "loss"), makeChart("samples/s", "samples_per_s"), makeChart("lr", "lr")];
   const chartGrid = el("div", { class: "charts" }, ...charts.map((chart) => chart.element));
   const evalCharts = new Map();  // metric -> chart, made when an evaluation first names it
@@ -155,7 +162,8 @@ function jobView(jobId) {
     state.className = `state-${head.state}`;
     cancelButton.disabled = ended;
     stacksButton.disabled = ended;
-    const items = [["job", jobId], ["step", stepOf(head)], ["loss", fmtNum(head.loss)],
+    if (head.cluster) document.getElementById("where").textContent = head.cluster;
+    const items = [["cluster", head.cluster || "—"], ["job", jobId], ["step", stepOf(head)], ["loss", fmtNum(head.loss)],
                    ["samples/s", fmtNum(head.samples_per_s)], ["elapsed", duration(head.elapsed_s)],
                    ["hosts", (head.hosts || []).join(", ") || "—"]];
     for (const [name, value] of Object.entries(head.eval_metrics || {})) items.push([`eval ${name}`, fmtNum(value)]);
@@ -169,6 +177,7 @@ function jobView(jobId) {
         cell(row.rank, true), cell(row.host), cell(row.device), cell(row.step, true), cell(fmtNum(row.loss), true),
         cell(fmtNum(row.samples_per_s), true), cell(row.mem_mb, true), cell(row.peak_mem_mb, true),
         cell(row.compute_ms === null ? "—" : fmtNum(row.compute_ms), true),
+        cell(row.wait_pct === null || row.wait_pct === undefined ? "—" : `${row.wait_pct.toFixed(0)}%`, true),
         cell(row.slow ? `${row.status}, slow ${row.slow.toFixed(2)}x` : row.status, false, row.slow ? "slow" : null));
     }));
   }
@@ -252,9 +261,22 @@ function hostsView() {
   document.title = "hosts · distrun";
   const status = el("p", { class: "dim", role: "status", text: "asking every server…" });
   const hosts = table("hosts", [["host"], ["roles"], ["status"], ["version"], ["devices"], ["cpus", true], ["load", true],
-                                ["memory free"], ["jobs", true], ["uptime", true], ["round trip ms", true], ["message"]]);
+                                ["memory free"], ["jobs", true], ["uptime", true], ["round trip ms", true], ["message"],
+                                ["cluster"], ["GPUs"]]);
   main.replaceChildren(el("h1", { text: "Hosts" }), status, hosts.element);
   const gib = (bytes) => (bytes / 2 ** 30).toFixed(1);
+  // Each GPU's utilisation (a meter) and memory, as the host's server read them through NVML;
+  // none: why (NVML not found, or found no device); an older server that does not say: a dash.
+  function gpuPanel(host, s) {
+    if (!s || (!s.gpus && !s.gpu_note)) return "—";
+    const gpus = s.gpus || [];
+    if (!gpus.length) return el("span", { class: "dim", text: `no GPU (${s.gpu_note})` });
+    return el("ul", { class: "gpus", "aria-label": `GPUs of ${host}` }, ...gpus.map((gpu) => el("li", {},
+      el("span", { text: `${gpu.index} ${gpu.name} ` }),
+      el("meter", { min: 0, max: 100, value: gpu.util_pct, "aria-label": `GPU ${gpu.index} utilisation` }),
+      el("span", { text: ` ${gpu.util_pct.toFixed(0)}% · ${gib(gpu.memory_used_bytes)} / ${gib(gpu.memory_total_bytes)} GiB` }))),
+      s.gpu_note ? el("li", { class: "error", text: s.gpu_note }) : null);
+  }
   async function refresh() {
     try {
       const answer = await fetch("/api/hosts", { credentials: "same-origin" });
@@ -269,7 +291,8 @@ function hostsView() {
           cell(s ? s.cpu_count : null, true), cell(s ? s.load_1m.toFixed(2) : null, true),
           cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
           cell(s ? s.jobs_running : null, true), cell(s ? duration(s.uptime_s) : null, true),
-          cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"));
+          cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"),
+          cell(row.cluster), cell(gpuPanel(row.host, s), false, "gpus"));
       }));
     } catch (error) {
       status.textContent = String(error.message);

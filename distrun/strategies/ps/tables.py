@@ -156,6 +156,9 @@ class RowClient:
         self.pushes = 0
         #: Bytes of rows pulled and row gradients pushed (ids and headers included; checkpoints' not).
         self.step_bytes = 0
+        #: Of those, the rows' and their gradients' values alone, over the steps pushed: what a step's
+        #: unique rows are worth at the wire's dtype (eval's pulls, which push nothing, left out).
+        self.row_bytes = 0
 
     def _moved(self) -> int:
         return sum(channel.bytes_in + channel.bytes_out for channel in self.channels)
@@ -172,6 +175,9 @@ class RowClient:
     def push(self, lr_factor: float = 1.0) -> None:
         """This step's row gradients to every ps task; returns once each has applied the round."""
         touched, self.touched = self.touched, []
+        for _name, _ids, rows in touched:
+            size = self._wire_itemsize(rows.dtype)
+            self.row_bytes += (rows.numel() + (rows.grad.numel() if rows.grad is not None else 0)) * size
         before = self._moved()
         for task, channel in enumerate(self.channels):
             channel.send_header(Op.PUSH, 0, 0, lr_factor_word(lr_factor))  # no dense shards, no step budget
@@ -180,6 +186,11 @@ class RowClient:
             channel.recv_header()  # the round is applied (a dense reply would follow: the tables have none)
         self.pushes += 1
         self.step_bytes += self._moved() - before
+
+    def _wire_itemsize(self, dtype: torch.dtype) -> int:
+        """Bytes a value of ``dtype`` crosses in (``--compression fp16|bf16`` narrows floating ones)."""
+        wire = self.channels[0].wire if self.channels else None
+        return (wire if wire is not None and dtype.is_floating_point else dtype).itemsize
 
     def gather(self) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
         """Every table whole, and its optimizer state, by layout name (the chief's: ``STATE``)."""

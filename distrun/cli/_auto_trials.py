@@ -1,0 +1,120 @@
+"""``--strategy auto``'s trials: the layouts the cost model cannot tell apart, run for a few steps.
+
+The cost model is good at memory (within 25% of every measured peak) and at steps where the
+model's arithmetic dominates, but a step of a few milliseconds is mostly distrun's own loop,
+the process group and the OS scheduler, which a probe of the model cannot see (predictions of
+such steps were 2.5-5x under, docs/performance.md#strategy-auto), and even a larger model's
+step was up to 40% off. So, as the issue asks where the two best predictions are within 15% of
+each other, and wider, as far as the model's own error reaches:
+
+- the fitting layouts are taken fastest first, one of each kind (strategy and pipeline depth: a
+  layout's own variants only repeat it), and the first is timed; the second too where it is
+  within :data:`TRIAL_NEAR` of the first (the issue's 15% inside it) or the first's step is under
+  :data:`SHORT_STEP_S`;
+- a trial is a real local job of that layout (the same processes, loop and reporting a run has)
+  for enough steps to fill about :data:`TRIAL_S` seconds, from the end of step 1 (the summary's
+  samples/s), started only while the decision stays within :data:`DECIDE_BUDGET_S` (the issue's
+  30 s);
+- the faster trial is kept, and its measured step becomes the plan's predicted one.
+
+A trial that fails (a layout the model said fits, killed) is said and leaves that layout out: a
+bug in the model, but never the user's job's end.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from distrun.client import LocalJob
+from distrun.config import JobSpec
+from distrun.errors import DistrunError
+from distrun.planner.choose import Decision, retime
+from distrun.planner.cost import Layout, Prediction
+
+__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "TRIAL_NEAR", "TRIAL_S", "time_near", "trial_flags"]
+
+#: A trial's timed steps fill about this long (after its first step), between the bounds below: a
+#: short step needs many, as its first few after step 1 still warm up (40 steps of a 15 ms step
+#: timed it at twice a long run's).
+TRIAL_S = 2.0
+_MIN_STEPS, _MAX_STEPS = 3, 200
+#: The runner-up is timed where the model puts it within this share of the best: the model's step
+#: time was up to 40% off (docs/performance.md#strategy-auto), so a closer call is not the model's.
+TRIAL_NEAR = 0.5
+#: A step shorter than this is timed as well as predicted: there, the loop's own costs outweigh the model's.
+SHORT_STEP_S = 0.05
+#: The whole decision, probe and trials, stays within this (the issue's bar).
+DECIDE_BUDGET_S = 30.0
+#: What starting a trial's processes costs before its first step, beyond its steps (a guess the
+#: first trial corrects).
+_START_S = 6.0
+
+
+def _to_time(decision: Decision) -> list[Prediction]:
+    """The fitting layouts worth timing, fastest predicted first: the best one, and the best of another
+    kind where it is within TRIAL_NEAR or the best step is short."""
+    seen: set[tuple[str, int]] = set()
+    fitting = []
+    for prediction, verdict in decision.ranked:
+        kind = (prediction.layout.strategy, prediction.layout.pp)
+        if verdict.startswith("needs ") or kind in seen:
+            continue
+        seen.add(kind)
+        fitting.append(prediction)
+    fitting.sort(key=lambda p: p.step_s)
+    if not fitting:
+        return []
+    best, rest = fitting[0], fitting[1:]
+    if rest and (rest[0].step_s <= best.step_s * (1 + TRIAL_NEAR) or best.step_s < SHORT_STEP_S):
+        return [best, rest[0]]
+    return [best]
+
+
+def _trial_steps(predicted_step_s: float) -> int:
+    return 1 + max(_MIN_STEPS, min(_MAX_STEPS, math.ceil(TRIAL_S / max(predicted_step_s, 1e-4))))
+
+
+def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, int], JobSpec],
+              say: Callable[[str], None] = lambda _: None) -> tuple[Decision, float]:
+    """The decision after timing what it cannot tell apart (see the module), and the seconds spent.
+
+    ``spent_s``: what the decision took so far (the probe); ``make_spec(layout, steps)``: the job a
+    trial runs."""
+    started = time.perf_counter()
+    timed: dict[Layout, float] = {}
+    start_s = _START_S
+    for prediction in _to_time(decision):
+        steps = _trial_steps(prediction.step_s)
+        expected = start_s + steps * prediction.step_s
+        if spent_s + (time.perf_counter() - started) + expected > DECIDE_BUDGET_S:
+            break
+        began = time.perf_counter()
+        try:
+            step_s = _run_trial(make_spec(prediction.layout, steps))
+        except DistrunError as exc:
+            say(f"auto: the trial of {prediction.layout.describe()} failed: {exc.message}")
+            continue
+        start_s = max(0.0, time.perf_counter() - began - steps * step_s)  # what this machine's start costs
+        timed[prediction.layout] = step_s
+    return (retime(decision, timed) if timed else decision), time.perf_counter() - started
+
+
+def _run_trial(spec: JobSpec) -> float:
+    """The seconds a step took in a short real run of ``spec`` (from the end of its first step)."""
+    with LocalJob(spec) as job:
+        for _ in job.events():
+            pass
+        summary = job.outcome().summary
+    if summary.status != "succeeded" or summary.samples_per_s <= 0:
+        raise DistrunError(summary.error or f"ended {summary.status}")
+    return spec.training.global_batch_size / summary.samples_per_s
+
+
+def trial_flags(base: dict[str, Any], layout: Layout, steps: int) -> dict[str, Any]:
+    """``build_spec``'s arguments for a trial: the job's own, the layout's, ``steps`` steps and nothing
+    kept (no checkpoint, no tracker)."""
+    return {**base, **layout.flags(), "steps": steps, "epochs": None, "checkpoint_dir": None,
+            "checkpoint_every": None}

@@ -1,0 +1,88 @@
+"""The planner's measurements of a recipe, in whatever group of processes runs them.
+
+``distrun.runtime.plan_probe`` runs them in processes of its own on this machine (for a local
+``--strategy auto``); ``runtime/_cluster_probe.py`` in a cluster job's own ranks, across its hosts.
+Either way every process of the group builds the recipe's model from the job's seed and measures
+at once, as the job's ranks will compute at once (planner/probe.py says what is measured and how),
+then the group times its collectives, each layout's fixed costs and distrun's own loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distrun.planner.overheads import collective_rates, framework_overheads
+from distrun.planner.probe import measure, resident_bytes
+from distrun.runtime._loop_probe import loop_step_s
+from distrun.runtime._move import to_device
+from distrun.strategies import InputContext
+from distrun.strategies.step.accumulation import batch_rows, split_batch
+
+__all__ = ["MAX_COLLECTIVE_BYTES", "agree", "measure_recipe"]
+
+#: The largest all-reduce the group times (the gradients' bytes, capped).
+MAX_COLLECTIVE_BYTES = 64 << 20
+
+
+def agree(flag: bool) -> bool:
+    """True where every process of the default group says true (the smallest of their answers)."""
+    answer = torch.tensor([int(flag)])
+    dist.all_reduce(answer, op=dist.ReduceOp.MIN)
+    return bool(answer.item())
+
+
+def _batches(recipe: ModuleType, batch_size: int, seed: int) -> Any:
+    """``batch_of(count)``: a batch of ``count`` samples of the recipe's training data."""
+    data = recipe.train_data(InputContext(1, 0, batch_size, seed))
+    collate = torch.utils.data.default_collate
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
+        def batch_of(count: int) -> Any:
+            return collate([data[i % len(data)] for i in range(count)])
+        return batch_of
+    first = next(iter(data))  # an iterable of batches: the first, cut to size
+
+    def cut(count: int) -> Any:
+        have = batch_rows(first) or count
+        return split_batch(first, max(1, have // count))[0][0] if have > count else first
+    return cut
+
+
+def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group_size: int,
+                   device: torch.device) -> dict[str, Any]:
+    """The profile of ``recipe``'s model (``request``: ``global_batch_size``, ``rows`` a forward sees,
+    ``seed``, ``memory_cap_bytes``), the default group's all-reduce link (None for a group of one)
+    and the fixed costs; every process of the default group calls it at once."""
+    # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
+    # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
+    # the free memory the budget reads).
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+    seed = int(request.get("seed", 0))
+    torch.manual_seed(seed)
+    model = recipe.model()
+    batch_of = _batches(recipe, int(request["global_batch_size"]), seed)
+    forward = getattr(recipe, "forward", lambda m, b: m(b[0]))
+    together = group_size > 1
+    profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
+                      batch_of=lambda count: to_device(batch_of(count), device), rows=int(request["rows"]),
+                      device=device, base_bytes=base, units_from=getattr(recipe, "shard_units", None),
+                      chain_from=getattr(recipe, "pp_chain", None),
+                      together=dist.barrier if together else lambda: None,
+                      agree=agree if together else lambda flag: flag,
+                      # A rank's budget (the client's, on CPU) or the GPU's free memory.
+                      memory_cap_bytes=request.get("memory_cap_bytes") or (
+                          int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
+                      time_sharded=together)
+    del model
+    link, overheads = None, {}
+    if together:
+        rates = collective_rates(min(profile.gradient_bytes, MAX_COLLECTIVE_BYTES))
+        link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
+        overheads = {**framework_overheads(device), **rates}
+    overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return {"profile": dataclasses.asdict(profile), "link": link, "device_free_bytes": free, "overheads": overheads}
