@@ -202,13 +202,22 @@ class NetnsLab:
         ip("-n", ns, "link", "set", "eth0", "up")
         ip("-n", ns, "link", "set", "lo", "up")
         if rate_mbit is not None:
-            for where, dev in ((ns, "eth0"), (self.bridge_ns, port)):
-                # burst: a few ms at the rate; latency bounds the queue (rate x 100 ms).
-                burst_kb = max(32, int(rate_mbit * 1000 / 8 * 0.004))
-                subprocess.run(["tc", "-n", where, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                                f"{rate_mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "100ms"],
-                               capture_output=True, text=True, check=True)
+            self.shape(name, rate_mbit)
         return ns, address
+
+    def shape(self, name: str, rate_mbit: float | None) -> None:
+        """Shape node ``name``'s link to ``rate_mbit`` in both directions (``tc`` tbf on each end of its
+        veth), or, with None, take the shaping off."""
+        ns, port = f"{self.tag}{name}", f"v{self.tag[-6:]}{name}"[:15]
+        for where, dev in ((ns, "eth0"), (self.bridge_ns, port)):
+            if rate_mbit is None:
+                subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
+                continue
+            # burst: a few ms at the rate; latency bounds the queue (rate x 100 ms).
+            burst_kb = max(32, int(rate_mbit * 1000 / 8 * 0.004))
+            subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                            f"{rate_mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "100ms"],
+                           capture_output=True, text=True, check=True)
 
     def pids(self, ns: str) -> list[int]:
         out = ip("netns", "pids", ns, check=False).stdout

@@ -80,21 +80,17 @@ def _plan(scenario: Scenario, env: dict[str, str], cgroup: Path | None) -> dict[
     return lines[-1]
 
 
-def _flags(layout: str) -> list[str]:
-    """``distrun train`` flags for a layout as the planner describes it (``mirrored --pp 2 (1f1b, 4
-    microbatches)``, ``sharded x2 --accumulate 2``)."""
-    words = layout.replace("(", "").replace(")", "").replace(",", "").split()
-    flags = ["-s", words[0]]
-    if "--pp" in words:
-        at = words.index("--pp")
-        flags += ["--pp", words[at + 1], "--pp-schedule", words[at + 2], "--microbatches", words[at + 3],
-                  "--replicas", words[-1][1:] if words[-1].startswith("x") else "1"]
-    else:
-        flags += ["--replicas", words[1][1:]]
-    for option in ("--activation-checkpointing", "--accumulate"):
-        if option in words:
-            flags += [option, words[words.index(option) + 1]]
-    return flags
+def _flags(flags: dict[str, Any]) -> list[str]:
+    """``distrun train`` flags for a candidate, from its ``flags`` in the plan (``train``'s names)."""
+    out = ["-s", str(flags["strategy"]), "--replicas", str(flags["replicas"])]
+    if int(flags.get("pp", 1)) > 1:
+        out += ["--pp", str(flags["pp"]), "--pp-schedule", str(flags["pp_schedule"]),
+                "--microbatches", str(flags["microbatches"])]
+    if flags.get("activation_checkpointing", "none") != "none":
+        out += ["--activation-checkpointing", str(flags["activation_checkpointing"])]
+    if int(flags.get("accumulate", 1)) > 1:
+        out += ["--accumulate", str(flags["accumulate"])]
+    return out
 
 
 def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str],
@@ -109,14 +105,14 @@ def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str]
             "error": None if code == 0 else (summary.get("error") or err.strip().splitlines()[-1:] or [""])[0]}
 
 
-def _contenders(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None]]:
+def _contenders(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Always-mirrored, always-sharded, and the pipeline the planner ranks best (by predicted step
     among those that fit, else the first), each with its prediction."""
     by_layout = {c["layout"]: c for c in plan["candidates"]}
     pipes = [c for c in plan["candidates"] if "--pp" in c["layout"]]
     fitting = [c for c in pipes if not c["verdict"].startswith("needs ")]
     best_pipe = min(fitting or pipes, key=lambda c: c["predicted_step_s"], default=None)
-    out = [(name, by_layout.get(name)) for name in ("mirrored x2", "sharded x2")]
+    out = [(name, by_layout[name]) for name in ("mirrored x2", "sharded x2")]
     if best_pipe is not None:
         out.append((best_pipe["layout"], best_pipe))
     return out
@@ -172,10 +168,10 @@ def run_auto(*, steps: int = 5, scenarios: tuple[Scenario, ...] = SCENARIOS,
                 contenders = []
                 for layout, predicted in _contenders(plan):
                     progress(f"{scenario.name}: {layout}")
-                    run = _train(scenario, _flags(layout), steps * scenario.steps_factor, env, group)
+                    run = _train(scenario, _flags(predicted["flags"]), steps * scenario.steps_factor, env, group)
                     contenders.append({"layout": layout, **run,
-                                       "predicted_peak_mb": predicted and predicted["predicted_peak_mb"],
-                                       "predicted_step_s": predicted and predicted["predicted_step_s"]})
+                                       "predicted_peak_mb": predicted["predicted_peak_mb"],
+                                       "predicted_step_s": predicted["predicted_step_s"]})
                 progress(f"{scenario.name}: --strategy auto")
                 auto = _train(scenario, ["-s", "auto"], steps * scenario.steps_factor, env, group)
                 chosen = auto["plan"] or plan

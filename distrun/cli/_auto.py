@@ -29,7 +29,12 @@ __all__ = ["AUTO", "Choice", "choose", "choose_on_cluster", "with_measured"]
 AUTO = "auto"
 #: The flags auto sets, with the value each has when nobody gave it.
 _CHOSEN = {"tp": ("--tp", 1), "pp": ("--pp", 1), "microbatches": ("--microbatches", None),
+           "pp_schedule": ("--pp-schedule", "1f1b"), "offload": ("--offload", "none"),
            "activation_checkpointing": ("--activation-checkpointing", "none"), "accumulate": ("--accumulate", 1)}
+#: What a trial takes from the command beyond the layout: what changes a step's time, so that a
+#: trial times the job the user asked for.
+TRIAL_KEEPS = ("precision", "compile", "compile_mode", "compression", "data_workers", "clip_grad_norm",
+               "on_nonfinite")
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,11 @@ def _fit_recipe(recipe: Path, given: dict[str, Any] | None) -> tuple[Path, Recip
 
 
 def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size: int | None, seed: int | None,
-           recipe_args: tuple[str, ...] = (), given: dict[str, Any] | None = None, trials: bool = True) -> Choice:
+           recipe_args: tuple[str, ...] = (), given: dict[str, Any] | None = None, trials: bool = True,
+           keep: dict[str, Any] | None = None) -> Choice:
     """The layout of ``recipe`` on this machine; ``given``: the layout flags as the command has them;
-    ``trials``: time the layouts the model cannot tell apart (``distrun plan --no-trials``: the model alone)."""
+    ``trials``: time the layouts the model cannot tell apart (``distrun plan --no-trials``: the model
+    alone); ``keep``: the command's other flags a trial runs with (:data:`TRIAL_KEEPS`)."""
     path, info, unplanned = _fit_recipe(recipe, given)
     device, ranks = local_layout(device, replicas, visible_gpu_count())
     if unplanned is not None:
@@ -71,7 +78,8 @@ def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size
     plan = plan_local(path, ranks=ranks, global_batch=int(filled["global_batch_size"]), seed=int(filled["seed"]),
                       device=device, args=recipe_args, evaluates="eval_data" in info.functions)
     notes: list[str] = []
-    base = {"recipe": path, "recipe_args": recipe_args, "device": device, "global_batch_size": global_batch_size,
+    base = {**{name: value for name, value in (keep or {}).items() if name in TRIAL_KEEPS},
+            "recipe": path, "recipe_args": recipe_args, "device": device, "global_batch_size": global_batch_size,
             "seed": seed}
     if trials:
         decision, spent_s = time_near(plan.decision, plan.decide_s,
@@ -115,9 +123,10 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
                           global_batch_size=int(filled["global_batch_size"]), seed=int(filled["seed"]),
                           checkpoint_dir=None, checkpoint_every=None, gpus=job.replicas if job.gpus_everywhere else 0,
                           extra_env=probe.to_env())
+        bundle = pack(path, include or [])
     except BaseException:
         job.close()
         raise
-    plan = plan_on_cluster(job, spec, pack(path, include or []), environment)
+    plan = plan_on_cluster(job, spec, bundle, environment)
     flags = {**plan.decision.chosen.layout.flags(), "replicas": None, "device": device}  # replicas: the slots
     return Choice(flags, plan, tuple(plan.lines()))

@@ -17,8 +17,9 @@ each other, and wider, as far as the model's own error reaches:
   30 s);
 - the faster trial is kept, and its measured step becomes the plan's predicted one.
 
-A trial that fails (a layout the model said fits, killed) is said and leaves that layout out: a
-bug in the model, but never the user's job's end.
+A trial that fails (a layout the model said fits, killed) is said and takes that layout out of
+the choice, with its variants: a bug in the model, but never the user's job's end. A trial still
+running when the budget is spent is stopped; its layout keeps the model's prediction.
 """
 
 from __future__ import annotations
@@ -77,37 +78,61 @@ def _trial_steps(predicted_step_s: float) -> int:
     return 1 + max(_MIN_STEPS, min(_MAX_STEPS, math.ceil(TRIAL_S / max(predicted_step_s, 1e-4))))
 
 
+class _OverBudget(Exception):
+    """A trial still running when the decision's budget ran out: stopped, and untimed (not failed)."""
+
+
 def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, int], JobSpec],
-              say: Callable[[str], None] = lambda _: None) -> tuple[Decision, float]:
+              say: Callable[[str], None] = lambda _: None,
+              budget_s: float = DECIDE_BUDGET_S) -> tuple[Decision, float]:
     """The decision after timing what it cannot tell apart (see the module), and the seconds spent.
 
     ``spent_s``: what the decision took so far (the probe); ``make_spec(layout, steps)``: the job a
-    trial runs."""
+    trial runs; ``budget_s``: the whole decision's. A trial that fails takes its layout out (and
+    every variant of it the model ranked: they run the same machinery); one still running when the
+    budget is spent is stopped and counts as untimed. Nothing left that fits: ConfigError (exit 2)."""
     started = time.perf_counter()
     timed: dict[Layout, float] = {}
+    failed: dict[Layout, str] = {}
     start_s = _START_S
     for prediction in _to_time(decision):
         steps = _trial_steps(prediction.step_s)
         expected = start_s + steps * prediction.step_s
-        if spent_s + (time.perf_counter() - started) + expected > DECIDE_BUDGET_S:
+        left_s = budget_s - spent_s - (time.perf_counter() - started)
+        if expected > left_s:
             break
         began = time.perf_counter()
         try:
-            step_s = _run_trial(make_spec(prediction.layout, steps))
+            step_s = _run_trial(make_spec(prediction.layout, steps), deadline=began + left_s)
+        except _OverBudget:
+            say(f"auto: the trial of {prediction.layout.describe()} ran past the decision's {budget_s:.0f} s; "
+                "it was stopped, and the model's prediction stands")
+            break
         except DistrunError as exc:
             say(f"auto: the trial of {prediction.layout.describe()} failed: {exc.message}")
+            failed[prediction.layout] = exc.message
             continue
         start_s = max(0.0, time.perf_counter() - began - steps * step_s)  # what this machine's start costs
         timed[prediction.layout] = step_s
-    return (retime(decision, timed) if timed else decision), time.perf_counter() - started
+    if not timed and not failed:
+        return decision, time.perf_counter() - started
+    return retime(decision, timed, failed), time.perf_counter() - started
 
 
-def _run_trial(spec: JobSpec) -> float:
-    """The seconds a step took in a short real run of ``spec`` (from the end of its first step)."""
+def _run_trial(spec: JobSpec, deadline: float) -> float:
+    """The seconds a step took in a short real run of ``spec`` (from the end of its first step);
+    stopped at ``deadline`` (a ``time.perf_counter()``)."""
     with LocalJob(spec) as job:
-        for _ in job.events():
-            pass
-        summary = job.outcome().summary
+        for _ in job.events():  # None every quarter second: the clock is read even when nothing comes
+            if time.perf_counter() > deadline:
+                job.cancel("--strategy auto: the trial ran past the decision's budget")
+                for _ in job.events():
+                    pass
+                raise _OverBudget
+        try:
+            summary = job.outcome().summary
+        except DistrunError as exc:  # the layout failed (killed, or the recipe raised under it)
+            raise DistrunError(exc.message.splitlines()[0]) from None
     if summary.status != "succeeded" or summary.samples_per_s <= 0:
         raise DistrunError(summary.error or f"ended {summary.status}")
     return spec.training.global_batch_size / summary.samples_per_s

@@ -157,7 +157,7 @@ def train(
             strategy = default_strategy(cluster_file is not None)
         plan = None
         if strategy == AUTO:  # the planner chooses the layout before the job is built
-            given = {"tp": tp, "pp": pp, "microbatches": microbatches,
+            given = {"tp": tp, "pp": pp, "microbatches": microbatches, "pp_schedule": pp_schedule, "offload": offload,
                      "activation_checkpointing": activation_checkpointing, "accumulate": accumulate}
             if cluster_file is not None:
                 if replicas is not None:
@@ -169,7 +169,10 @@ def train(
                                                                       allow_skew))
             else:
                 choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
-                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given)
+                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given,
+                                keep={"precision": precision, "compile": compile_model, "compile_mode": compile_mode,
+                                      "compression": compression, "data_workers": data_workers,
+                                      "clip_grad_norm": clip_grad_norm, "on_nonfinite": on_nonfinite})
             for line in choice.lines:
                 stderr.print(line, markup=False, soft_wrap=True)
             plan, chosen = choice.plan, dict(choice.flags)

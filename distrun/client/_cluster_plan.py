@@ -18,17 +18,16 @@ from distrun.client._bundle import Bundle
 from distrun.client._job_env import JobEnvironment
 from distrun.client.cluster_job import ClusterJob
 from distrun.client.planning import Plan
-from distrun.config import JobSpec
+from distrun.config import PLAN_PROBE_MARK, JobSpec
 from distrun.errors import RecipeError
 from distrun.planner.choose import decide
 from distrun.planner.cost import Link, ModelProfile, Resources
 from distrun.protocol import Output
 
-__all__ = ["MARK", "plan_on_cluster"]
+__all__ = ["plan_on_cluster"]
 
-#: What the probe's rank 0 prints before its JSON (runtime/_cluster_probe.py's MARK; the client never
-#: imports the runtime, which imports torch).
-MARK = "[distrun plan probe] "
+#: The probe job's own limit, its links timed over slow ones included: a rank stuck longer is named.
+PROBE_TIMEOUT_S = 300.0
 
 
 def _probe(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvironment | None) -> dict[str, Any]:
@@ -36,9 +35,16 @@ def _probe(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvir
     reply: dict[str, Any] | None = None
     with job:  # Ctrl-C or a failure here stops the probe on every host
         job.start(spec, bundle, environment=environment)
-        for event in job.events():
-            if isinstance(event, Output) and event.rank == 0 and event.line.startswith(MARK):
-                reply = json.loads(event.line[len(MARK):])
+        deadline = time.perf_counter() + PROBE_TIMEOUT_S
+        for event in job.events():  # None every quarter second: the clock is read even when nothing comes
+            if isinstance(event, Output) and event.rank == 0 and event.line.startswith(PLAN_PROBE_MARK):
+                reply = json.loads(event.line[len(PLAN_PROBE_MARK):])
+            if time.perf_counter() > deadline:
+                job.cancel("--strategy auto: the probe ran past its limit")
+                for _ in job.events():
+                    pass
+                raise RecipeError(f"{spec.recipe}: --strategy auto's probe on the cluster took over "
+                                  f"{PROBE_TIMEOUT_S:.0f} s (build the model, two steps, the links); name a strategy")
         job.outcome()  # a failure is the recipe's, named as a training job's would be
     if reply is None:
         raise RecipeError(f"{spec.recipe}: --strategy auto's probe on the cluster ended without its figures")

@@ -10,8 +10,10 @@ probe timed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from distrun.config import PLAN_PROBE_MARK
 from distrun.errors import RecipeError
 from distrun.launch._oom import cgroup_of
 from distrun.planner.choose import Decision, decide
@@ -72,7 +75,8 @@ class Plan:
             "probe_s": round(self.probe_s, 3),
             "budget_mb": round(self.resources.budget_bytes / MB, 1),
             "candidates": [{"layout": p.layout.describe(), "predicted_peak_mb": round(p.peak_bytes / MB, 1),
-                            "predicted_step_s": p.step_s, "timed_step_s": p.timed_step_s, "verdict": verdict}
+                            "predicted_step_s": p.step_s, "timed_step_s": p.timed_step_s, "verdict": verdict,
+                            "flags": p.layout.flags()}
                            for p, verdict in self.decision.ranked],
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
@@ -96,12 +100,23 @@ def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tup
 def _run_probe(request: dict[str, Any], recipe: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "distrun.runtime.plan_probe", json.dumps(request)]
     env = {**os.environ, "OMP_NUM_THREADS": str(request["threads"])}
+    # Its own session: on a timeout, the probe's processes go together (its peers are its forks).
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env)
+        stdout, stderr = proc.communicate(timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         raise RecipeError(f"{recipe}: --strategy auto's probe (build the model, two steps) took over "
                           f"{PROBE_TIMEOUT_S:.0f} s") from None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    except BaseException:  # Ctrl-C: nothing of the probe outlives the command
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    done = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+    lines = [line[len(PLAN_PROBE_MARK):] for line in done.stdout.splitlines() if line.startswith(PLAN_PROBE_MARK)]
     reply = json.loads(lines[-1]) if lines else None
     killed = -done.returncode if reply is None and done.returncode < 0 else (reply or {}).get("killed_signal")
     if killed:  # one of its processes killed (the first's watchers name a peer's death)

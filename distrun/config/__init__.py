@@ -22,7 +22,7 @@ from distrun.config.job import (
 )
 from distrun.config._observe import TRACKERS, check_trackers, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
-from distrun.config._plan_probe import PLAN_PROBE_VAR, PlanProbeSpec
+from distrun.config._plan_probe import PLAN_PROBE_MARK, PLAN_PROBE_VAR, PlanProbeSpec
 from distrun.config._predict import PREDICT_VAR, PredictSpec
 
 __all__ = [
@@ -61,5 +61,6 @@ __all__ = [
     "PREDICT_VAR",
     "PlanProbeSpec",
     "PLAN_PROBE_VAR",
+    "PLAN_PROBE_MARK",
     "PredictSpec",
 ]

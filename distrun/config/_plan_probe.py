@@ -16,10 +16,13 @@ from dataclasses import dataclass
 
 from distrun.errors import ConfigError
 
-__all__ = ["PLAN_PROBE_VAR", "PlanProbeSpec"]
+__all__ = ["PLAN_PROBE_MARK", "PLAN_PROBE_VAR", "PlanProbeSpec"]
 
 #: Set on every rank of a probe job: the PlanProbeSpec as JSON.
 PLAN_PROBE_VAR = "DISTRUN_PLAN_PROBE"
+#: What a probe's reply line starts with, the JSON after it (a cluster probe's rank 0 prints it among
+#: the recipe's own output; the local probe too): never mistaken for a line the recipe printed.
+PLAN_PROBE_MARK = "[distrun plan probe] "
 
 
 @dataclass(frozen=True)

@@ -142,12 +142,27 @@ def _ranked(chosen: Prediction, predictions: list[Prediction], fitting: list[boo
     return Decision(chosen, tuple(ranked), budget_mb)
 
 
-def retime(decision: Decision, timed: dict[Layout, float]) -> Decision:
+def retime(decision: Decision, timed: dict[Layout, float], failed: dict[Layout, str] | None = None) -> Decision:
     """The decision once some fitting layouts were run for a few steps (``timed``: layout -> seconds
-    a step): the fastest timed one is chosen, and its time is the step the plan predicts; the
-    untimed keep the model's verdicts, now against the chosen one's model prediction."""
+    a step; ``failed``: layout -> why its run failed). The fastest timed one is chosen, its time the
+    step the plan predicts; a failed layout is out with every variant of its kind (strategy and
+    pipeline depth: the same machinery), and without a timed one the model's fastest of the rest is
+    chosen. Nothing left: ConfigError (exit 2). The untimed keep the model's verdicts."""
+    failed = failed or {}
+    failed_kinds = {(layout.strategy, layout.pp): why for layout, why in failed.items()}
     predictions = [replace(p, timed_step_s=timed.get(p.layout)) for p, _ in decision.ranked]
-    fitting = [not verdict.startswith("needs ") for _, verdict in decision.ranked]
+    fitting = [not verdict.startswith("needs ") and (p.layout.strategy, p.layout.pp) not in failed_kinds
+               for p, verdict in decision.ranked]
     timed_ones = [p for p in predictions if p.timed_step_s is not None]
-    chosen = min(timed_ones, key=lambda p: p.expected_step_s)
-    return _ranked(chosen, predictions, fitting, decision.budget_mb)
+    left = [p for p, fit in zip(predictions, fitting) if fit]
+    if not left:
+        raise ConfigError("--strategy auto: no layout fits: every one the model said fits failed in its trial ("
+                          + "; ".join(f"{layout.describe()}: {why}" for layout, why in failed.items()) + ")")
+    chosen = min(timed_ones, key=lambda p: p.expected_step_s) if timed_ones else min(left, key=lambda p: p.step_s)
+    ranked = _ranked(chosen, predictions, fitting, decision.budget_mb)
+    over_budget = {p.layout for p, verdict in decision.ranked if verdict.startswith("needs ")}
+
+    def verdict_of(prediction: Prediction, verdict: str) -> str:
+        why = failed_kinds.get((prediction.layout.strategy, prediction.layout.pp))
+        return f"failed in its trial: {why}" if why is not None and prediction.layout not in over_budget else verdict
+    return Decision(chosen, tuple((p, verdict_of(p, verdict)) for p, verdict in ranked.ranked), decision.budget_mb)

@@ -33,11 +33,14 @@ _MICROBATCHES = 4
 
 def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) -> float:
     step()  # the first connects and allocates
+    cuda = torch.cuda.is_initialized()  # NCCL's collectives and CUDA kernels return before they end
     times = []
     for _ in range(_STEPS):
         dist.barrier(group)
         start = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -85,15 +88,17 @@ def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
     return _median_s(step, group) / _MICROBATCHES
 
 
-def collective_rates(nbytes: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def collective_rates(nbytes: int, group: dist.ProcessGroup | None = None,
+                     device: torch.device | None = None) -> dict[str, float]:
     """The collectives' rates among ``group``'s ranks (the default group's), each timed on ``nbytes``
     (the gradients, capped): an all-reduce moves ``2(n-1)/n`` of them (its ``bytes_per_s``), an
     all-gather and a reduce-scatter ``(n-1)/n`` each. gloo runs the last two far slower than its
     ring all-reduce, which is why sharded pays more than its bytes say on CPU. One number's
-    all-reduce gives a message's latency."""
+    all-reduce gives a message's latency (``device``: the group's; the CPU by default)."""
     n = dist.get_world_size(group)
     shard = max(1, nbytes // 4 // n)
-    whole, part, one = torch.zeros(shard * n), torch.zeros(shard), torch.zeros(1)
+    # On the group's device: NCCL's collectives take CUDA tensors only.
+    whole, part, one = (torch.zeros(count, device=device) for count in (shard * n, shard, 1))
     latency = _median_s(lambda: dist.all_reduce(one, group=group), group) / (2 * (n - 1))
     reduce_s = _median_s(lambda: dist.all_reduce(whole, group=group), group)
     gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part, group=group), group)

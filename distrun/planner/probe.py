@@ -144,7 +144,8 @@ def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Ca
     gradients and a batch's activations, less than any layout's rank but a sharded one's over many
     ranks (docs/strategies.md#auto).
     """
-    whole = agree(memory_cap_bytes is None or base_bytes + 5 * parameter_bytes <= memory_cap_bytes // 2)
+    # No units (a model of no repeated blocks) leave nothing smaller to measure on: the whole model.
+    whole = not units or agree(memory_cap_bytes is None or base_bytes + 5 * parameter_bytes <= memory_cap_bytes // 2)
     params = list(model.parameters()) if whole else \
         list(max(units, key=lambda unit: sum(p.numel() * p.element_size() for p in unit.parameters())).parameters())
     part_bytes = sum(p.numel() * p.element_size() for p in params)

@@ -6,7 +6,7 @@ real device, with the threads a rank gets; the memory each rank may use there; a
 the job's own process group: an all-reduce over every rank (the ring a multi-worker job's
 gradients and a pipeline's hops take between hosts) and, where a host has several ranks, one
 among the ranks of each host (its loopback or NVLink). Rank 0 prints the figures as one line
-that starts with :data:`MARK`; the client reads it from the job's output (client/_cluster_plan.py).
+that starts with ``PLAN_PROBE_MARK``; the client reads it from the job's output (client/_cluster_plan.py).
 """
 
 from __future__ import annotations
@@ -19,31 +19,29 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from distrun.config import JobSpec, PlanProbeSpec
+from distrun.config import PLAN_PROBE_MARK, JobSpec, PlanProbeSpec
 from distrun.planner.overheads import collective_rates
-from distrun.runtime._probe_recipe import MAX_COLLECTIVE_BYTES, measure_recipe
+from distrun.runtime._probe_recipe import MAX_COLLECTIVE_BYTES, collective_device, measure_recipe
 
-__all__ = ["MARK", "probe_in_job"]
-
-#: The line rank 0 prints its JSON after.
-MARK = "[distrun plan probe] "
+__all__ = ["probe_in_job"]
 
 
 def _budget_bytes(device: torch.device, ranks_per_host: int) -> tuple[int, str]:
     """The smallest rank's budget over the job: a GPU's free memory, else its host's available
     memory shared by the host's ranks (each counted with what it holds already)."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         mine, source = int(torch.cuda.mem_get_info(device)[0]), "GPU free memory"
     else:
         held = psutil.Process().memory_info().rss
         mine = psutil.virtual_memory().available // ranks_per_host + held
         source = f"MemAvailable of the tightest host, shared by its {ranks_per_host} rank(s)"
-    smallest = torch.tensor([mine], dtype=torch.int64)
+    smallest = torch.tensor([mine], dtype=torch.int64, device=collective_device(device))
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     return int(smallest.item()), source
 
 
-def _within_host(profile_bytes: int, probe: PlanProbeSpec) -> dict[str, float] | None:
+def _within_host(profile_bytes: int, probe: PlanProbeSpec, device: torch.device) -> dict[str, float] | None:
     """The collectives' rates among the ranks of one host (the first host's, as every host is laid out
     alike); None where a host has one rank."""
     if probe.ranks_per_host < 2:
@@ -52,7 +50,7 @@ def _within_host(profile_bytes: int, probe: PlanProbeSpec) -> dict[str, float] |
     groups = [dist.new_group(list(range(host * probe.ranks_per_host, (host + 1) * probe.ranks_per_host)))
               for host in range(probe.hosts)]  # every rank makes every group, in order
     mine = groups[rank // probe.ranks_per_host]
-    rates = collective_rates(min(profile_bytes, MAX_COLLECTIVE_BYTES), mine)
+    rates = collective_rates(min(profile_bytes, MAX_COLLECTIVE_BYTES), mine, collective_device(device))
     dist.barrier()
     return rates
 
@@ -65,7 +63,7 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     request = {"global_batch_size": batch, "rows": max(1, batch // world), "seed": spec.training.seed,
                "memory_cap_bytes": budget if device.type != "cuda" else None}
     measured = measure_recipe(recipe, request, rank, world, device)
-    within = _within_host(measured["profile"]["gradient_bytes"], probe)
+    within = _within_host(measured["profile"]["gradient_bytes"], probe, device)
     between = measured["link"] if probe.hosts > 1 else None
     reply = {
         "profile": measured["profile"], "overheads": measured["overheads"], "budget_bytes": budget,
@@ -80,5 +78,5 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
         for name in ("gather_bytes_per_s", "scatter_bytes_per_s"):
             reply["overheads"][name] = within[name] if within else 0.0
     if rank == 0:
-        print(MARK + json.dumps(reply), flush=True)
+        print(PLAN_PROBE_MARK + json.dumps(reply), flush=True)
     return reply

@@ -23,17 +23,24 @@ from distrun.runtime._move import to_device
 from distrun.strategies import InputContext
 from distrun.strategies.step.accumulation import batch_rows, split_batch
 
-__all__ = ["MAX_COLLECTIVE_BYTES", "agree", "measure_recipe"]
+__all__ = ["MAX_COLLECTIVE_BYTES", "agree", "collective_device", "measure_recipe"]
 
 #: The largest all-reduce the group times (the gradients' bytes, capped).
 MAX_COLLECTIVE_BYTES = 64 << 20
 
 
-def agree(flag: bool) -> bool:
-    """True where every process of the default group says true (the smallest of their answers)."""
-    answer = torch.tensor([int(flag)])
+def agree(flag: bool, device: torch.device | None = None) -> bool:
+    """True where every process of the default group says true (the smallest of their answers);
+    ``device``: the group's (NCCL takes CUDA tensors only)."""
+    answer = torch.tensor([int(flag)], device=device)
     dist.all_reduce(answer, op=dist.ReduceOp.MIN)
     return bool(answer.item())
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where the default group's tensors live: a CUDA device under NCCL (a cluster job's GPU ranks),
+    else the CPU (gloo: the local probe, and CPU ranks)."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _batches(recipe: ModuleType, batch_size: int, seed: int) -> Any:
@@ -72,7 +79,7 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
                       device=device, base_bytes=base, units_from=getattr(recipe, "shard_units", None),
                       chain_from=getattr(recipe, "pp_chain", None),
                       together=dist.barrier if together else lambda: None,
-                      agree=agree if together else lambda flag: flag,
+                      agree=(lambda flag: agree(flag, collective_device(device))) if together else lambda flag: flag,
                       # A rank's budget (the client's, on CPU) or the GPU's free memory.
                       memory_cap_bytes=request.get("memory_cap_bytes") or (
                           int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
@@ -80,9 +87,11 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     del model
     link, overheads = None, {}
     if together:
-        rates = collective_rates(min(profile.gradient_bytes, MAX_COLLECTIVE_BYTES))
+        rates = collective_rates(min(profile.gradient_bytes, MAX_COLLECTIVE_BYTES), device=collective_device(device))
         link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
         overheads = {**framework_overheads(device), **rates}
     overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     return {"profile": dataclasses.asdict(profile), "link": link, "device_free_bytes": free, "overheads": overheads}

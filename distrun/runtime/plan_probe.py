@@ -6,8 +6,10 @@ job's seed, and measures them (``distrun.planner.probe``) in as many processes a
 ranks on this host, all at once, each with the threads one rank gets: a rank computes while its
 neighbours compute. Those processes then time gloo's all-reduce among themselves, which is the
 link the ranks' gradients will take (one process alone times a loopback socket). It prints one
-JSON object: the first process's profile, the link, and the device's free memory on a GPU. A recipe that raises is the recipe's error: the
-JSON then holds ``error`` (one line) and ``location`` (file, line), and the process exits 3.
+line, ``PLAN_PROBE_MARK`` and a JSON object: the first process's profile, the link, and the
+device's free memory on a GPU. A recipe that raises is the recipe's error: the JSON then holds
+``error`` (one line) and ``location`` (file, line), and the process exits 3; a peer that dies
+(the OOM killer) ends the probe at once, its signal named.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+from distrun.config import PLAN_PROBE_MARK
 
 #: Bytes pushed through the loopback link, and the small round trips timed for its latency.
 _LINK_BYTES = 16 << 20
@@ -107,6 +111,16 @@ def _fork_peers(count: int) -> tuple[int, list[int]]:
     return 0, pids
 
 
+#: How long the first process waits, after its own error, for a dying peer's watcher to speak first.
+_PEER_GRACE_S = 1.0
+
+
+def _say(reply: dict[str, Any]) -> None:
+    """The probe's one reply: a marked line, written whole, which the recipe's own prints never are."""
+    sys.stdout.write(PLAN_PROBE_MARK + json.dumps(reply) + "\n")
+    sys.stdout.flush()
+
+
 #: Taken by whoever speaks for the probe: its first process with its reply or its error, or the
 #: watcher of a peer that died. Only one JSON line is ever printed.
 _SPEAKING = threading.Lock()
@@ -142,7 +156,7 @@ def _watch_peers(peers: list[int], store_dir: str) -> list[threading.Thread]:
                 reply = {"error": f"probe process {rank} was killed by signal {killed}" if killed else
                          f"probe process {rank} failed (exit {os.WEXITSTATUS(status)})", "location": None,
                          "killed_signal": killed}
-            print(json.dumps(reply), flush=True)
+            _say(reply)
             for other in peers:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(other, signal.SIGKILL)
@@ -179,18 +193,24 @@ def main() -> None:
         try:
             reply = _probe(request, 0, group_size, store_dir)
         except Exception as exc:  # noqa: BLE001 - the recipe's error, named where it was raised
+            # A peer killed (the OOM killer) breaks this process's collectives as it dies: give its
+            # watcher the moment it needs to say so first, the cause rather than gloo's symptom.
+            time.sleep(_PEER_GRACE_S)
             if not _SPEAKING.acquire(blocking=False):
                 time.sleep(60)  # a peer's watcher is saying why, and ends the process
             for pid in peers:  # they would wait for this process in the group that will not form
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            print(json.dumps(_error_reply(exc, request["recipe"])), flush=True)
+            _say(_error_reply(exc, request["recipe"]))
             os._exit(3)
         for watcher in watchers:  # the peers end after their last collective; the store outlives them
             watcher.join(timeout=30)
+        for pid in peers:  # one still running past that is stuck: it would hold the client's pipe open
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     if _SPEAKING.acquire(blocking=False):
         reply["probe_s"] = time.perf_counter() - started
-        print(json.dumps(reply), flush=True)
+        _say(reply)
 
 
 if __name__ == "__main__":

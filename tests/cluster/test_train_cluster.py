@@ -540,20 +540,6 @@ def test_predict_on_a_cluster_refuses_bad_flags_in_one_line(tmp_path: Path, flag
     assert len(lines) == 1 and lines[0].startswith(f"error: {says.format(tmp=tmp_path)}"), lines
 
 
-def _shape(lab: Lab, name: str, rate_mbit: float | None) -> None:
-    """Shape host ``name``'s link to ``rate_mbit`` both ways (tc tbf), or take the shaping off."""
-    ns = lab.hosts[name][0]
-    port = f"v{lab.netns.tag[-6:]}{name}"[:15]  # its veth's end in the bridge, as the lab named it
-    for where, dev in ((ns, "eth0"), (lab.netns.bridge_ns, port)):
-        if rate_mbit is None:
-            subprocess.run(["tc", "-n", where, "qdisc", "del", "dev", dev, "root"], capture_output=True, check=False)
-        else:
-            burst_kb = max(32, int(rate_mbit * 1000 / 8 * 0.004))
-            subprocess.run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
-                            f"{rate_mbit:g}mbit", "burst", f"{burst_kb}kb", "latency", "100ms"],
-                           capture_output=True, text=True, check=True)
-
-
 #: A 2.1M-parameter model at a batch whose compute outweighs its 8.4 MB of gradients on the lab's
 #: veth, but not on a 100 Mbit/s link, over which a pipeline's activations (1 KB a sample) go instead.
 AUTO_RECIPE = REPO / "distrun" / "bench" / "_pipeline_recipe.py"
@@ -573,12 +559,12 @@ def test_auto_on_the_cluster_measures_its_link_and_a_slow_one_makes_it_pipeline(
     print("fast link:", [(c["layout"], round(c["predicted_step_s"], 3), c["verdict"]) for c in plan["candidates"] if "accumulate" not in c["layout"]])
     assert plan["chosen"]["strategy"]["name"] == "multi-worker" and plan["chosen"]["parallel"]["pp"] == 1, plan
     assert {c["layout"] for c in plan["candidates"]} >= {"multi-worker x2", "sharded x2"}
-    _shape(lab, "h2", 100)
+    lab.netns.shape("h2", 100)
     try:
         slow = lab_cli(lab, "train", str(AUTO_RECIPE), "--cluster", str(cluster), "-s", "auto", "--json", "--device",
                        "cpu", "--steps", "2", "-b", "512", "--", *AUTO_ARGS, timeout=600)
     finally:
-        _shape(lab, "h2", None)
+        lab.netns.shape("h2", None)
     assert slow.returncode == 0, slow.stdout[-3000:] + slow.stderr[-3000:]
     summary = json_lines(slow)[-1]
     plan = summary["plan"]

@@ -132,7 +132,12 @@ def _same_parameters(ckpt: Path, reference: dict) -> None:
     model = load_checkpoint(latest_checkpoint(ckpt))["model"]
     assert len(model) == len(reference)
     for (key, tensor), (_, expected) in zip(model.items(), reference.items()):
-        torch.testing.assert_close(tensor, expected, rtol=0, atol=2e-6, msg=key)
+        # Adam (lr 1e-4, 3 steps) divides each update by the gradient's own size: where a gradient is
+        # near 0, a layout's other summation order can flip its update's sign (up to 2 lr a step). So
+        # nearly every element is one-device's to 2e-6, and none is off by more than those flips.
+        diff = (tensor - expected).abs()
+        assert float(diff.max()) <= 6e-4, (key, float(diff.max()))
+        assert float((diff > 2e-6).float().mean()) < 1e-4, (key, int((diff > 2e-6).sum()), diff.numel())
 
 
 def test_memory_to_spare_keeps_mirrored(unchained, tmp_path):
@@ -218,7 +223,7 @@ def test_trials_run_the_layouts_the_model_cannot_tell_apart_and_keep_the_faster(
         ran.append((layout.describe(), steps))
         return build_spec(**trial_flags(base, layout, steps))
 
-    retimed, spent_s = time_near(decision, 0.0, make_spec)
+    retimed, spent_s = time_near(decision, 0.0, make_spec, budget_s=300)
     timed = {p.layout.describe(): p.timed_step_s for p, _ in retimed.ranked if p.timed_step_s is not None}
     assert sorted(timed) == sorted(name for name, _ in ran) == ["mirrored x2", "sharded x2"], (ran, timed)
     assert all(steps >= 4 for _, steps in ran) and all(step_s > 0 for step_s in timed.values())
@@ -227,3 +232,53 @@ def test_trials_run_the_layouts_the_model_cannot_tell_apart_and_keep_the_faster(
     loser = next(verdict for p, verdict in retimed.ranked if p.timed_step_s is not None and verdict != "chosen")
     assert loser.startswith("timed at "), loser
     assert spent_s < 60
+
+    # A trial that fails takes its layout out: sharded here runs a recipe that raises.
+    broken = unchained.parent / "broken.py"
+    broken.write_text(unchained.read_text().replace("def model() -> nn.Module:",
+                                                    "def model() -> nn.Module:\n    raise RuntimeError('no sharded')"))
+    said: list[str] = []
+    after, _ = time_near(decision, 0.0, lambda layout, steps: build_spec(**trial_flags(
+        {**base, "recipe": broken if layout.strategy == "sharded" else unchained}, layout, steps)), said.append,
+        budget_s=300)
+    assert after.chosen.layout.describe() == "mirrored x2" and after.chosen.timed_step_s > 0
+    verdicts = {p.layout.describe(): verdict for p, verdict in after.ranked}
+    assert verdicts["sharded x2"].startswith("failed in its trial: ") and "no sharded" in verdicts["sharded x2"]
+    assert [line for line in said if line.startswith("auto: the trial of sharded x2 failed: ")], said
+
+
+def test_a_probe_process_that_dies_is_named_at_once(tmp_path):
+    """A peer of the probe killed (as the OOM killer would) ends the probe with its signal named, not
+    with gloo's timeout of the processes that waited for it a minute later."""
+    recipe = tmp_path / "dies.py"
+    recipe.write_text('''import os, signal
+
+import torch
+import torch.distributed as dist
+
+
+def model():
+    return torch.nn.Linear(4, 4)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def loss(outputs, batch):
+    return outputs.pow(2).mean()
+
+
+def train_data(ctx):
+    return torch.utils.data.TensorDataset(torch.zeros(64, 4))
+
+
+def forward(model, batch):
+    if dist.is_initialized() and dist.get_rank() == 1:  # the second probe process only
+        os.kill(os.getpid(), signal.SIGKILL)
+    return model(batch[0])
+''')
+    result = run_cli("plan", str(recipe), "--device", "cpu", "-b", "8", "--no-trials")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "--strategy auto's probe was killed by signal 9 (the out-of-memory killer?)" in result.stderr, result.stderr
+    assert "Timed out" not in result.stderr

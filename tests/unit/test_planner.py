@@ -163,3 +163,21 @@ def test_trials_take_the_best_and_a_near_or_short_runner_up_of_another_kind():
                         checkpointed_activation_bytes_per_sample=100, base_bytes=300 * MB)
     short = _to_time(decide(tiny, _resources(10_000), 64))
     assert len(short) == 2 and short[0].step_s < SHORT_STEP_S  # a short step: the runner-up is timed too
+
+
+def test_a_layout_whose_trial_failed_is_out_with_its_variants_and_nothing_left_is_a_refusal():
+    from distrun.planner.choose import retime
+
+    decision = decide(PROFILE, _resources(10_000), 64)
+    best = decision.chosen.layout
+    after = retime(decision, {}, {best: "killed by signal 9"})
+    kind = (best.strategy, best.pp)
+    assert (after.chosen.layout.strategy, after.chosen.layout.pp) != kind
+    assert after.chosen.timed_step_s is None  # nothing timed: the model's fastest of the rest
+    for prediction, verdict in after.ranked:
+        if (prediction.layout.strategy, prediction.layout.pp) == kind and not verdict.startswith("needs "):
+            assert verdict == "failed in its trial: killed by signal 9"
+    kinds = {(p.layout.strategy, p.layout.pp): p.layout for p, v in decision.ranked if not v.startswith("needs ")}
+    with pytest.raises(ConfigError, match="^--strategy auto: no layout fits: every one the model said fits failed "
+                                          "in its trial"):
+        retime(decision, {}, {layout: "killed" for layout in kinds.values()})
