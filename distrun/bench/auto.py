@@ -90,6 +90,8 @@ def _flags(flags: dict[str, Any]) -> list[str]:
         out += ["--activation-checkpointing", str(flags["activation_checkpointing"])]
     if int(flags.get("accumulate", 1)) > 1:
         out += ["--accumulate", str(flags["accumulate"])]
+    if flags.get("shard_within"):
+        out += ["--shard-within", str(flags["shard_within"])]
     return out
 
 
@@ -102,7 +104,7 @@ def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str]
     peaks = summary.get("peak_mem_mb") or {}
     return {"samples_per_s": rate, "peak_mb": max(peaks.values()) if peaks else None,
             "step_s": scenario.batch / rate if rate > 0 else None, "exit": code, "plan": summary.get("plan"),
-            "error": None if code == 0 else (summary.get("error") or err.strip().splitlines()[-1:] or [""])[0]}
+            "error": None if code == 0 else summary.get("error") or (err.strip().splitlines() or [""])[-1]}
 
 
 def _contenders(plan: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

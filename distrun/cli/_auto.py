@@ -30,6 +30,7 @@ AUTO = "auto"
 #: The flags auto sets, with the value each has when nobody gave it.
 _CHOSEN = {"tp": ("--tp", 1), "pp": ("--pp", 1), "microbatches": ("--microbatches", None),
            "pp_schedule": ("--pp-schedule", "1f1b"), "offload": ("--offload", "none"),
+           "shard_within": ("--shard-within", "auto"),
            "activation_checkpointing": ("--activation-checkpointing", "none"), "accumulate": ("--accumulate", 1)}
 #: What a trial takes from the command beyond the layout: what changes a step's time, so that a
 #: trial times the job the user asked for.

@@ -7,8 +7,8 @@ such steps were 2.5-5x under, docs/performance.md#strategy-auto), and even a lar
 step was up to 40% off. So, as the issue asks where the two best predictions are within 15% of
 each other, and wider, as far as the model's own error reaches:
 
-- the fitting layouts are taken fastest first, one of each kind (strategy and pipeline depth: a
-  layout's own variants only repeat it), and the first is timed; the second too where it is
+- the fitting layouts are taken fastest first, one of each kind (``Layout.kind``: strategy,
+  pipeline depth, HSDP or not; a layout's own variants only repeat it), and the first is timed; the second too where it is
   within :data:`TRIAL_NEAR` of the first (the issue's 15% inside it) or the first's step is under
   :data:`SHORT_STEP_S`;
 - a trial is a real local job of that layout (the same processes, loop and reporting a run has)
@@ -57,13 +57,12 @@ _START_S = 6.0
 def _to_time(decision: Decision) -> list[Prediction]:
     """The fitting layouts worth timing, fastest predicted first: the best one, and the best of another
     kind where it is within TRIAL_NEAR or the best step is short."""
-    seen: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int, str]] = set()
     fitting = []
     for prediction, verdict in decision.ranked:
-        kind = (prediction.layout.strategy, prediction.layout.pp)
-        if verdict.startswith("needs ") or kind in seen:
+        if verdict.startswith("needs ") or prediction.layout.kind in seen:
             continue
-        seen.add(kind)
+        seen.add(prediction.layout.kind)
         fitting.append(prediction)
     fitting.sort(key=lambda p: p.step_s)
     if not fitting:

@@ -158,7 +158,8 @@ def train(
         plan = None
         if strategy == AUTO:  # the planner chooses the layout before the job is built
             given = {"tp": tp, "pp": pp, "microbatches": microbatches, "pp_schedule": pp_schedule, "offload": offload,
-                     "activation_checkpointing": activation_checkpointing, "accumulate": accumulate}
+                     "activation_checkpointing": activation_checkpointing, "accumulate": accumulate,
+                     "shard_within": shard_within}
             if cluster_file is not None:
                 if replicas is not None:
                     raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
@@ -182,6 +183,7 @@ def train(
             microbatches = chosen.get("microbatches", microbatches)
             activation_checkpointing = chosen.get("activation_checkpointing", activation_checkpointing)
             accumulate = chosen.get("accumulate", accumulate)
+            shard_within = chosen.get("shard_within", shard_within)
         observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
                                 experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
                                 checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)

@@ -1,7 +1,8 @@
 """From measured inputs to one layout: the candidates, their predictions, the choice and why.
 
 The candidates are the exact layouts the job's ranks allow (each ends with one-device's
-parameters): mirrored (multi-worker over several hosts), sharded, and ``--pp p`` for every
+parameters): mirrored (multi-worker over several hosts), sharded (and HSDP over several hosts of
+several ranks), and ``--pp p`` for every
 ``p`` that divides the ranks and the recipe's ``pp_chain`` can take, each with and without full
 activation checkpointing, and each with the ``--accumulate`` counts the global batch divides
 into. The global batch never changes.
@@ -42,14 +43,11 @@ class Decision:
     def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
         """The best of each other kind of layout (strategy and pipeline depth), best first: what
         the choice is said against (its own variants would only repeat it)."""
-        def kind(prediction: Prediction) -> tuple[str, int]:
-            return prediction.layout.strategy, prediction.layout.pp
-
-        seen = {kind(self.chosen)}
+        seen = {self.chosen.layout.kind}
         picked = []
         for prediction, verdict in self.ranked[1:]:
-            if kind(prediction) not in seen:
-                seen.add(kind(prediction))
+            if prediction.layout.kind not in seen:
+                seen.add(prediction.layout.kind)
                 picked.append((prediction, verdict))
         return picked[:count]
 
@@ -66,6 +64,7 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     shapes: list[tuple[str, int, int, int]] = [(data_parallel, ranks, 1, 0)]
     if ranks > 1:
         shapes.append(("sharded", ranks, 1, 0))
+    hsdp = resources.hosts > 1 and resources.ranks_per_host > 1 and ranks % resources.hosts == 0
     for pp in range(2, ranks + 1):
         if ranks % pp == 0 and 0 < profile.chain_parts and pp <= profile.chain_parts:
             for m in (pp, 2 * pp, 4 * pp):
@@ -81,6 +80,9 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
                     continue
                 out.append(Layout(strategy, replicas, pp=pp, microbatches=m if pp > 1 else 0,
                                   activation_checkpointing=checkpointing, accumulate=accumulate))
+                if strategy == "sharded" and hsdp:
+                    out.append(Layout(strategy, replicas, activation_checkpointing=checkpointing,
+                                      accumulate=accumulate, shard_within="host"))
     return out
 
 
@@ -145,14 +147,13 @@ def _ranked(chosen: Prediction, predictions: list[Prediction], fitting: list[boo
 def retime(decision: Decision, timed: dict[Layout, float], failed: dict[Layout, str] | None = None) -> Decision:
     """The decision once some fitting layouts were run for a few steps (``timed``: layout -> seconds
     a step; ``failed``: layout -> why its run failed). The fastest timed one is chosen, its time the
-    step the plan predicts; a failed layout is out with every variant of its kind (strategy and
-    pipeline depth: the same machinery), and without a timed one the model's fastest of the rest is
+    step the plan predicts; a failed layout is out with every variant of its kind (``Layout.kind``:
+    the same machinery), and without a timed one the model's fastest of the rest is
     chosen. Nothing left: ConfigError (exit 2). The untimed keep the model's verdicts."""
     failed = failed or {}
-    failed_kinds = {(layout.strategy, layout.pp): why for layout, why in failed.items()}
+    failed_kinds = {layout.kind: why for layout, why in failed.items()}
     predictions = [replace(p, timed_step_s=timed.get(p.layout)) for p, _ in decision.ranked]
-    fitting = [not verdict.startswith("needs ") and (p.layout.strategy, p.layout.pp) not in failed_kinds
-               for p, verdict in decision.ranked]
+    fitting = [not verdict.startswith("needs ") and p.layout.kind not in failed_kinds for p, verdict in decision.ranked]
     timed_ones = [p for p in predictions if p.timed_step_s is not None]
     left = [p for p, fit in zip(predictions, fitting) if fit]
     if not left:
@@ -163,6 +164,6 @@ def retime(decision: Decision, timed: dict[Layout, float], failed: dict[Layout, 
     over_budget = {p.layout for p, verdict in decision.ranked if verdict.startswith("needs ")}
 
     def verdict_of(prediction: Prediction, verdict: str) -> str:
-        why = failed_kinds.get((prediction.layout.strategy, prediction.layout.pp))
+        why = failed_kinds.get(prediction.layout.kind)
         return f"failed in its trial: {why}" if why is not None and prediction.layout not in over_budget else verdict
     return Decision(chosen, tuple((p, verdict_of(p, verdict)) for p, verdict in ranked.ranked), decision.budget_mb)

@@ -17,7 +17,9 @@ Memory per rank (bytes):
 - sharded (FSDP2 over n ranks): footprint + (parameters + gradients + optimizer state) / n + the
   largest unit unsharded twice (the one computing and the one prefetched) and its gradient +
   activations; its step's cost beyond compute is the probe's own sharded step of the recipe's
-  model less that step's compute, where the probe could shard over these ranks;
+  model less that step's compute, where the probe could shard over these ranks; HSDP (``sharded
+  --shard-within host``, several hosts) the same over a host's r ranks, plus the all-reduce of a
+  rank's 1/r of the gradients across hosts;
 - ``--pp p``: each stage 1/p of the mirrored terms; a stage keeps up to ``min(p, m)``
   microbatches' activations in flight under 1F1B (all ``m`` under GPipe);
 - full activation checkpointing keeps the units' inputs (measured) plus one unit's activations,
@@ -130,12 +132,23 @@ class Layout:
     microbatches: int = 0  # 0: --pp's default, the stage count
     activation_checkpointing: str = "none"
     accumulate: int = 1
+    #: sharded: ``all`` shards over every rank; ``host`` is HSDP (shard inside each host, replicate
+    #: across hosts). Pinned either way: ``--shard-within auto`` would choose by its own rule.
+    shard_within: str = "all"
+
+    @property
+    def kind(self) -> tuple[str, int, str]:
+        """What runs a step (strategy, pipeline depth, HSDP or not): a layout's checkpointing and
+        accumulation variants share it, and its trial speaks for them."""
+        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else ""
 
     def describe(self) -> str:
         """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``... --accumulate 2``."""
         text = f"{self.strategy} x{self.replicas}" if self.pp == 1 else f"{self.strategy} --pp {self.pp} " \
             f"({self.pp_schedule}, {self.microbatches or self.pp} microbatches)" + (
                 f" x{self.replicas}" if self.replicas > 1 else "")
+        if self.strategy == "sharded" and self.shard_within == "host":
+            text += " --shard-within host"
         if self.activation_checkpointing != "none":
             text += f" --activation-checkpointing {self.activation_checkpointing}"
         if self.accumulate > 1:
@@ -147,14 +160,20 @@ class Layout:
         parallel: dict[str, Any] = {"pp": self.pp, "activation_checkpointing": self.activation_checkpointing}
         if self.pp > 1:
             parallel |= {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches or self.pp}
-        return {"strategy": {"name": self.strategy, "replicas": self.replicas}, "parallel": parallel,
-                "training": {"accumulate": self.accumulate}}
+        sections = {"strategy": {"name": self.strategy, "replicas": self.replicas}, "parallel": parallel,
+                    "training": {"accumulate": self.accumulate}}
+        if self.strategy == "sharded":
+            sections["sharding"] = {"within": self.shard_within}
+        return sections
 
     def flags(self) -> dict[str, Any]:
         """The layout as ``distrun train``'s parameter names (what ``build_spec`` takes)."""
-        return {"strategy": self.strategy, "replicas": self.replicas, "pp": self.pp,
-                "pp_schedule": self.pp_schedule, "microbatches": self.microbatches if self.pp > 1 else 0,
-                "activation_checkpointing": self.activation_checkpointing, "accumulate": self.accumulate}
+        flags = {"strategy": self.strategy, "replicas": self.replicas, "pp": self.pp,
+                 "pp_schedule": self.pp_schedule, "microbatches": self.microbatches if self.pp > 1 else 0,
+                 "activation_checkpointing": self.activation_checkpointing, "accumulate": self.accumulate}
+        if self.strategy == "sharded":
+            flags["shard_within"] = self.shard_within
+        return flags
 
 
 @dataclass(frozen=True)
@@ -216,6 +235,23 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         if replicas > 1:  # each stage's gradients all-reduced over the replicas
             link = resources.slowest(replicas * pp)
             comm += link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp, 2 * (replicas - 1))
+    elif layout.strategy == "sharded" and layout.shard_within == "host" and resources.hosts > 1:
+        # HSDP: FSDP inside each host (its r ranks share the state and gather over the host's link),
+        # DDP across hosts on the r-th of the gradients each rank holds.
+        r, h = resources.ranks_per_host, resources.hosts
+        parts["state"] = state / r
+        compute += profile.optimizer_s * (1 / r - 1)
+        parts["gathered"] = 3 * profile.largest_unit_bytes
+        parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
+        share = (r - 1) / r
+        gathers = 2 * layout.accumulate
+        within = resources.within_host
+        comm += (gathers * share * profile.parameter_bytes / (resources.gather_bytes_per_s or within.bytes_per_s)
+                 + share * profile.gradient_bytes / (resources.scatter_bytes_per_s or within.bytes_per_s)
+                 + (gathers + 1) * profile.units * (r - 1) * within.latency_s)
+        between = resources.slowest(resources.ranks)
+        comm += between.seconds(2 * (h - 1) / h * profile.gradient_bytes / r, 2 * (h - 1))
+        fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
     elif layout.strategy == "sharded":
         n = replicas
         parts["state"] = state / n

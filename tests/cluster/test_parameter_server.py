@@ -64,7 +64,10 @@ def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_c
     assert sorted(started) == [0, 1, 2]
     assert _said(lines, "[placement] ps0:"), "the chief shows the placement"
     rank1 = [line for line in lines if line.get("rank") == 1 and line.get("type") in ("error", "exited", "output")]
-    assert [line["returncode"] for line in rank1 if line["type"] == "exited"] == [-9], rank1[-20:]  # seen once: [1]
+    # Seen twice under a loaded suite: [1], rank 1 failing in torch before its SIGKILL. Its own error
+    # (the event, then the first lines it printed) says why, next time.
+    assert [line["returncode"] for line in rank1 if line["type"] == "exited"] == [-9], \
+        [line for line in rank1 if line["type"] == "error"] + [line["line"] for line in rank1[:15] if "line" in line]
     assert _said(lines, "rank 1 lost; the job goes on without it")
     summary = lines[-1]
     assert summary["type"] == "summary" and summary["status"] == "succeeded" and summary["steps"] == 200

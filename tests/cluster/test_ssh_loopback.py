@@ -177,10 +177,12 @@ def test_login_and_interpreter_problems_name_the_host(loopback: Loopback, tmp_pa
 
     bare = tmp_path / "bare-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    no_distrun = loopback.write_cluster(hosts=[loopback.host(python=bare / "bin" / "python")], name="nodr.yaml")
+    # distrun would come from the client (issue 49), but this bare interpreter has no pip to install
+    # it with (pip asked for: uv, where this machine has it, would install it and fail on torch instead).
+    no_distrun = loopback.write_cluster(hosts=[loopback.host(python=bare / "bin" / "python")], name="nodr.yaml",
+                                        extra="installer: pip\n")
     result = run_cli("up", str(no_distrun), "--json", timeout=60)
     message = _report(result)["hosts"][0]["message"]
-    # distrun would come from the client (issue 49), but this bare interpreter has no pip to install it with.
     assert result.returncode == 6 and "installing distrun==0.1.0 failed" in message and "has no pip" in message
 
     old = tmp_path / "old-python"

@@ -153,7 +153,7 @@ def test_trials_take_the_best_and_a_near_or_short_runner_up_of_another_kind():
     decision = decide(PROFILE, _resources(10_000), 64)
     chosen = _to_time(decision)
     assert chosen[0].step_s == min(p.step_s for p, v in decision.ranked if not v.startswith("needs "))
-    kinds = {(p.layout.strategy, p.layout.pp) for p in chosen}
+    kinds = {p.layout.kind for p in chosen}
     assert len(kinds) == len(chosen)  # never two variants of one kind
     if len(chosen) == 2:
         assert chosen[1].step_s <= chosen[0].step_s * (1 + TRIAL_NEAR) or chosen[0].step_s < SHORT_STEP_S
@@ -171,13 +171,36 @@ def test_a_layout_whose_trial_failed_is_out_with_its_variants_and_nothing_left_i
     decision = decide(PROFILE, _resources(10_000), 64)
     best = decision.chosen.layout
     after = retime(decision, {}, {best: "killed by signal 9"})
-    kind = (best.strategy, best.pp)
-    assert (after.chosen.layout.strategy, after.chosen.layout.pp) != kind
+    kind = best.kind
+    assert after.chosen.layout.kind != kind
     assert after.chosen.timed_step_s is None  # nothing timed: the model's fastest of the rest
     for prediction, verdict in after.ranked:
-        if (prediction.layout.strategy, prediction.layout.pp) == kind and not verdict.startswith("needs "):
+        if prediction.layout.kind == kind and not verdict.startswith("needs "):
             assert verdict == "failed in its trial: killed by signal 9"
-    kinds = {(p.layout.strategy, p.layout.pp): p.layout for p, v in decision.ranked if not v.startswith("needs ")}
+    kinds = {p.layout.kind: p.layout for p, v in decision.ranked if not v.startswith("needs ")}
     with pytest.raises(ConfigError, match="^--strategy auto: no layout fits: every one the model said fits failed "
                                           "in its trial"):
         retime(decision, {}, {layout: "killed" for layout in kinds.values()})
+
+
+def test_hsdp_is_a_candidate_over_hosts_of_several_ranks_and_wins_on_a_slow_link_between_them():
+    """Two hosts of four ranks, a fast link inside each and 100 Mbit/s between: HSDP gathers the
+    parameters over the fast link and sends only a rank's quarter of the gradients across hosts,
+    where sharding over all eight sends gathers across the slow link."""
+    resources = Resources(ranks=8, hosts=2, budget_bytes=10_000 * MB, within_host=FAST, between_hosts=SLOW)
+    chainless = ModelProfile(**{**PROFILE.__dict__, "chain_parts": 0})
+    hsdp = predict(chainless, resources, Layout("sharded", 8, shard_within="host"), 64)
+    flat = predict(chainless, resources, Layout("sharded", 8), 64)
+    assert hsdp.parts["state"] == (200 + 200 + 400) * MB / 4 and flat.parts["state"] == (200 + 200 + 400) * MB / 8
+    across = 2 * (2 - 1) / 2 * 200 * MB / 4 / SLOW.bytes_per_s  # a rank's quarter of the gradients, ring of 2
+    assert hsdp.exposed_comm_s == pytest.approx(across + 2 * 0.75 * 200 * MB / FAST.bytes_per_s
+                                                + 0.75 * 200 * MB / FAST.bytes_per_s + 3 * 8 * 3 * FAST.latency_s
+                                                + 2 * SLOW.latency_s)
+    assert hsdp.step_s < flat.step_s
+    layouts = candidates(chainless, resources, 64)
+    assert Layout("sharded", 8, shard_within="host") in layouts
+    assert not [l for l in candidates(chainless, _resources(10_000, ranks=8), 64) if l.shard_within == "host"]
+    chosen = decide(chainless, resources, 64).chosen.layout
+    assert chosen.kind == ("sharded", 1, "host"), chosen.describe()
+    assert chosen.job_file()["sharding"] == {"within": "host"} and chosen.flags()["shard_within"] == "host"
+    assert chosen.describe().startswith("sharded x8 --shard-within host")
