@@ -25,9 +25,9 @@ import psutil
 
 from distrun.config import PLAN_PROBE_MARK
 from distrun.errors import RecipeError
-from distrun.launch._oom import cgroup_of
 from distrun.planner.choose import Decision, decide
 from distrun.planner.cost import Link, ModelProfile, Resources
+from distrun.planner.memory import cgroup_of
 
 __all__ = ["Plan", "memory_budget", "plan_local"]
 

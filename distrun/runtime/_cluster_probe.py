@@ -12,6 +12,7 @@ that starts with ``PLAN_PROBE_MARK``; the client reads it from the job's output 
 from __future__ import annotations
 
 import json
+import os
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from distrun.config import PLAN_PROBE_MARK, JobSpec, PlanProbeSpec
+from distrun.planner.memory import cgroup_of, rank_budget_bytes
 from distrun.planner.overheads import collective_rates
 from distrun.runtime._probe_recipe import MAX_COLLECTIVE_BYTES, collective_device, measure_recipe
 
@@ -28,14 +30,15 @@ __all__ = ["probe_in_job"]
 
 def _budget_bytes(device: torch.device, ranks_per_host: int) -> tuple[int, str]:
     """The smallest rank's budget over the job: a GPU's free memory, else its host's available
-    memory shared by the host's ranks (each counted with what it holds already)."""
+    memory (and its memory cgroup's room) shared by the host's ranks, each counted with what it
+    holds already. Every rank says its own; the source said is this rank's."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         mine, source = int(torch.cuda.mem_get_info(device)[0]), "GPU free memory"
-    else:
-        held = psutil.Process().memory_info().rss
-        mine = psutil.virtual_memory().available // ranks_per_host + held
-        source = f"MemAvailable of the tightest host, shared by its {ranks_per_host} rank(s)"
+    else:  # the host's available memory, and its memory cgroup's room where it has a limit
+        mine, source = rank_budget_bytes(ranks_per_host, psutil.Process().memory_info().rss,
+                                         cgroup_of(os.getpid()), psutil.virtual_memory().available)
+        source += " (the tightest rank's)"
     smallest = torch.tensor([mine], dtype=torch.int64, device=collective_device(device))
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
     return int(smallest.item()), source

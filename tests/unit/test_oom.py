@@ -1,11 +1,12 @@
-"""Finding a rank's memory cgroup and reading its OOM kill count, limit and peak (launch/_oom).
+"""Finding a rank's memory cgroup and reading its OOM kill count, limit, use and peak
+(planner/memory.py, which launch/_oom and --strategy auto's budgets read).
 
 The kernel's own OOM killer on a v1 cgroup is in tests/integration/test_faults.py; v2's files
 are laid out here in a folder, as the kernel names them."""
 
 from pathlib import Path
 
-from distrun.launch._oom import locate
+from distrun.planner.memory import MemoryCgroup, locate, rank_budget_bytes
 
 HYBRID_MOUNTS = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
@@ -60,3 +61,19 @@ def test_a_hybrid_host_reads_the_v1_memory_controller(tmp_path):
     (v1 / "job" / "memory.stat").write_text(f"hierarchical_memory_limit {2**63 - 4096}\n")
     assert found.limit_bytes() is None  # v1's "no limit"
     assert locate("0::/\n", "") is None  # no cgroup file system mounted: nothing to tell
+
+
+def test_a_ranks_budget_is_its_share_of_the_cgroups_room_where_that_is_tighter(tmp_path):
+    """Two ranks of a host, each holding 300 MB: MemAvailable of 10 GB gives each 5.3 GB; a v2
+    cgroup of 2 GiB using 1 GiB now gives each half its 1 GiB of room plus what it holds."""
+    mb = 2**20
+    _v2_tree(tmp_path / "cg")
+    job = tmp_path / "cg" / "job"
+    (job / "memory.current").write_text(f"{1024 * mb}\n")
+    group = MemoryCgroup(job, "/job", 2)
+    budget, source = rank_budget_bytes(2, 300 * mb, group, 10 * 2**30)
+    assert budget == 512 * mb + 300 * mb and source.startswith("memory cgroup /job's limit less its use")
+    assert rank_budget_bytes(2, 300 * mb, None, 10 * 2**30) == (5 * 2**30 + 300 * mb, "MemAvailable, shared by 2 rank(s)")
+    # A cgroup with room to spare: the host's available memory is the tighter.
+    (job / "memory.current").write_text("0\n")
+    assert rank_budget_bytes(2, 300 * mb, group, 1 * 2**30)[1] == "MemAvailable, shared by 2 rank(s)"
