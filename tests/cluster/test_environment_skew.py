@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import Lab, json_lines, lab_cli, shaped_lab
+from tests.cluster.conftest import Lab, cmdline, json_lines, lab_cli, shaped_lab
 from tests.cluster.test_environment import _cluster, _env_name, _up, _wheel
 
 RECIPE = """
@@ -274,6 +274,12 @@ def test_old_environments_go_after_the_newest_few_never_while_a_job_uses_one(lab
     while not all(path.exists() for path in results) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all(path.exists() for path in results), results
+    # Its result is written as its ranks leave; a rank still exiting runs layer 1's python, which
+    # keeps the layer in use (as it should): the test waits for them to be gone.
+    layer_path = str(lab.workdir / ".envs" / next(iter(in_use)))
+    while time.monotonic() < deadline and any(layer_path in cmdline(pid) for ns, _ in lab.hosts.values()
+                                               for pid in lab.netns.pids(ns)):
+        time.sleep(0.5)
     proc, _ = _train(lab, JOB_RECIPE, "--requirements", str(_job_requirements(lab, "third", "extrapkg>=1.1")),
                      name="job")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
