@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distrun.client import LocalJob
+from distrun.client.planning import follow_within
 from distrun.config import JobSpec
 from distrun.errors import DistrunError
 from distrun.planner.choose import Decision, retime
@@ -122,12 +123,8 @@ def _run_trial(spec: JobSpec, deadline: float) -> float:
     """The seconds a step took in a short real run of ``spec`` (from the end of its first step);
     stopped at ``deadline`` (a ``time.perf_counter()``)."""
     with LocalJob(spec) as job:
-        for _ in job.events():  # None every quarter second: the clock is read even when nothing comes
-            if time.perf_counter() > deadline:
-                job.cancel("--strategy auto: the trial ran past the decision's budget")
-                for _ in job.events():
-                    pass
-                raise _OverBudget
+        if not follow_within(job, deadline, "--strategy auto: the trial ran past the decision's budget"):
+            raise _OverBudget
         try:
             summary = job.outcome().summary
         except DistrunError as exc:  # the layout failed (killed, or the recipe raised under it)

@@ -17,12 +17,12 @@ from typing import Any
 from distrun.client._bundle import Bundle
 from distrun.client._job_env import JobEnvironment
 from distrun.client.cluster_job import ClusterJob
-from distrun.client.planning import Plan
+from distrun.client.planning import Plan, follow_within
 from distrun.config import PLAN_PROBE_MARK, JobSpec
 from distrun.errors import RecipeError
 from distrun.planner.choose import decide
 from distrun.planner.cost import Link, ModelProfile, Resources
-from distrun.protocol import Output
+from distrun.protocol import Event, Output
 
 __all__ = ["plan_on_cluster"]
 
@@ -35,16 +35,16 @@ def _probe(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvir
     reply: dict[str, Any] | None = None
     with job:  # Ctrl-C or a failure here stops the probe on every host
         job.start(spec, bundle, environment=environment)
-        deadline = time.perf_counter() + PROBE_TIMEOUT_S
-        for event in job.events():  # None every quarter second: the clock is read even when nothing comes
+
+        def keep(event: Event | None) -> None:
+            nonlocal reply
             if isinstance(event, Output) and event.rank == 0 and event.line.startswith(PLAN_PROBE_MARK):
                 reply = json.loads(event.line[len(PLAN_PROBE_MARK):])
-            if time.perf_counter() > deadline:
-                job.cancel("--strategy auto: the probe ran past its limit")
-                for _ in job.events():
-                    pass
-                raise RecipeError(f"{spec.recipe}: --strategy auto's probe on the cluster took over "
-                                  f"{PROBE_TIMEOUT_S:.0f} s (build the model, two steps, the links); name a strategy")
+
+        if not follow_within(job, time.perf_counter() + PROBE_TIMEOUT_S, "--strategy auto: the probe ran past its limit",
+                             keep):
+            raise RecipeError(f"{spec.recipe}: --strategy auto's probe on the cluster took over "
+                              f"{PROBE_TIMEOUT_S:.0f} s (build the model, two steps, the links); name a strategy")
         job.outcome()  # a failure is the recipe's, named as a training job's would be
     if reply is None:
         raise RecipeError(f"{spec.recipe}: --strategy auto's probe on the cluster ended without its figures")

@@ -19,6 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -28,8 +29,9 @@ from distrun.errors import RecipeError
 from distrun.planner.choose import Decision, decide
 from distrun.planner.cost import Link, ModelProfile, Resources
 from distrun.planner.memory import cgroup_of
+from distrun.protocol import Event
 
-__all__ = ["Plan", "memory_budget", "plan_local"]
+__all__ = ["Plan", "follow_within", "memory_budget", "plan_local"]
 
 #: The probe's own limit: a recipe whose model takes longer than this to build and step twice
 #: is named, not waited for.
@@ -81,6 +83,22 @@ class Plan:
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
         }
+
+
+def follow_within(job: Any, deadline: float, reason: str,
+                  on_event: Callable[[Event | None], None] = lambda _: None) -> bool:
+    """Follow ``job`` (local or cluster: its ``events()`` and ``cancel()``) to its end, handing each
+    event to ``on_event``; past ``deadline`` (a ``time.perf_counter()``) cancel it for ``reason``,
+    wait for it to stop, and return False. The planner's probe and trials run under it: a decision
+    that waits has a limit."""
+    for event in job.events():  # None every quarter second: the clock is read even when nothing comes
+        on_event(event)
+        if time.perf_counter() > deadline:
+            job.cancel(reason)
+            for _ in job.events():
+                pass
+            return False
+    return True
 
 
 def memory_budget(ranks: int, device: str, device_free_bytes: int | None) -> tuple[int, str]:
