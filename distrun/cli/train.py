@@ -113,7 +113,7 @@ def train(
     outer_momentum: float = typer.Option(DEFAULT_OUTER_MOMENTUM, "--outer-momentum", help="diloco: the outer SGD's Nesterov momentum (0: plain SGD, Nesterov off)."),
     sync_dtype: str = typer.Option("fp32", "--sync-dtype", help="diloco: fp32 | bf16 | int8: what pseudo-gradients cross the wire as (bf16 and int8 feed their rounding error into the next sync)."),
     fragments: int = typer.Option(1, "--fragments", metavar="K", help="diloco: streaming DiLoCo: sync the model's units in K fragments, one at a time over the H steps, each exchange overlapping the next step (docs/strategies.md#diloco)."),
-    ps_tasks: int | None = typer.Option(None, "--ps-tasks", help="parameter-server, without --cluster: ps task processes here (default 1); on a cluster, its ps hosts."),
+    ps_tasks: int | None = typer.Option(None, "--ps-tasks", help="parameter-server and --embeddings ps, without --cluster: ps task processes here (default 1); on a cluster, one per host with role ps."),
     ps_sync: bool = typer.Option(False, "--ps-sync/--no-ps-sync", help="parameter-server: apply the mean of one push from every worker per step (synchronous rounds)."),
     max_staleness: int | None = typer.Option(None, "--max-staleness", help="parameter-server: a worker more than K steps ahead of the slowest waits."),
     ps_partition_mb: float = typer.Option(DEFAULT_PS_PARTITION_MB, "--ps-partition-mb", help="parameter-server: split parameters bigger than this by rows across the ps tasks."),
@@ -260,7 +260,8 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
                     decorate: Callable[[JobSummary], JobSummary] | None = None) -> JobSummary | None:
     """Open the training hosts (world size), pack and ship the code, then run like a local job;
     ``decorate``: what the command adds to the summary (``--strategy auto``'s plan)."""
-    job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])))
+    job = ClusterJob.plan(cluster, StrategyName.parse(str(flags["strategy"])),
+                          embeddings_ps=flags.get("embeddings") == "ps")
     try:
         device = str(flags.pop("device"))
         if device == "auto":

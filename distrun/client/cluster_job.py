@@ -101,10 +101,11 @@ class ClusterJob:
         self._prepared = PreparedHosts()  # per host: the job's own environment layer (client/_job_env)
 
     @classmethod
-    def plan(cls, cluster: ClusterSpec, strategy: StrategyName) -> ClusterJob:
+    def plan(cls, cluster: ClusterSpec, strategy: StrategyName, *, embeddings_ps: bool = False) -> ClusterJob:
+        """``embeddings_ps``: the hybrid's ps hosts run a ps task each, after the strategy's ranks."""
         cluster.require_strategy(strategy.value)
         job_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
-        links = [HostLink(cluster, host) for host in training_hosts(cluster, strategy)]
+        links = [HostLink(cluster, host) for host in training_hosts(cluster, strategy, embeddings_ps=embeddings_ps)]
         open_all(links)
         placements, offset = [], 0
         for node_rank, link in enumerate(links):

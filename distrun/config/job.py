@@ -240,8 +240,8 @@ def _validate_embeddings(spec: JobSpec) -> None:
         raise ConfigError(f"--embeddings ps: for --strategy mirrored or multi-worker (DDP's dense layers beside the "
                           f"ps tasks' tables). Received: --strategy {strategy.name.value}")
     if ps.tasks < 1:
-        raise ConfigError("--embeddings ps needs ps tasks: give --ps-tasks N (a local job; on a cluster its ps hosts "
-                          "are not used for it yet)")
+        raise ConfigError("--embeddings ps needs ps tasks: give --ps-tasks N (a local job; on a cluster, each host "
+                          "with role ps runs one)")
     blocked = [(flag, why) for flag, why, on in (
         ("--ps-sync", "its rounds are always synchronous", ps.sync),
         ("--max-staleness", "its rounds are synchronous: nothing is stale", ps.max_staleness is not None),

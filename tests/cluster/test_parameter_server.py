@@ -138,6 +138,41 @@ def test_a_killed_ps_task_restarts_the_job_from_its_checkpoint(lab: Lab, ps_clus
     assert final["step"] == 400 and final["strategy"] == "parameter-server"
 
 
+def test_the_hybrid_keeps_its_table_on_the_ps_host_and_ends_as_one_device(lab: Lab, ps_cluster: Path,
+                                                                            tmp_path: Path) -> None:
+    """``--embeddings ps`` on a cluster: mirrored x2 on h1 (the dense layers' DDP), the large table on
+    h2's ps task, rows crossing the bridge; the checkpoint comes home with the table in it, as one
+    device's run of the same steps."""
+    code = tmp_path / "code"
+    code.mkdir()
+    recipe = code / "recommender.py"
+    recipe.write_text((REPO / "recipes" / "recommender.py").read_text())
+    run = lab_cli(lab, "train", str(recipe), "--cluster", str(ps_cluster), "--strategy", "mirrored",
+                  "--embeddings", "ps", "--ps-partition-mb", "1", "--steps", "20", "--json",
+                  "--checkpoint-dir", str(tmp_path / "hybrid"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = json_lines(run)
+    assert lines[0]["world_size"] == 3 and lines[0]["hosts"] == [lab.hosts["h1"][1], lab.hosts["h2"][1]]
+    started = {line["rank"]: line for line in lines if line.get("type") == "started"}
+    assert sorted(started) == [0, 1, 2]
+    placement = [line["line"] for line in _said(lines, "[placement]")]
+    assert any("ps0:" in p and "users.weight[0:20000]" in p for p in placement), placement
+    ps = [line for line in lines if line.get("type") == "ps"]
+    assert ps and ps[-1]["updates"] == 20 and ps[-1]["bytes_in"] > 0  # one update a step, from both replicas
+    summary = lines[-1]
+    assert summary["status"] == "succeeded" and summary["replicas"] == 2 and summary["steps"] == 20
+    assert 0 < summary["embedding_bytes_per_step"] < 20_000 * 16 * 4  # rows, never the whole table
+    local = run_cli("train", str(recipe), "--strategy", "one-device", "--steps", "20", "--json",
+                    "--checkpoint-dir", str(tmp_path / "one"))
+    assert local.returncode == 0, local.stderr[-2000:]
+    home = lab.root / "distrun-results" / lines[0]["job"]
+    remote = torch.load(latest_checkpoint(home), weights_only=True)
+    one = torch.load(latest_checkpoint(tmp_path / "one"), weights_only=True)
+    assert remote["step"] == one["step"] == 20 and list(remote["model"]) == list(one["model"])
+    for key, tensor in one["model"].items():
+        torch.testing.assert_close(remote["model"][key], tensor, rtol=0, atol=1e-6, msg=key)
+
+
 def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_under_mirrored(
         lab3: Lab, tmp_path: Path) -> None:
     """One worker host, two ps hosts: the embedding is split by rows across h2 and h3."""

@@ -191,3 +191,8 @@ def test_parameter_server_hosts_workers_first_then_ps_and_never_both():
         training_hosts(both, StrategyName.PARAMETER_SERVER)
     with pytest.raises(ConfigError, match="needs at least one host with role 'ps'"):
         parse_cluster("hosts:\n  - {address: c}\n").require_strategy("parameter-server")
+    # The hybrid: the strategy's hosts (mirrored: the chief's alone), then every ps host for the tables.
+    assert [h.address for h in training_hosts(cluster, StrategyName.MIRRORED, embeddings_ps=True)] == ["c", "p"]
+    assert [h.address for h in training_hosts(cluster, StrategyName.MULTI_WORKER, embeddings_ps=True)] == ["c", "w", "p"]
+    with pytest.raises(ConfigError, match="--embeddings ps keeps the tables on ps tasks"):
+        training_hosts(parse_cluster("hosts:\n  - {address: c}\n"), StrategyName.MIRRORED, embeddings_ps=True)
