@@ -16,8 +16,10 @@ from typing import Any
 
 from distrun.cli._auto_trials import time_near, trial_flags
 from distrun.cli._spec import build_spec, local_layout, recipe_defaults
+from distrun.cli.cluster import distrun_home
 from distrun.client import ClusterJob, JobEnvironment, pack
 from distrun.client._cluster_plan import plan_on_cluster
+from distrun.client._link_cache import cluster_key, keep_links, kept_links
 from distrun.client.planning import Plan, plan_local
 from distrun.config import ClusterSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import UsageError
@@ -103,7 +105,8 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
                       seed: int | None, recipe_args: tuple[str, ...] = (), include: list[Path] | None = None,
                       environment: JobEnvironment | None = None, given: dict[str, Any] | None = None) -> Choice:
     """The layout of ``recipe`` on ``cluster``'s worker hosts and slots, from a probe job run there
-    (client/_cluster_plan.py). No trials yet: each would be a cluster job of its own."""
+    (client/_cluster_plan.py), with the cluster's links kept from its last probe where they still
+    hold (client/_link_cache.py). No trials yet: each would be a cluster job of its own."""
     path, info, unplanned = _fit_recipe(recipe, given)
     if unplanned is not None:
         return Choice({"strategy": "multi-worker", "replicas": None, "device": device}, None,
@@ -118,7 +121,11 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
             device = "cuda" if job.gpus_everywhere else "cpu"
         filled = recipe_defaults(info, steps=None, epochs=None, global_batch_size=global_batch_size, seed=seed,
                                  checkpoint_every=None)
-        probe = PlanProbeSpec(hosts=len(job.placements), ranks_per_host=slots[0])
+        key = cluster_key([(p.host.label, p.host.address, p.slots) for p in job.placements],
+                          cluster.network.interface, device)
+        kept = kept_links(distrun_home(), key)
+        probe = PlanProbeSpec(hosts=len(job.placements), ranks_per_host=slots[0],
+                              kept_links=kept.figures if kept else None)
         spec = build_spec(recipe=path, recipe_args=recipe_args, strategy=StrategyName.MULTI_WORKER.value, device=device,
                           replicas=job.replicas, steps=1, epochs=None,
                           global_batch_size=int(filled["global_batch_size"]), seed=int(filled["seed"]),
@@ -128,6 +135,8 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
     except BaseException:
         job.close()
         raise
-    plan = plan_on_cluster(job, spec, bundle, environment)
+    plan = plan_on_cluster(job, spec, bundle, environment, kept_age_s=kept.age_s() if kept else None)
+    if plan.links is not None and plan.links["from"] == "timed":
+        keep_links(distrun_home(), key, plan.links["figures"])
     flags = {**plan.decision.chosen.layout.flags(), "replicas": None, "device": device}  # replicas: the slots
     return Choice(flags, plan, tuple(plan.lines()))

@@ -51,8 +51,10 @@ def _probe(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvir
     return reply
 
 
-def plan_on_cluster(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvironment | None) -> Plan:
-    """Probe ``spec``'s recipe on the cluster ``job`` was planned on; decide its layout there."""
+def plan_on_cluster(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment: JobEnvironment | None, *,
+                    kept_age_s: float | None = None) -> Plan:
+    """Probe ``spec``'s recipe on the cluster ``job`` was planned on; decide its layout there.
+    ``kept_age_s``: the age of the kept links the probe was sent (None: none were)."""
     started = time.perf_counter()
     reply = _probe(job, spec, bundle, environment)
     probe_s = time.perf_counter() - started
@@ -68,5 +70,8 @@ def plan_on_cluster(job: ClusterJob, spec: JobSpec, bundle: Bundle, environment:
                           within_host=within, between_hosts=between if hosts > 1 else None, **reply["overheads"])
     batch = spec.training.global_batch_size or 32 * resources.ranks
     decision = decide(ModelProfile(**reply["profile"]), resources, batch)
+    links = dict(reply["links"])
+    if links["from"] == "kept":
+        links["age_s"] = round(kept_age_s or 0.0, 1)
     return Plan(decision, resources, ModelProfile(**reply["profile"]), batch, time.perf_counter() - started, probe_s,
-                str(reply["budget_source"]))
+                str(reply["budget_source"]), links=links)

@@ -50,6 +50,8 @@ class Plan:
     decide_s: float
     probe_s: float
     budget_source: str  # "cgroup memory.limit_in_bytes", "MemAvailable", "GPU free memory"
+    #: A cluster's links: ``{"from": "kept" | "timed", "why", "figures", "age_s" (kept)}``; None here.
+    links: dict[str, Any] | None = None
 
     def lines(self) -> list[str]:
         """The block printed before step 1: the choice, its prediction, up to three runners-up."""
@@ -61,6 +63,8 @@ class Plan:
                f"{step}; decided in {self.decide_s:.1f} s"]
         for prediction, verdict in self.decision.runners_up():
             out.append(f"  not {prediction.layout.describe()}: {verdict}")
+        if self.links is not None:
+            out.append(f"  links: {_links_said(self.links)}")
         return out
 
     def summary_object(self, measured_peak_mb: float | None, measured_step_s: float | None) -> dict[str, Any]:
@@ -82,7 +86,15 @@ class Plan:
                            for p, verdict in self.decision.ranked],
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
+            **({"links": {k: v for k, v in self.links.items() if k != "figures"}} if self.links else {}),
         }
+
+
+def _links_said(links: dict[str, Any]) -> str:
+    """``kept from 2.0 h ago (a 1,048,576-byte all-reduce took 1.1x what they say)`` or ``timed now``."""
+    if links["from"] == "kept":
+        return f"kept from {links['age_s'] / 3600:.1f} h ago ({links['why']})"
+    return "timed now, kept for a day" + (f" ({links['why']})" if links.get("why") else "")
 
 
 def follow_within(job: Any, deadline: float, reason: str,

@@ -22,7 +22,7 @@ from distrun.config.job import (
 )
 from distrun.config._observe import TRACKERS, check_trackers, parse_profile, parse_tracker_uris
 from distrun.config.recipe import RecipeInfo, RecipeKind, inspect_recipe
-from distrun.config._plan_probe import PLAN_PROBE_MARK, PLAN_PROBE_VAR, PlanProbeSpec
+from distrun.config._plan_probe import KEPT_LINK_KEYS, PLAN_PROBE_MARK, PLAN_PROBE_VAR, PlanProbeSpec, kept_links_valid
 from distrun.config._predict import PREDICT_VAR, PredictSpec
 
 __all__ = [
@@ -60,6 +60,8 @@ __all__ = [
     "parse_tracker_uris",
     "PREDICT_VAR",
     "PlanProbeSpec",
+    "KEPT_LINK_KEYS",
+    "kept_links_valid",
     "PLAN_PROBE_VAR",
     "PLAN_PROBE_MARK",
     "PredictSpec",

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["collective_rates", "framework_overheads", "sharded_step_s"]
+__all__ = ["all_reduce_s", "collective_rates", "framework_overheads", "sharded_step_s"]
 
 _STEPS = 5
 _WIDTH = 8
@@ -106,6 +106,13 @@ def collective_rates(nbytes: int, group: dist.ProcessGroup | None = None,
     moved = (n - 1) / n * whole.numel() * 4
     return {"bytes_per_s": 2 * moved / max(reduce_s, 1e-9), "latency_s": latency,
             "gather_bytes_per_s": moved / max(gather_s, 1e-9), "scatter_bytes_per_s": moved / max(scatter_s, 1e-9)}
+
+
+def all_reduce_s(nbytes: int, group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> float:
+    """One all-reduce of ``nbytes`` over ``group`` (the default group), timed: the check a kept link's
+    figures must pass before a probe trusts them instead of timing the collectives again."""
+    whole = torch.zeros(max(1, nbytes // 4), device=device)
+    return _median_s(lambda: dist.all_reduce(whole, group=group), group)
 
 
 def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimizer: Callable[[Any], Any],

@@ -7,6 +7,12 @@ the job's own process group: an all-reduce over every rank (the ring a multi-wor
 gradients and a pipeline's hops take between hosts) and, where a host has several ranks, one
 among the ranks of each host (its loopback or NVLink). Rank 0 prints the figures as one line
 that starts with ``PLAN_PROBE_MARK``; the client reads it from the job's output (client/_cluster_plan.py).
+
+The links are the slow part to time over a slow network (three collectives on the gradients' size,
+several times each), and they change far less often than the model. So the client keeps each
+cluster's for a day (client/_link_cache.py) and sends them with the probe; its ranks then time one
+all-reduce of a megabyte instead, and time everything again only where that lands more than
+:data:`KEPT_HOLDS` times away from what the kept figures predict (a link shaped, swapped, moved).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch.distributed as dist
 
 from distrun.config import PLAN_PROBE_MARK, JobSpec, PlanProbeSpec
 from distrun.planner.memory import cgroup_of, rank_budget_bytes
-from distrun.planner.overheads import collective_rates
+from distrun.planner.overheads import all_reduce_s, collective_rates
 from distrun.runtime._probe_recipe import MAX_COLLECTIVE_BYTES, collective_device, measure_recipe
 
 __all__ = ["probe_in_job"]
@@ -58,6 +64,50 @@ def _within_host(profile_bytes: int, probe: PlanProbeSpec, device: torch.device)
     return rates
 
 
+#: A kept link holds while one all-reduce of this many bytes (or the gradients', if fewer) takes
+#: within :data:`KEPT_HOLDS` of what the kept figures say it takes.
+CHECK_BYTES = 1 << 20
+#: How far (either way) the check may land from the kept figures' prediction: gloo's small
+#: all-reduces wander by tens of percent on a loaded host, a link shaped or swapped moves by far more.
+KEPT_HOLDS = 3.0
+#: Kept figures timed on a message this many times larger or smaller than this model's gradients are
+#: timed again: a rate taken on kilobytes is mostly latency, one taken on megabytes is not.
+KEPT_SIZE_RANGE = 4.0
+
+
+def _check_kept(kept: dict[str, Any], nbytes: int, probe: PlanProbeSpec,
+                device: torch.device) -> tuple[bool, str]:
+    """Whether ``kept`` (a cluster's links from an earlier probe) still hold for this model, and why."""
+    if not 1 / KEPT_SIZE_RANGE <= nbytes / max(1, kept["nbytes"]) <= KEPT_SIZE_RANGE:
+        return False, f"kept links were timed on {kept['nbytes']:,} bytes, this model's gradients are {nbytes:,}"
+    ring = kept["between_hosts"] if probe.hosts > 1 else kept["within_host"]
+    if ring is None:
+        return False, "the kept links have no ring over these ranks"
+    n, check = dist.get_world_size(), min(nbytes, CHECK_BYTES)
+    took = torch.tensor([all_reduce_s(check, device=collective_device(device))], device=collective_device(device))
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # one verdict on every rank: the same collectives follow
+    expected = check * 2 * (n - 1) / n / ring["bytes_per_s"] + 2 * (n - 1) * ring["latency_s"]
+    ratio = float(took.item()) / max(expected, 1e-9)
+    said = f"a {check:,}-byte all-reduce took {ratio:.2g}x what the kept links say"
+    return 1 / KEPT_HOLDS <= ratio <= KEPT_HOLDS, said
+
+
+def _time_links(nbytes: int, probe: PlanProbeSpec, device: torch.device) -> dict[str, Any]:
+    """The collectives timed on this job's ranks, in the kept links' keys."""
+    rates = collective_rates(nbytes, device=collective_device(device))
+    ring = {"bytes_per_s": rates["bytes_per_s"], "latency_s": rates["latency_s"]}
+    if probe.hosts == 1:  # one host: the job's group is the host's
+        return {"nbytes": nbytes, "between_hosts": None, "within_host": ring,
+                "gather_bytes_per_s": rates["gather_bytes_per_s"], "scatter_bytes_per_s": rates["scatter_bytes_per_s"]}
+    # Several: the whole group's ring is the between-hosts link, and the host's own group (if any) the
+    # within; FSDP's gather and scatter rates are the host's (0, as the link's, with one rank a host).
+    within = _within_host(nbytes, probe, device)
+    return {"nbytes": nbytes, "between_hosts": ring,
+            "within_host": {"bytes_per_s": within["bytes_per_s"], "latency_s": within["latency_s"]} if within else None,
+            "gather_bytes_per_s": within["gather_bytes_per_s"] if within else 0.0,
+            "scatter_bytes_per_s": within["scatter_bytes_per_s"] if within else 0.0}
+
+
 def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe: PlanProbeSpec) -> dict[str, Any]:
     """Measure on every rank of this job; rank 0 prints the figures (and every rank returns them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -65,21 +115,20 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     budget, source = _budget_bytes(device, probe.ranks_per_host)
     request = {"global_batch_size": batch, "rows": max(1, batch // world), "seed": spec.training.seed,
                "memory_cap_bytes": budget if device.type != "cuda" else None}
-    measured = measure_recipe(recipe, request, rank, world, device)
-    within = _within_host(measured["profile"]["gradient_bytes"], probe, device)
-    between = measured["link"] if probe.hosts > 1 else None
+    measured = measure_recipe(recipe, request, rank, world, device, time_links=False)
+    nbytes = min(int(measured["profile"]["gradient_bytes"]), MAX_COLLECTIVE_BYTES)
+    holds, why = _check_kept(probe.kept_links, nbytes, probe, device) if probe.kept_links else (False, "")
+    links = probe.kept_links if holds else _time_links(nbytes, probe, device)
+    assert links is not None
+    overheads = {**measured["overheads"], "gather_bytes_per_s": links["gather_bytes_per_s"],
+                 "scatter_bytes_per_s": links["scatter_bytes_per_s"]}
     reply = {
-        "profile": measured["profile"], "overheads": measured["overheads"], "budget_bytes": budget,
+        "profile": measured["profile"], "overheads": overheads, "budget_bytes": budget,
         "budget_source": source, "hosts": probe.hosts, "ranks_per_host": probe.ranks_per_host,
-        # One host: the job's group is the host's. Several: the whole group's ring is the between-hosts
-        # link, and the host's own group (if any) the within; its gather and scatter rates are the host's.
-        "within_host": (measured["link"] if probe.hosts == 1 else
-                        {"bytes_per_s": within["bytes_per_s"], "latency_s": within["latency_s"]} if within else None),
-        "between_hosts": between,
+        "within_host": links["within_host"], "between_hosts": links["between_hosts"],
+        # "kept": the client's figures held (why: the check); "timed": timed now, for the client to keep.
+        "links": {"from": "kept" if holds else "timed", "why": why, "figures": links},
     }
-    if probe.hosts > 1:
-        for name in ("gather_bytes_per_s", "scatter_bytes_per_s"):
-            reply["overheads"][name] = within[name] if within else 0.0
     if rank == 0:
         print(PLAN_PROBE_MARK + json.dumps(reply), flush=True)
     return reply

@@ -60,10 +60,12 @@ def _batches(recipe: ModuleType, batch_size: int, seed: int) -> Any:
 
 
 def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group_size: int,
-                   device: torch.device) -> dict[str, Any]:
+                   device: torch.device, *, time_links: bool = True) -> dict[str, Any]:
     """The profile of ``recipe``'s model (``request``: ``global_batch_size``, ``rows`` a forward sees,
     ``seed``, ``memory_cap_bytes``), the default group's all-reduce link (None for a group of one)
-    and the fixed costs; every process of the default group calls it at once."""
+    and the fixed costs; every process of the default group calls it at once. ``time_links=False``:
+    the collectives' rates are not timed (a cluster's kept ones hold), so ``link`` is None and the
+    overheads carry no gather or scatter rate."""
     # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
     # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
     # the free memory the budget reads).
@@ -87,9 +89,11 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     del model
     link, overheads = None, {}
     if together:
+        overheads = framework_overheads(device)
+    if together and time_links:
         rates = collective_rates(min(profile.gradient_bytes, MAX_COLLECTIVE_BYTES), device=collective_device(device))
         link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
-        overheads = {**framework_overheads(device), **rates}
+        overheads |= rates
     overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use

@@ -156,10 +156,12 @@ def lab3(tmp_path: Path) -> Iterator[Lab]:
 
 # -- helpers for tests that drive the CLI from the lab's client namespace
 
-def lab_cli(lab: Lab, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run `distrun ARGS` in the client namespace, in the lab's folder (results come home there)."""
+def lab_cli(lab: Lab, *args: str, timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `distrun ARGS` in the client namespace, in the lab's folder (results come home there);
+    ``env``: set on top of this process's environment."""
     return subprocess.run(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
-                          capture_output=True, text=True, timeout=timeout, cwd=lab.root)
+                          capture_output=True, text=True, timeout=timeout, cwd=lab.root,
+                          env={**os.environ, **env} if env else None)
 
 
 def json_lines(proc: subprocess.CompletedProcess) -> list[dict]:
