@@ -8,9 +8,10 @@ step was up to 40% off. So, as the issue asks where the two best predictions are
 each other, and wider, as far as the model's own error reaches:
 
 - the fitting layouts are taken fastest first, one of each kind (``Layout.kind``: strategy,
-  pipeline depth, HSDP or not; a layout's own variants only repeat it), and the first is timed; the second too where it is
+  pipeline depth, HSDP or not, --tp; a layout's own variants only repeat it), and the first is timed; the second too where it is
   within :data:`TRIAL_NEAR` of the first (the issue's 15% inside it) or the first's step is under
-  :data:`SHORT_STEP_S`;
+  :data:`SHORT_STEP_S`; a ``--tp`` layout (a GPU's only) is timed last, where the model puts it
+  near or ahead, and is chosen only on its trial's time;
 - a trial is a real local job of that layout (the same processes, loop and reporting a run has)
   for enough steps to fill about :data:`TRIAL_S` seconds, from the end of step 1 (the summary's
   samples/s), started only while the decision stays within :data:`DECIDE_BUDGET_S` (the issue's
@@ -56,9 +57,11 @@ _START_S = 6.0
 
 
 def _to_time(decision: Decision) -> list[Prediction]:
-    """The fitting layouts worth timing, fastest predicted first: the best one, and the best of another
-    kind where it is within TRIAL_NEAR or the best step is short."""
-    seen: set[tuple[str, int, str]] = set()
+    """The fitting layouts worth timing, in the order they are timed: the best one, the best of another
+    kind where it is within TRIAL_NEAR or the best step is short, then the best ``--tp`` layout where
+    the model puts it within TRIAL_NEAR of the best or ahead (chosen on a trial's time only, so timed
+    last: a budget spent before it leaves the layouts the model is trusted on)."""
+    seen: set[tuple[str, int, str, int]] = set()
     fitting = []
     for prediction, verdict in decision.ranked:
         if verdict.startswith("needs ") or prediction.layout.kind in seen:
@@ -66,12 +69,17 @@ def _to_time(decision: Decision) -> list[Prediction]:
         seen.add(prediction.layout.kind)
         fitting.append(prediction)
     fitting.sort(key=lambda p: p.step_s)
-    if not fitting:
-        return []
-    best, rest = fitting[0], fitting[1:]
+    plain = [p for p in fitting if p.layout.tp == 1]
+    split = [p for p in fitting if p.layout.tp > 1]
+    if not plain:
+        return split[:1]
+    best, rest = plain[0], plain[1:]
+    out = [best]
     if rest and (rest[0].step_s <= best.step_s * (1 + TRIAL_NEAR) or best.step_s < SHORT_STEP_S):
-        return [best, rest[0]]
-    return [best]
+        out.append(rest[0])
+    if split and split[0].step_s <= best.step_s * (1 + TRIAL_NEAR):
+        out.append(split[0])
+    return out
 
 
 def _trial_steps(predicted_step_s: float) -> int:

@@ -2,8 +2,8 @@
 
 The candidates are the exact layouts the job's ranks allow (each ends with one-device's
 parameters): mirrored (multi-worker over several hosts), sharded (and HSDP over several hosts of
-several ranks), and ``--pp p`` for every
-``p`` that divides the ranks and the recipe's ``pp_chain`` can take, each with and without full
+several ranks), ``--pp p`` for every ``p`` that divides the ranks and the recipe's ``pp_chain``
+can take, and ``--tp t`` for every ``t`` the model's plan takes that divides a host's ranks, each with and without full
 activation checkpointing, and each with the ``--accumulate`` counts the global batch divides
 into. The global batch never changes.
 
@@ -27,6 +27,13 @@ __all__ = ["Decision", "NEAR", "candidates", "decide", "retime"]
 #: 15%, within which the model cannot tell two layouts apart (the CLI then times them: see
 #: :func:`retime`).
 NEAR = 0.15
+#: Why ``--tp`` is no candidate on CPU: gloo all-reduces every split layer's activations inside the
+#: step and DTensor dispatches each op; on this project's 2-core host a trial of ``mirrored --tp 2``
+#: (a 13M-parameter MLP, batch 512) ran at 0.64 s/step where mirrored x2 runs at about 0.46 and the
+#: model, with DTensor's measured cost a layer pair, said 0.28. On a GPU its all-reduces go over
+#: NVLink or PCIe under NCCL; there it is a candidate, and, its model unchecked on GPUs, it is
+#: chosen only on a trial's time (:func:`decide`, cli/_auto_trials.py), never on the model's word.
+TP_ON_CPU = "--tp is no candidate on CPU (gloo's all-reduce of every split layer's activations)"
 #: --accumulate counts searched (each must divide a replica's batch).
 ACCUMULATE = (1, 2, 4, 8, 16)
 MB = 1e6
@@ -52,8 +59,8 @@ class Decision:
         return picked[:count]
 
 
-def _simplicity(layout: Layout) -> tuple[int, int, int, int]:
-    return (layout.pp, int(layout.activation_checkpointing != "none"), layout.accumulate,
+def _simplicity(layout: Layout) -> tuple[int, int, int, int, int]:
+    return (layout.pp, layout.tp, int(layout.activation_checkpointing != "none"), layout.accumulate,
             int(layout.strategy == "sharded"))
 
 
@@ -61,16 +68,19 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     """Every exact layout of the job's ranks that the batch and the recipe allow."""
     ranks = resources.ranks
     data_parallel = "multi-worker" if resources.hosts > 1 else "mirrored" if ranks > 1 else "one-device"
-    shapes: list[tuple[str, int, int, int]] = [(data_parallel, ranks, 1, 0)]
+    shapes: list[tuple[str, int, int, int, int]] = [(data_parallel, ranks, 1, 0, 1)]
     if ranks > 1:
-        shapes.append(("sharded", ranks, 1, 0))
+        shapes.append(("sharded", ranks, 1, 0, 1))
     hsdp = resources.hosts > 1 and resources.ranks_per_host > 1 and ranks % resources.hosts == 0
     for pp in range(2, ranks + 1):
         if ranks % pp == 0 and 0 < profile.chain_parts and pp <= profile.chain_parts:
             for m in (pp, 2 * pp, 4 * pp):
-                shapes.append((data_parallel, ranks // pp, pp, m))
+                shapes.append((data_parallel, ranks // pp, pp, m, 1))
+    for tp in profile.tp_degrees if profile.device == "cuda" else ():  # see TP_ON_CPU
+        if resources.ranks_per_host % tp == 0 and ranks % tp == 0:  # a tensor-parallel group in one host
+            shapes.append((data_parallel if ranks > tp else "mirrored", ranks // tp, 1, 0, tp))
     out = []
-    for strategy, replicas, pp, m in shapes:
+    for strategy, replicas, pp, m, tp in shapes:
         for checkpointing in ("none", "full"):
             for accumulate in ACCUMULATE:
                 if global_batch % (replicas * accumulate):
@@ -79,7 +89,7 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
                 if pp > 1 and rows % m:
                     continue
                 out.append(Layout(strategy, replicas, pp=pp, microbatches=m if pp > 1 else 0,
-                                  activation_checkpointing=checkpointing, accumulate=accumulate))
+                                  activation_checkpointing=checkpointing, accumulate=accumulate, tp=tp))
                 if strategy == "sharded" and hsdp:
                     out.append(Layout(strategy, replicas, activation_checkpointing=checkpointing,
                                       accumulate=accumulate, shard_within="host"))
@@ -93,6 +103,8 @@ def _why_slower(prediction: Prediction, best: Prediction) -> str:
     slower = prediction.step_s / best.step_s - 1 if best.step_s > 0 else 0.0
     if best.timed_step_s is not None and slower < 0.005:  # the model liked it, the trials did not reach it
         return f"{prediction.step_s:.3g} s/step by the model, not timed"
+    if prediction.layout.tp > 1 and slower < 0.005:
+        return f"{prediction.step_s:.3g} s/step by the model, not timed: --tp is chosen on a trial's time only"
     if prediction.comm_share >= 0.5:
         cause = f"{prediction.comm_share:.0%} waiting on the links"
     elif prediction.fixed_s >= 0.5 * prediction.step_s:
@@ -124,8 +136,10 @@ def decide(profile: ModelProfile, resources: Resources, global_batch: int) -> De
         raise ConfigError(f"--strategy auto: no layout fits: the smallest, {smallest.layout.describe()}, needs "
                           f"{smallest.peak_bytes / MB:,.0f} MB a rank; the budget is {budget_mb:,.0f} MB "
                           f"({BUDGET_SHARE:.0%} of it usable)")
-    fastest = min(p.step_s for p in fitting)
-    near = [p for p in fitting if p.step_s <= fastest * (1 + NEAR)]
+    # --tp is chosen on a trial's time only (see TP_ON_CPU), unless nothing else fits.
+    trusted = [p for p in fitting if p.layout.tp == 1] or fitting
+    fastest = min(p.step_s for p in trusted)
+    near = [p for p in trusted if p.step_s <= fastest * (1 + NEAR)]
     chosen = min(near, key=lambda p: (_simplicity(p.layout), p.step_s))
     return _ranked(chosen, predictions, [fits(p, resources) for p in predictions], budget_mb)
 
@@ -159,7 +173,8 @@ def retime(decision: Decision, timed: dict[Layout, float], failed: dict[Layout, 
     if not left:
         raise ConfigError("--strategy auto: no layout fits: every one the model said fits failed in its trial ("
                           + "; ".join(f"{layout.describe()}: {why}" for layout, why in failed.items()) + ")")
-    chosen = min(timed_ones, key=lambda p: p.expected_step_s) if timed_ones else min(left, key=lambda p: p.step_s)
+    trusted = [p for p in left if p.layout.tp == 1] or left  # --tp on a trial's time only (TP_ON_CPU)
+    chosen = min(timed_ones, key=lambda p: p.expected_step_s) if timed_ones else min(trusted, key=lambda p: p.step_s)
     ranked = _ranked(chosen, predictions, fitting, decision.budget_mb)
     over_budget = {p.layout for p, verdict in decision.ranked if verdict.startswith("needs ")}
 

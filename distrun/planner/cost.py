@@ -75,6 +75,16 @@ class ModelProfile:
     #: ``probe_rows`` samples, timed (0: not measured, one rank or none to shard over).
     sharded_step_s: float = 0.0
     probe_rows: int = 0
+    #: ``--tp``: the degrees the model's plan takes (none: it cannot be split), the parameter bytes of
+    #: the layers it splits, and what a sample's forward and backward all-reduce among the
+    #: tensor-parallel ranks (bytes, and all-reduces a forward and backward, whatever the rows).
+    tp_degrees: tuple[int, ...] = ()
+    tp_split_bytes: int = 0
+    tp_bytes_per_sample: int = 0
+    tp_messages: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp_degrees", tuple(self.tp_degrees))  # a list, after a JSON round trip
 
 
 @dataclass(frozen=True)
@@ -109,6 +119,9 @@ class Resources:
     #: on the same ranks; 0: as the link's.
     gather_bytes_per_s: float = 0.0
     scatter_bytes_per_s: float = 0.0
+    #: ``--tp``'s fixed cost a pair of split layers a forward and backward (DTensor's dispatch and its
+    #: collectives' calls), timed on a tiny column-then-row pair over two of the probe's ranks.
+    tp_pair_s: float = 0.0
 
     @property
     def ranks_per_host(self) -> int:
@@ -135,18 +148,23 @@ class Layout:
     #: sharded: ``all`` shards over every rank; ``host`` is HSDP (shard inside each host, replicate
     #: across hosts). Pinned either way: ``--shard-within auto`` would choose by its own rule.
     shard_within: str = "all"
+    #: ``--tp``: each replica's split layers over this many ranks of one host.
+    tp: int = 1
 
     @property
-    def kind(self) -> tuple[str, int, str]:
-        """What runs a step (strategy, pipeline depth, HSDP or not): a layout's checkpointing and
-        accumulation variants share it, and its trial speaks for them."""
-        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else ""
+    def kind(self) -> tuple[str, int, str, int]:
+        """What runs a step (strategy, pipeline depth, HSDP or not, tensor parallel): a layout's
+        checkpointing and accumulation variants share it, and its trial speaks for them."""
+        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else "", self.tp
 
     def describe(self) -> str:
-        """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``... --accumulate 2``."""
-        text = f"{self.strategy} x{self.replicas}" if self.pp == 1 else f"{self.strategy} --pp {self.pp} " \
-            f"({self.pp_schedule}, {self.microbatches or self.pp} microbatches)" + (
-                f" x{self.replicas}" if self.replicas > 1 else "")
+        """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``mirrored --tp 2``, ``... --accumulate 2``."""
+        if self.tp > 1:
+            text = f"{self.strategy} --tp {self.tp}" + (f" x{self.replicas}" if self.replicas > 1 else "")
+        else:
+            text = f"{self.strategy} x{self.replicas}" if self.pp == 1 else f"{self.strategy} --pp {self.pp} " \
+                f"({self.pp_schedule}, {self.microbatches or self.pp} microbatches)" + (
+                    f" x{self.replicas}" if self.replicas > 1 else "")
         if self.strategy == "sharded" and self.shard_within == "host":
             text += " --shard-within host"
         if self.activation_checkpointing != "none":
@@ -157,7 +175,7 @@ class Layout:
 
     def job_file(self) -> dict[str, dict[str, Any]]:
         """The job file's sections for this layout: ``strategy``, ``parallel``, ``training``."""
-        parallel: dict[str, Any] = {"pp": self.pp, "activation_checkpointing": self.activation_checkpointing}
+        parallel: dict[str, Any] = {"tp": self.tp, "pp": self.pp, "activation_checkpointing": self.activation_checkpointing}
         if self.pp > 1:
             parallel |= {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches or self.pp}
         sections = {"strategy": {"name": self.strategy, "replicas": self.replicas}, "parallel": parallel,
@@ -168,7 +186,7 @@ class Layout:
 
     def flags(self) -> dict[str, Any]:
         """The layout as ``distrun train``'s parameter names (what ``build_spec`` takes)."""
-        flags = {"strategy": self.strategy, "replicas": self.replicas, "pp": self.pp,
+        flags = {"strategy": self.strategy, "replicas": self.replicas, "tp": self.tp, "pp": self.pp,
                  "pp_schedule": self.pp_schedule, "microbatches": self.microbatches if self.pp > 1 else 0,
                  "activation_checkpointing": self.activation_checkpointing, "accumulate": self.accumulate}
         if self.strategy == "sharded":
@@ -235,6 +253,10 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         if replicas > 1:  # each stage's gradients all-reduced over the replicas
             link = resources.slowest(replicas * pp)
             comm += link.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes / pp, 2 * (replicas - 1))
+    elif layout.tp > 1:
+        comm, fixed = _tensor_parallel(profile, resources, layout, samples, parts, state)
+        compute = (samples * (profile.compute_s_per_sample + recompute) + layout.accumulate * profile.overhead_s
+                   ) * _tp_share(profile, layout.tp) + profile.optimizer_s * _tp_share(profile, layout.tp)
     elif layout.strategy == "sharded" and layout.shard_within == "host" and resources.hosts > 1:
         # HSDP: FSDP inside each host (its r ranks share the state and gather over the host's link),
         # DDP across hosts on the r-th of the gradients each rank holds.
@@ -288,6 +310,42 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
     peak = int(sum(parts.values()))
     return Prediction(layout, peak, compute + comm + fixed, compute, comm, {k: int(v) for k, v in parts.items()},
                       fixed_s=fixed)
+
+
+def _tp_share(profile: ModelProfile, tp: int) -> float:
+    """The share of the model (its bytes, and so its matrix products' work) a rank of ``tp`` keeps:
+    its 1/tp of the split layers, and every other layer whole."""
+    split = profile.tp_split_bytes / max(1, profile.parameter_bytes)
+    return 1 - split + split / tp
+
+
+def _tensor_parallel(profile: ModelProfile, resources: Resources, layout: Layout, samples: float,
+                     parts: dict[str, float], state: float) -> tuple[float, float]:
+    """``--tp t`` (a replica's split layers over t ranks of one host, FSDP2 over the replicas, as
+    torchtitan lays it out): fills ``parts`` and returns (communication s, fixed s) a step.
+
+    Memory: the rank's share of the state (its 1/t of the split layers' parameters, gradients and
+    optimizer state, the rest whole), FSDP2's unit buffers on that share, and a micro-batch's
+    activations taken whole (a row-wise layer's input and a column-wise layer's output are split,
+    the rest is not: the whole is the bound). Time: the split layers' all-reduces of a sample's
+    activations over the host's link, latency a message, DTensor's fixed cost a layer pair, FSDP2's
+    a unit, and the replicas' all-reduce of a rank's gradients."""
+    t, replicas = layout.tp, layout.replicas
+    share = _tp_share(profile, t)
+    micro = samples / layout.accumulate
+    parts["state"] = state * share
+    parts["gathered"] = 3 * profile.largest_unit_bytes * share
+    parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
+    link = resources.within_host  # a tensor-parallel group stays in one host
+    ring = 2 * (t - 1) / t
+    comm = samples * profile.tp_bytes_per_sample * ring / link.bytes_per_s \
+        + layout.accumulate * profile.tp_messages * 2 * (t - 1) * link.latency_s
+    fixed = layout.accumulate * (profile.tp_messages / 2 * resources.tp_pair_s
+                                 + (profile.units + 1) * resources.shard_unit_s)
+    if replicas > 1:  # each rank's gradients all-reduced over the replicas (its own slice of the split ones)
+        across = resources.slowest(replicas * t)
+        comm += across.seconds(2 * (replicas - 1) / replicas * profile.gradient_bytes * share, 2 * (replicas - 1))
+    return comm, fixed
 
 
 def fits(prediction: Prediction, resources: Resources) -> bool:

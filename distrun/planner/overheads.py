@@ -7,7 +7,8 @@ its ranks on this host), so the cost model adds measured figures rather than con
 
 - ``ddp_step_s``: a DDP step of one tiny layer (forward, backward with its all-reduce, step);
 - ``shard_unit_s``: an FSDP2 step of a tiny chain of units, divided by its units and root;
-- ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches.
+- ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches;
+- ``tp_pair_s``: a step of a column-then-row pair of layers split over two ranks (``--tp 2``).
 
 :func:`collective_rates` times the collectives themselves, on the gradients' size.
 """
@@ -73,6 +74,25 @@ def _shard_unit_s(device: torch.device) -> float:
     return _step_s(model, device) / (_UNITS + 1)
 
 
+def _tp_pair_s(device: torch.device, group: dist.ProcessGroup) -> float:
+    """A step of a column-then-row pair of tiny Linears split over ``group`` (DTensor, as --tp
+    splits a recipe's layers): what such a pair costs beyond its arithmetic and its bytes."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = DeviceMesh.from_group(group, device.type)
+    pair = parallelize_module(nn.Sequential(nn.Linear(_WIDTH, _WIDTH), nn.Linear(_WIDTH, _WIDTH)).to(device), mesh,
+                              {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    optimizer = torch.optim.SGD(pair.parameters(), lr=0.0)
+    x = torch.zeros(2, _WIDTH, device=device)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        pair(x).sum().backward()
+        optimizer.step()
+    return _median_s(step, group)
+
+
 def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -133,8 +153,10 @@ def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimize
 def framework_overheads(device: torch.device) -> dict[str, float]:
     """Each layout's fixed costs a step, timed among the ranks of the default group."""
     figures = {"ddp_step_s": _ddp_step_s(device), "shard_unit_s": _shard_unit_s(device)}
-    pair = dist.new_group([0, 1])  # every rank makes it; the first two time a pipeline
+    pair = dist.new_group([0, 1])  # every rank makes it; the first two time a pipeline and a --tp pair
     if dist.get_rank() < 2:
         figures["microbatch_s"] = _microbatch_s(device, pair)
+        if device.type == "cuda":  # --tp's candidates are a GPU's only (planner/choose.py)
+            figures["tp_pair_s"] = _tp_pair_s(device, pair)
     dist.barrier()
     return figures

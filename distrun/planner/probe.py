@@ -12,6 +12,10 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
   storage, through ``saved_tensors_hooks``; under full checkpointing a unit keeps only its input,
   so the bytes saved inside the units are replaced by the units' inputs;
 - the largest crossing between two ``pp_chain`` parts (a pipeline sends it each microbatch);
+- what ``--tp`` would split (the recipe's ``tp_plan``, or the plan distrun derives): the degrees it
+  can take, the parameter bytes of the split layers, and the activation bytes a sample's forward and
+  backward all-reduce among the tensor-parallel ranks (a row-wise layer's output in forward, a
+  column-wise layer's input gradient in backward), counted by hooks on one forward;
 - the process's own footprint before the model (the interpreter, torch), from ``/proc``.
 """
 
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from distrun.planner.cost import ModelProfile
+from distrun.errors import RecipeError
 from distrun.planner.overheads import sharded_step_s
 from distrun.strategies.sharding.units import pick_units
 
@@ -130,6 +135,63 @@ def _boundary_bytes(chain: list[nn.Module], inputs: Any) -> int:
     return largest
 
 
+#: --tp degrees the probe tries (each must divide the ranks of a host, as a tensor-parallel group stays in one).
+TP_DEGREES = (2, 4, 8)
+
+
+def _tensor_parallel(model: nn.Module, plan_from: Callable[[nn.Module], Any] | None, up_to: int,
+                     forward_once: Callable[[], None], rows: int) -> dict[str, Any]:
+    """What ``--tp`` would split of ``model``: ``tp_degrees`` (those up to ``up_to`` its plan takes),
+    ``tp_split_bytes``, ``tp_bytes_per_sample`` (all-reduced, forward and backward) and ``tp_messages``
+    (all-reduces a forward and backward). Nothing where no plan splits it (a recipe's ``tp_plan`` that
+    raises is refused where ``--tp`` is named, not here: auto only leaves --tp out)."""
+    none: dict[str, Any] = {"tp_degrees": (), "tp_split_bytes": 0, "tp_bytes_per_sample": 0, "tp_messages": 0}
+    if up_to < min(TP_DEGREES):
+        return none
+    from distrun.strategies.parallel.plan import resolve_plan  # DTensor's imports: only where --tp may run
+
+    degrees, styles = [], None
+    for tp in (t for t in TP_DEGREES if t <= up_to):
+        try:
+            plan = resolve_plan(model, plan_from, tp)
+        except (RecipeError, ValueError, TypeError):  # a layer this degree does not divide, or no plan
+            continue
+        degrees.append(tp)
+        styles = styles or plan.styles
+    if not degrees or styles is None:
+        return none
+    kinds = {name: style if isinstance(style, str) else type(style).__name__ for name, style in styles.items()}
+    split = [name for name, kind in kinds.items() if kind.lower().startswith(("colwise", "rowwise", "output"))]
+    if not split:
+        return none
+    modules = dict(model.named_modules())
+    moved = [0]
+
+    def after_row(module: nn.Module, args: Any, output: Any) -> None:  # forward: its partial sums all-reduced
+        moved[0] += _tensor_bytes(output)
+
+    def before_col(module: nn.Module, args: Any) -> None:  # backward: its input's gradient all-reduced
+        moved[0] += _tensor_bytes(args)
+
+    handles, messages = [], 0
+    for name in split:
+        kind = kinds[name].lower()
+        if kind.startswith(("rowwise", "output")):  # "output": its logits gathered in forward too
+            handles.append(modules[name].register_forward_hook(after_row))
+            messages += 1
+        if kind.startswith(("colwise", "output")):
+            handles.append(modules[name].register_forward_pre_hook(before_col))
+            messages += 1
+    try:
+        forward_once()
+    finally:
+        for handle in handles:
+            handle.remove()
+    split_bytes = sum(p.numel() * p.element_size() for name in split for p in modules[name].parameters())
+    return {"tp_degrees": tuple(degrees), "tp_split_bytes": split_bytes, "tp_bytes_per_sample": moved[0] // rows,
+            "tp_messages": messages}
+
+
 def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Callable[[Any], Any],
                     parameter_bytes: int, forward_backward: Callable[[Any], None], batch: Any,
                     device: torch.device, together: Callable[[], None], agree: Callable[[bool], bool],
@@ -171,14 +233,17 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
             together: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda flag: flag,
-            memory_cap_bytes: int | None = None, time_sharded: bool = False) -> ModelProfile:
+            memory_cap_bytes: int | None = None, time_sharded: bool = False,
+            tp_plan_from: Callable[[nn.Module], Any] | None = None, tp_up_to: int = 1) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
     a forward will see (the timings use ``rows``, or fewer where their activations would take more
     than a quarter of ``memory_cap_bytes``, and a quarter of that).
 
     ``together`` lines the probe's processes up; ``agree`` makes a choice all of them take (true only
     where it is true in each): a choice read from a process's own memory could differ between them,
-    and one process sharding the model while another does not would wait forever."""
+    and one process sharding the model while another does not would wait forever. ``tp_plan_from``
+    (the recipe's ``tp_plan``) and ``tp_up_to`` (the most ranks a tensor-parallel group may have):
+    what ``--tp`` would split."""
     model = model.to(device)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -227,6 +292,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
     chain = list(chain_from(model)) if chain_from is not None else (
         list(model.children()) if isinstance(model, nn.Sequential) else [])
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
+    tensor_parallel = _tensor_parallel(model, tp_plan_from, tp_up_to, forward_only(batch_small), small)
     sharded_s = 0.0
     model.zero_grad(set_to_none=True)
     del batch_large
@@ -245,7 +311,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         forward_s_per_sample=f_large / rows, activation_bytes_per_sample=int(per_sample),
         checkpointed_activation_bytes_per_sample=int(checkpointed), base_bytes=base_bytes,
         chain_parts=len(chain), boundary_bytes_per_sample=int(boundary), device=device.type, overhead_s=intercept,
-        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small)
+        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small, **tensor_parallel)
 
 
 def _first(batch: Any) -> Any:

@@ -114,7 +114,8 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     batch = spec.training.global_batch_size or 32 * world
     budget, source = _budget_bytes(device, probe.ranks_per_host)
     request = {"global_batch_size": batch, "rows": max(1, batch // world), "seed": spec.training.seed,
-               "memory_cap_bytes": budget if device.type != "cuda" else None}
+               "memory_cap_bytes": budget if device.type != "cuda" else None,
+               "tp_up_to": probe.ranks_per_host}  # a tensor-parallel group stays in one host
     measured = measure_recipe(recipe, request, rank, world, device, time_links=False)
     nbytes = min(int(measured["profile"]["gradient_bytes"]), MAX_COLLECTIVE_BYTES)
     holds, why = _check_kept(probe.kept_links, nbytes, probe, device) if probe.kept_links else (False, "")

@@ -85,7 +85,9 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
                       # A rank's budget (the client's, on CPU) or the GPU's free memory.
                       memory_cap_bytes=request.get("memory_cap_bytes") or (
                           int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
-                      time_sharded=together)
+                      time_sharded=together, tp_plan_from=getattr(recipe, "tp_plan", None),
+                      # --tp is a candidate on GPUs only (planner/choose.py): measured there alone.
+                      tp_up_to=int(request.get("tp_up_to", group_size)) if device.type == "cuda" else 1)
     del model
     link, overheads = None, {}
     if together:

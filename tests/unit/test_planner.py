@@ -201,6 +201,78 @@ def test_hsdp_is_a_candidate_over_hosts_of_several_ranks_and_wins_on_a_slow_link
     assert Layout("sharded", 8, shard_within="host") in layouts
     assert not [l for l in candidates(chainless, _resources(10_000, ranks=8), 64) if l.shard_within == "host"]
     chosen = decide(chainless, resources, 64).chosen.layout
-    assert chosen.kind == ("sharded", 1, "host"), chosen.describe()
+    assert chosen.kind == ("sharded", 1, "host", 1), chosen.describe()
     assert chosen.job_file()["sharding"] == {"within": "host"} and chosen.flags()["shard_within"] == "host"
     assert chosen.describe().startswith("sharded x8 --shard-within host")
+
+
+#: PROFILE on a GPU whose plan splits 90% of the parameters over 2 or 4 ranks: a sample's forward and
+#: backward all-reduce 64 KB of activations in 16 all-reduces.
+SPLIT = ModelProfile(**{**PROFILE.__dict__, "device": "cuda", "tp_degrees": (2, 4), "tp_split_bytes": 180 * MB,
+                        "tp_bytes_per_sample": 64_000, "tp_messages": 16, "chain_parts": 0})
+
+
+def test_tensor_parallel_keeps_a_ranks_share_and_pays_its_all_reduces_on_the_hosts_link():
+    resources = Resources(ranks=4, hosts=1, budget_bytes=10_000 * MB, within_host=FAST, tp_pair_s=1e-4,
+                          shard_unit_s=2e-4)
+    tp = predict(SPLIT, resources, Layout("mirrored", 2, tp=2), 64)
+    share = 1 - 0.9 + 0.9 / 2  # the rank's half of the split layers, the rest whole
+    assert tp.parts["state"] == pytest.approx((200 + 200 + 400) * MB * share)
+    assert tp.compute_s == pytest.approx((32 * 1e-3) * share)
+    replicas_ring = 2 * (2 - 1) / 2 * 200 * MB * share / FAST.bytes_per_s + 2 * FAST.latency_s
+    assert tp.exposed_comm_s == pytest.approx(32 * 64_000 * 1.0 / FAST.bytes_per_s + 16 * 2 * FAST.latency_s
+                                              + replicas_ring)
+    assert tp.fixed_s == pytest.approx(8 * 1e-4 + 9 * 2e-4)
+    assert Layout("mirrored", 2, tp=2).describe() == "mirrored --tp 2 x2"
+    assert Layout("mirrored", 1, tp=2).job_file()["parallel"]["tp"] == 2 and Layout("mirrored", 1, tp=2).flags()["tp"] == 2
+
+
+def test_tensor_parallel_is_a_gpus_candidate_in_a_host_and_chosen_only_on_a_trials_time():
+    from distrun.cli._auto_trials import _to_time
+    from distrun.planner.choose import retime
+
+    one_host = Resources(ranks=4, hosts=1, budget_bytes=10_000 * MB, within_host=FAST)
+    tps = {(layout.tp, layout.replicas) for layout in candidates(SPLIT, one_host, 64) if layout.tp > 1}
+    assert tps == {(2, 2), (4, 1)}
+    # Hosts of two ranks: a group of 4 would cross hosts, so only --tp 2.
+    two_hosts = Resources(ranks=4, hosts=2, budget_bytes=10_000 * MB, within_host=FAST, between_hosts=SLOW)
+    assert {layout.tp for layout in candidates(SPLIT, two_hosts, 64)} == {1, 2}
+    on_cpu = ModelProfile(**{**SPLIT.__dict__, "device": "cpu"})
+    assert {layout.tp for layout in candidates(on_cpu, one_host, 64)} == {1}  # TP_ON_CPU
+    # Over a 10 GB/s link (PCIe), where mirrored's gradients and sharded's gathers cost more than --tp's
+    # activations, the model ranks --tp first; yet it is not chosen on its word.
+    pcie = Resources(ranks=4, hosts=1, budget_bytes=10_000 * MB, within_host=Link(10e9, 1e-5))
+    decision = decide(SPLIT, pcie, 64)
+    fastest = min((p for p, v in decision.ranked if not v.startswith("needs ")), key=lambda p: p.step_s)
+    assert fastest.layout.tp > 1 and decision.chosen.layout.tp == 1, fastest.layout
+    verdict = dict((p.layout, v) for p, v in decision.ranked)[fastest.layout]
+    assert verdict.endswith("not timed: --tp is chosen on a trial's time only"), verdict
+    timed = _to_time(decision)
+    assert timed[0].layout.tp == 1 and timed[-1].layout.tp > 1  # the trusted layouts first, --tp last
+    # Its trial decides: faster than the chosen one's, it is chosen; slower, it is not.
+    quick = retime(decision, {decision.chosen.layout: 0.05, timed[-1].layout: 0.04})
+    assert quick.chosen.layout == timed[-1].layout
+    slow = retime(decision, {decision.chosen.layout: 0.05, timed[-1].layout: 0.09})
+    assert slow.chosen.layout == decision.chosen.layout
+
+
+def test_the_probe_counts_what_tp_splits_and_all_reduces_on_the_recipes_own_model():
+    """An MLP chain whose pairs distrun's --tp plan derives: two pairs of Linear(8, 32), Linear(32, 8)
+    (the first column-wise, the second row-wise); a forward of 4 rows all-reduces each pair's
+    column-wise input gradient and row-wise output, 8 floats a row each."""
+    import torch
+    from torch import nn
+
+    from distrun.planner.probe import _tensor_parallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)),
+                          nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8)), nn.Linear(8, 3))
+    x = torch.zeros(4, 8)
+    figures = _tensor_parallel(model, None, 8, lambda: model(x), 4)
+    assert figures["tp_degrees"] == (2, 4, 8)  # 32 divides by each; the plan takes every degree up to 8
+    pair = (8 * 32 + 32) + (32 * 8 + 8)
+    assert figures["tp_split_bytes"] == 2 * pair * 4 and figures["tp_messages"] == 4
+    assert figures["tp_bytes_per_sample"] == 4 * 8 * 4  # two inputs' gradients, two outputs: 8 floats a row
+    assert _tensor_parallel(model, None, 1, lambda: model(x), 4)["tp_degrees"] == ()  # one rank: no --tp
+    assert _tensor_parallel(nn.Linear(8, 3), None, 2, lambda: None, 4)["tp_degrees"] == ()  # nothing to split
