@@ -58,10 +58,10 @@ _START_S = 6.0
 
 def _to_time(decision: Decision) -> list[Prediction]:
     """The fitting layouts worth timing, in the order they are timed: the best one, the best of another
-    kind where it is within TRIAL_NEAR or the best step is short, then the best ``--tp`` layout where
-    the model puts it within TRIAL_NEAR of the best or ahead (chosen on a trial's time only, so timed
-    last: a budget spent before it leaves the layouts the model is trusted on)."""
-    seen: set[tuple[str, int, str, int]] = set()
+    kind where it is within TRIAL_NEAR or the best step is short, then the best ``--tp`` or
+    ``--offload`` layout where the model puts it within TRIAL_NEAR of the best or ahead (chosen on a
+    trial's time only, so timed last: a budget spent before it leaves the layouts the model is trusted on)."""
+    seen: set[tuple[str, int, str, int, bool]] = set()
     fitting = []
     for prediction, verdict in decision.ranked:
         if verdict.startswith("needs ") or prediction.layout.kind in seen:
@@ -69,16 +69,16 @@ def _to_time(decision: Decision) -> list[Prediction]:
         seen.add(prediction.layout.kind)
         fitting.append(prediction)
     fitting.sort(key=lambda p: p.step_s)
-    plain = [p for p in fitting if p.layout.tp == 1]
-    split = [p for p in fitting if p.layout.tp > 1]
+    plain = [p for p in fitting if p.layout.trusted]
+    unchecked = [p for p in fitting if not p.layout.trusted]  # --tp, --offload: chosen on a trial's time only
     if not plain:
-        return split[:1]
+        return unchecked[:1]
     best, rest = plain[0], plain[1:]
     out = [best]
     if rest and (rest[0].step_s <= best.step_s * (1 + TRIAL_NEAR) or best.step_s < SHORT_STEP_S):
         out.append(rest[0])
-    if split and split[0].step_s <= best.step_s * (1 + TRIAL_NEAR):
-        out.append(split[0])
+    if unchecked and unchecked[0].step_s <= best.step_s * (1 + TRIAL_NEAR):
+        out.append(unchecked[0])
     return out
 
 

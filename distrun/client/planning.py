@@ -172,14 +172,18 @@ def plan_local(recipe: Path, *, ranks: int, global_batch: int, seed: int, device
     request = {"recipe": str(recipe), "args": list(args), "global_batch_size": global_batch,
                "rows": max(1, global_batch // ranks), "seed": seed, "threads": threads,
                "ranks_here": ranks if device != "cuda" else 1, "evaluates": evaluates,
-               "device": "cuda" if device == "cuda" else "cpu"}
+               "device": "cuda" if device == "cuda" else "cpu",
+               "tp_up_to": ranks}  # one probe process on a GPU host still measures what --tp would split
     if device != "cuda":  # a probe process measures within a rank's budget (a GPU's is read on the GPU)
         request["memory_cap_bytes"] = memory_budget(ranks, device, None)[0]
     reply = _run_probe(request, recipe)
     profile = ModelProfile(**reply["profile"])
     budget, source = memory_budget(ranks, device, reply.get("device_free_bytes"))
     link = Link(reply["link"]["bytes_per_s"], reply["link"]["latency_s"])
-    resources = Resources(ranks=ranks, hosts=1, budget_bytes=budget, within_host=link, **reply.get("overheads", {}))
+    # --offload cpu keeps a rank's shards in host memory: its share of the host's (a GPU host's only).
+    host_budget = memory_budget(ranks, "cpu", None)[0] if device == "cuda" else 0
+    resources = Resources(ranks=ranks, hosts=1, budget_bytes=budget, within_host=link, host_budget_bytes=host_budget,
+                          **reply.get("overheads", {}))
     decision = decide(profile, resources, global_batch)
     return Plan(decision, resources, profile, global_batch, time.perf_counter() - started,
                 float(reply.get("probe_s", 0.0)), source)

@@ -3,7 +3,8 @@
 The candidates are the exact layouts the job's ranks allow (each ends with one-device's
 parameters): mirrored (multi-worker over several hosts), sharded (and HSDP over several hosts of
 several ranks), ``--pp p`` for every ``p`` that divides the ranks and the recipe's ``pp_chain``
-can take, and ``--tp t`` for every ``t`` the model's plan takes that divides a host's ranks, each with and without full
+can take, on GPUs ``--tp t`` for every ``t`` the model's plan takes that divides a host's ranks and
+sharded ``--offload cpu`` (one GPU included), each with and without full
 activation checkpointing, and each with the ``--accumulate`` counts the global batch divides
 into. The global batch never changes.
 
@@ -60,7 +61,7 @@ class Decision:
 
 
 def _simplicity(layout: Layout) -> tuple[int, int, int, int, int]:
-    return (layout.pp, layout.tp, int(layout.activation_checkpointing != "none"), layout.accumulate,
+    return (layout.pp, layout.tp + int(layout.offload), int(layout.activation_checkpointing != "none"), layout.accumulate,
             int(layout.strategy == "sharded"))
 
 
@@ -69,7 +70,7 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     ranks = resources.ranks
     data_parallel = "multi-worker" if resources.hosts > 1 else "mirrored" if ranks > 1 else "one-device"
     shapes: list[tuple[str, int, int, int, int]] = [(data_parallel, ranks, 1, 0, 1)]
-    if ranks > 1:
+    if ranks > 1 or profile.device == "cuda":  # one GPU: sharded x1 only as --offload's host
         shapes.append(("sharded", ranks, 1, 0, 1))
     hsdp = resources.hosts > 1 and resources.ranks_per_host > 1 and ranks % resources.hosts == 0
     for pp in range(2, ranks + 1):
@@ -79,6 +80,7 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     for tp in profile.tp_degrees if profile.device == "cuda" else ():  # see TP_ON_CPU
         if resources.ranks_per_host % tp == 0 and ranks % tp == 0:  # a tensor-parallel group in one host
             shapes.append((data_parallel if ranks > tp else "mirrored", ranks // tp, 1, 0, tp))
+    offloads = (False, True) if profile.device == "cuda" else (False,)  # --offload: GPUs only
     out = []
     for strategy, replicas, pp, m, tp in shapes:
         for checkpointing in ("none", "full"):
@@ -88,11 +90,15 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
                 rows = global_batch // replicas // accumulate
                 if pp > 1 and rows % m:
                     continue
-                out.append(Layout(strategy, replicas, pp=pp, microbatches=m if pp > 1 else 0,
-                                  activation_checkpointing=checkpointing, accumulate=accumulate, tp=tp))
+                if not (strategy == "sharded" and ranks == 1):  # sharded x1 is only --offload's
+                    out.append(Layout(strategy, replicas, pp=pp, microbatches=m if pp > 1 else 0,
+                                      activation_checkpointing=checkpointing, accumulate=accumulate, tp=tp))
                 if strategy == "sharded" and hsdp:
                     out.append(Layout(strategy, replicas, activation_checkpointing=checkpointing,
                                       accumulate=accumulate, shard_within="host"))
+                if strategy == "sharded" and True in offloads:
+                    out.append(Layout(strategy, replicas, activation_checkpointing=checkpointing,
+                                      accumulate=accumulate, offload=True))
     return out
 
 
@@ -103,8 +109,9 @@ def _why_slower(prediction: Prediction, best: Prediction) -> str:
     slower = prediction.step_s / best.step_s - 1 if best.step_s > 0 else 0.0
     if best.timed_step_s is not None and slower < 0.005:  # the model liked it, the trials did not reach it
         return f"{prediction.step_s:.3g} s/step by the model, not timed"
-    if prediction.layout.tp > 1 and slower < 0.005:
-        return f"{prediction.step_s:.3g} s/step by the model, not timed: --tp is chosen on a trial's time only"
+    if not prediction.layout.trusted and slower < 0.005:
+        flag = "--tp" if prediction.layout.tp > 1 else "--offload"
+        return f"{prediction.step_s:.3g} s/step by the model, not timed: {flag} is chosen on a trial's time only"
     if prediction.comm_share >= 0.5:
         cause = f"{prediction.comm_share:.0%} waiting on the links"
     elif prediction.fixed_s >= 0.5 * prediction.step_s:
@@ -136,8 +143,8 @@ def decide(profile: ModelProfile, resources: Resources, global_batch: int) -> De
         raise ConfigError(f"--strategy auto: no layout fits: the smallest, {smallest.layout.describe()}, needs "
                           f"{smallest.peak_bytes / MB:,.0f} MB a rank; the budget is {budget_mb:,.0f} MB "
                           f"({BUDGET_SHARE:.0%} of it usable)")
-    # --tp is chosen on a trial's time only (see TP_ON_CPU), unless nothing else fits.
-    trusted = [p for p in fitting if p.layout.tp == 1] or fitting
+    # --tp and --offload are chosen on a trial's time only (see TP_ON_CPU), unless nothing else fits.
+    trusted = [p for p in fitting if p.layout.trusted] or fitting
     fastest = min(p.step_s for p in trusted)
     near = [p for p in trusted if p.step_s <= fastest * (1 + NEAR)]
     chosen = min(near, key=lambda p: (_simplicity(p.layout), p.step_s))
@@ -173,7 +180,7 @@ def retime(decision: Decision, timed: dict[Layout, float], failed: dict[Layout, 
     if not left:
         raise ConfigError("--strategy auto: no layout fits: every one the model said fits failed in its trial ("
                           + "; ".join(f"{layout.describe()}: {why}" for layout, why in failed.items()) + ")")
-    trusted = [p for p in left if p.layout.tp == 1] or left  # --tp on a trial's time only (TP_ON_CPU)
+    trusted = [p for p in left if p.layout.trusted] or left  # --tp, --offload: on a trial's time only
     chosen = min(timed_ones, key=lambda p: p.expected_step_s) if timed_ones else min(trusted, key=lambda p: p.step_s)
     ranked = _ranked(chosen, predictions, fitting, decision.budget_mb)
     over_budget = {p.layout for p, verdict in decision.ranked if verdict.startswith("needs ")}

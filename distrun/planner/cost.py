@@ -82,6 +82,9 @@ class ModelProfile:
     tp_split_bytes: int = 0
     tp_bytes_per_sample: int = 0
     tp_messages: int = 0
+    #: ``--offload cpu``: the optimizer's step over the whole model on the host's CPU (seconds; measured
+    #: on a GPU host only, over the largest unit's parameters copied to the CPU and scaled by bytes).
+    optimizer_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tp_degrees", tuple(self.tp_degrees))  # a list, after a JSON round trip
@@ -122,6 +125,10 @@ class Resources:
     #: ``--tp``'s fixed cost a pair of split layers a forward and backward (DTensor's dispatch and its
     #: collectives' calls), timed on a tiny column-then-row pair over two of the probe's ranks.
     tp_pair_s: float = 0.0
+    #: ``--offload cpu``: a rank's share of the host's memory (its state lives there), and the rate a
+    #: pinned copy crosses between host and GPU (bytes/s); 0: not measured (no GPU).
+    host_budget_bytes: int = 0
+    pcie_bytes_per_s: float = 0.0
 
     @property
     def ranks_per_host(self) -> int:
@@ -150,12 +157,20 @@ class Layout:
     shard_within: str = "all"
     #: ``--tp``: each replica's split layers over this many ranks of one host.
     tp: int = 1
+    #: ``--offload cpu`` (sharded on GPUs): the shards and the optimizer's state in host memory.
+    offload: bool = False
 
     @property
-    def kind(self) -> tuple[str, int, str, int]:
-        """What runs a step (strategy, pipeline depth, HSDP or not, tensor parallel): a layout's
+    def trusted(self) -> bool:
+        """Whether the cost model may choose this layout on its word: not ``--tp`` nor ``--offload``,
+        whose models are unchecked on a GPU (planner/choose.py); those are chosen on a trial's time."""
+        return self.tp == 1 and not self.offload
+
+    @property
+    def kind(self) -> tuple[str, int, str, int, bool]:
+        """What runs a step (strategy, pipeline depth, HSDP or not, tensor parallel, offload): a layout's
         checkpointing and accumulation variants share it, and its trial speaks for them."""
-        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else "", self.tp
+        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else "", self.tp, self.offload
 
     def describe(self) -> str:
         """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``mirrored --tp 2``, ``... --accumulate 2``."""
@@ -167,6 +182,8 @@ class Layout:
                     f" x{self.replicas}" if self.replicas > 1 else "")
         if self.strategy == "sharded" and self.shard_within == "host":
             text += " --shard-within host"
+        if self.offload:
+            text += " --offload cpu"
         if self.activation_checkpointing != "none":
             text += f" --activation-checkpointing {self.activation_checkpointing}"
         if self.accumulate > 1:
@@ -181,7 +198,7 @@ class Layout:
         sections = {"strategy": {"name": self.strategy, "replicas": self.replicas}, "parallel": parallel,
                     "training": {"accumulate": self.accumulate}}
         if self.strategy == "sharded":
-            sections["sharding"] = {"within": self.shard_within}
+            sections["sharding"] = {"within": self.shard_within, "offload": "cpu" if self.offload else "none"}
         return sections
 
     def flags(self) -> dict[str, Any]:
@@ -191,6 +208,7 @@ class Layout:
                  "activation_checkpointing": self.activation_checkpointing, "accumulate": self.accumulate}
         if self.strategy == "sharded":
             flags["shard_within"] = self.shard_within
+            flags["offload"] = "cpu" if self.offload else "none"
         return flags
 
 
@@ -208,6 +226,8 @@ class Prediction:
     fixed_s: float = 0.0  # the loop's, DDP's, FSDP's units' and the pipeline's microbatches' own costs
     #: the step a short real run of this layout took (``--strategy auto``'s trials), where it was timed
     timed_step_s: float | None = None
+    #: ``--offload cpu``: what the rank keeps in host memory (its shards and optimizer state; bytes)
+    host_bytes: int = 0
 
     @property
     def expected_step_s(self) -> float:
@@ -237,7 +257,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
     compute = (samples * (profile.compute_s_per_sample + recompute) + layout.accumulate * profile.overhead_s
                + profile.optimizer_s)
     parts: dict[str, float] = {"footprint": profile.base_bytes}
-    comm = fixed = 0.0  # bytes and latency on the links; the measured fixed costs of the layout's machinery
+    comm = fixed = host = 0.0  # links' time; the layout's machinery's fixed costs; --offload's host bytes
     if pp > 1:
         m = layout.microbatches or pp
         in_flight = m if layout.pp_schedule == "gpipe" else min(pp, m)
@@ -274,6 +294,9 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         between = resources.slowest(resources.ranks)
         comm += between.seconds(2 * (h - 1) / h * profile.gradient_bytes / r, 2 * (h - 1))
         fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+    elif layout.strategy == "sharded" and layout.offload:
+        host = state / replicas
+        comm, fixed, compute = _offloaded(profile, resources, layout, micro, parts, compute)
     elif layout.strategy == "sharded":
         n = replicas
         parts["state"] = state / n
@@ -309,7 +332,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
     fixed += max(0.0, resources.loop_step_s - resources.ddp_step_s)  # the loop around any layout's step
     peak = int(sum(parts.values()))
     return Prediction(layout, peak, compute + comm + fixed, compute, comm, {k: int(v) for k, v in parts.items()},
-                      fixed_s=fixed)
+                      fixed_s=fixed, host_bytes=int(host))
 
 
 def _tp_share(profile: ModelProfile, tp: int) -> float:
@@ -348,6 +371,32 @@ def _tensor_parallel(profile: ModelProfile, resources: Resources, layout: Layout
     return comm, fixed
 
 
+def _offloaded(profile: ModelProfile, resources: Resources, layout: Layout, micro: float,
+               parts: dict[str, float], compute: float) -> tuple[float, float, float]:
+    """``sharded --offload cpu`` over n ranks (FSDP2's CPUOffloadPolicy): fills ``parts`` (the GPU's:
+    two units gathered and one's gradient, the activations; the state is in host memory) and returns
+    (communication s, fixed s, compute s) a step. Beyond sharded's collectives, each gather first
+    copies the rank's shard of the parameters up (forward and backward, each micro-batch), each
+    reduce-scatter's shard of the gradients comes down, and the optimizer steps the shard on the CPU."""
+    n = layout.replicas
+    parts["gathered"] = 3 * profile.largest_unit_bytes
+    parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
+    link = resources.slowest(n)
+    gathers = 2 * layout.accumulate
+    share = (n - 1) / n
+    comm = 0.0
+    if n > 1:
+        comm += (gathers * share * profile.parameter_bytes / (resources.gather_bytes_per_s or link.bytes_per_s)
+                 + share * profile.gradient_bytes / (resources.scatter_bytes_per_s or link.bytes_per_s)
+                 + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
+    pcie = resources.pcie_bytes_per_s or link.bytes_per_s
+    comm += (gathers * profile.parameter_bytes + profile.gradient_bytes) / n / pcie
+    compute += (profile.optimizer_cpu_s or profile.optimizer_s) / n - profile.optimizer_s  # the shard's, on the CPU
+    fixed = (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+    return comm, fixed, compute
+
+
 def fits(prediction: Prediction, resources: Resources) -> bool:
-    """Within :data:`BUDGET_SHARE` of the rank's budget."""
-    return prediction.peak_bytes <= BUDGET_SHARE * resources.budget_bytes
+    """Within :data:`BUDGET_SHARE` of the rank's budget (and, offloaded, of its share of the host's memory)."""
+    host_ok = not prediction.host_bytes or prediction.host_bytes <= BUDGET_SHARE * resources.host_budget_bytes
+    return prediction.peak_bytes <= BUDGET_SHARE * resources.budget_bytes and host_ok

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["all_reduce_s", "collective_rates", "framework_overheads", "sharded_step_s"]
+__all__ = ["all_reduce_s", "collective_rates", "framework_overheads", "pcie_bytes_per_s", "sharded_step_s"]
 
 _STEPS = 5
 _WIDTH = 8
@@ -133,6 +133,36 @@ def all_reduce_s(nbytes: int, group: dist.ProcessGroup | None = None, device: to
     figures must pass before a probe trusts them instead of timing the collectives again."""
     whole = torch.zeros(max(1, nbytes // 4), device=device)
     return _median_s(lambda: dist.all_reduce(whole, group=group), group)
+
+
+#: What ``pcie_bytes_per_s`` copies: large enough that the copy's own latency does not count.
+_PCIE_BYTES = 64 << 20
+
+
+def pcie_bytes_per_s(device: torch.device) -> float:
+    """The rate a pinned host tensor crosses to ``device`` and back (``--offload cpu`` copies each
+    shard up before its gather and each gradient shard down), the mean of the two directions."""
+    host = torch.empty(_PCIE_BYTES // 4, pin_memory=True)
+    there = torch.empty(_PCIE_BYTES // 4, device=device)
+
+    def both() -> None:
+        there.copy_(host, non_blocking=True)
+        host.copy_(there, non_blocking=True)
+    took = _median_s(both) if dist.is_initialized() else _timed_alone(both)
+    return 2 * _PCIE_BYTES / max(took, 1e-9)
+
+
+def _timed_alone(step: Callable[[], None]) -> float:
+    """``_median_s`` for a process with no group (one GPU's probe)."""
+    step()
+    times = []
+    for _ in range(_STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimizer: Callable[[Any], Any],

@@ -16,6 +16,8 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
   can take, the parameter bytes of the split layers, and the activation bytes a sample's forward and
   backward all-reduce among the tensor-parallel ranks (a row-wise layer's output in forward, a
   column-wise layer's input gradient in backward), counted by hooks on one forward;
+- on a GPU, for ``--offload cpu``: the optimizer's step on the host's CPU (over a CPU copy of the
+  largest unit, scaled by bytes);
 - the process's own footprint before the model (the interpreter, torch), from ``/proc``.
 """
 
@@ -228,6 +230,21 @@ def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Ca
     return int(state_bytes * scale), step_s * scale
 
 
+def _cpu_optimizer_s(model: nn.Module, units: list[nn.Module], make_optimizer: Callable[[Any], Any],
+                     parameter_bytes: int) -> float:
+    """``--offload cpu``'s optimizer step: the recipe's optimizer over a CPU copy of the largest unit's
+    parameters (the whole model where it has none), timed after its first step, scaled by bytes."""
+    source = max(units, key=lambda unit: sum(p.numel() for p in unit.parameters())) if units else model
+    params = [nn.Parameter(p.detach().to("cpu", copy=True)) for p in source.parameters()]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer = make_optimizer(params)
+    optimizer.step()  # the state exists after the first step
+    step_s = _timed(optimizer.step, torch.device("cpu"), lambda: None)
+    part_bytes = sum(p.numel() * p.element_size() for p in params)
+    return step_s * parameter_bytes / part_bytes if part_bytes else step_s
+
+
 def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: Callable[[Any, Any], torch.Tensor],
             forward: Callable[[nn.Module, Any], Any], batch_of: Callable[[int], Any], rows: int,
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
@@ -293,6 +310,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         list(model.children()) if isinstance(model, nn.Sequential) else [])
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
     tensor_parallel = _tensor_parallel(model, tp_plan_from, tp_up_to, forward_only(batch_small), small)
+    optimizer_cpu_s = _cpu_optimizer_s(model, units, make_optimizer, parameter_bytes) if device.type == "cuda" else 0.0
     sharded_s = 0.0
     model.zero_grad(set_to_none=True)
     del batch_large
@@ -311,7 +329,8 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         forward_s_per_sample=f_large / rows, activation_bytes_per_sample=int(per_sample),
         checkpointed_activation_bytes_per_sample=int(checkpointed), base_bytes=base_bytes,
         chain_parts=len(chain), boundary_bytes_per_sample=int(boundary), device=device.type, overhead_s=intercept,
-        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small, **tensor_parallel)
+        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small, optimizer_cpu_s=optimizer_cpu_s,
+        **tensor_parallel)
 
 
 def _first(batch: Any) -> Any:

@@ -34,20 +34,21 @@ from distrun.runtime._probe_recipe import MAX_COLLECTIVE_BYTES, collective_devic
 __all__ = ["probe_in_job"]
 
 
-def _budget_bytes(device: torch.device, ranks_per_host: int) -> tuple[int, str]:
+def _budget_bytes(device: torch.device, ranks_per_host: int) -> tuple[int, str, int]:
     """The smallest rank's budget over the job: a GPU's free memory, else its host's available
     memory (and its memory cgroup's room) shared by the host's ranks, each counted with what it
-    holds already. Every rank says its own; the source said is this rank's."""
+    holds already. Every rank says its own; the source said is this rank's. Third, on GPUs, the
+    smallest rank's share of its host's memory (``--offload cpu`` keeps its shards there; 0 on CPU)."""
+    host, source = rank_budget_bytes(ranks_per_host, psutil.Process().memory_info().rss,
+                                     cgroup_of(os.getpid()), psutil.virtual_memory().available)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         mine, source = int(torch.cuda.mem_get_info(device)[0]), "GPU free memory"
     else:  # the host's available memory, and its memory cgroup's room where it has a limit
-        mine, source = rank_budget_bytes(ranks_per_host, psutil.Process().memory_info().rss,
-                                         cgroup_of(os.getpid()), psutil.virtual_memory().available)
-        source += " (the tightest rank's)"
-    smallest = torch.tensor([mine], dtype=torch.int64, device=collective_device(device))
+        mine, host, source = host, 0, source + " (the tightest rank's)"
+    smallest = torch.tensor([mine, host], dtype=torch.int64, device=collective_device(device))
     dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
-    return int(smallest.item()), source
+    return int(smallest[0].item()), source, int(smallest[1].item())
 
 
 def _within_host(profile_bytes: int, probe: PlanProbeSpec, device: torch.device) -> dict[str, float] | None:
@@ -112,7 +113,7 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     """Measure on every rank of this job; rank 0 prints the figures (and every rank returns them)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     batch = spec.training.global_batch_size or 32 * world
-    budget, source = _budget_bytes(device, probe.ranks_per_host)
+    budget, source, host_budget = _budget_bytes(device, probe.ranks_per_host)
     request = {"global_batch_size": batch, "rows": max(1, batch // world), "seed": spec.training.seed,
                "memory_cap_bytes": budget if device.type != "cuda" else None,
                "tp_up_to": probe.ranks_per_host}  # a tensor-parallel group stays in one host
@@ -122,7 +123,7 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     links = probe.kept_links if holds else _time_links(nbytes, probe, device)
     assert links is not None
     overheads = {**measured["overheads"], "gather_bytes_per_s": links["gather_bytes_per_s"],
-                 "scatter_bytes_per_s": links["scatter_bytes_per_s"]}
+                 "scatter_bytes_per_s": links["scatter_bytes_per_s"], "host_budget_bytes": host_budget}
     reply = {
         "profile": measured["profile"], "overheads": overheads, "budget_bytes": budget,
         "budget_source": source, "hosts": probe.hosts, "ranks_per_host": probe.ranks_per_host,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrun.planner.overheads import collective_rates, framework_overheads
+from distrun.planner.overheads import collective_rates, framework_overheads, pcie_bytes_per_s
 from distrun.planner.probe import measure, resident_bytes
 from distrun.runtime._loop_probe import loop_step_s
 from distrun.runtime._move import to_device
@@ -97,6 +97,8 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
         link = {"bytes_per_s": rates.pop("bytes_per_s"), "latency_s": rates.pop("latency_s")}
         overheads |= rates
     overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
+    if device.type == "cuda":  # --offload cpu's copies between host and GPU
+        overheads["pcie_bytes_per_s"] = pcie_bytes_per_s(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None

@@ -8,7 +8,7 @@ import pytest
 
 from distrun.errors import ConfigError
 from distrun.planner.choose import NEAR, candidates, decide
-from distrun.planner.cost import BUDGET_SHARE, Layout, Link, ModelProfile, Resources, predict
+from distrun.planner.cost import BUDGET_SHARE, Layout, Link, ModelProfile, Resources, fits, predict
 
 MB = 10**6
 #: A 50M-parameter fp32 model with Adam (two moments): 200 MB each of parameters and gradients,
@@ -201,8 +201,8 @@ def test_hsdp_is_a_candidate_over_hosts_of_several_ranks_and_wins_on_a_slow_link
     assert Layout("sharded", 8, shard_within="host") in layouts
     assert not [l for l in candidates(chainless, _resources(10_000, ranks=8), 64) if l.shard_within == "host"]
     chosen = decide(chainless, resources, 64).chosen.layout
-    assert chosen.kind == ("sharded", 1, "host", 1), chosen.describe()
-    assert chosen.job_file()["sharding"] == {"within": "host"} and chosen.flags()["shard_within"] == "host"
+    assert chosen.kind == ("sharded", 1, "host", 1, False), chosen.describe()
+    assert chosen.job_file()["sharding"] == {"within": "host", "offload": "none"} and chosen.flags()["shard_within"] == "host"
     assert chosen.describe().startswith("sharded x8 --shard-within host")
 
 
@@ -276,3 +276,54 @@ def test_the_probe_counts_what_tp_splits_and_all_reduces_on_the_recipes_own_mode
     assert figures["tp_bytes_per_sample"] == 4 * 8 * 4  # two inputs' gradients, two outputs: 8 floats a row
     assert _tensor_parallel(model, None, 1, lambda: model(x), 4)["tp_degrees"] == ()  # one rank: no --tp
     assert _tensor_parallel(nn.Linear(8, 3), None, 2, lambda: None, 4)["tp_degrees"] == ()  # nothing to split
+
+
+def test_offload_keeps_the_state_in_host_memory_and_pays_the_copies_and_the_cpus_optimizer():
+    gpu = ModelProfile(**{**PROFILE.__dict__, "device": "cuda", "chain_parts": 0, "optimizer_s": 0.01,
+                          "optimizer_cpu_s": 0.5})
+    pcie = 25e9
+    resources = Resources(ranks=2, hosts=1, budget_bytes=10_000 * MB, within_host=FAST, host_budget_bytes=2_000 * MB,
+                          pcie_bytes_per_s=pcie)
+    off = predict(gpu, resources, Layout("sharded", 2, offload=True), 64)
+    assert "state" not in off.parts and off.host_bytes == (200 + 200 + 400) * MB / 2
+    assert off.peak_bytes == (300 + 3 * 25 + 32 * 2) * MB  # the GPU's: footprint, gathered units, activations
+    on = predict(gpu, resources, Layout("sharded", 2), 64)
+    copies = (2 * 200 + 200) * MB / 2 / pcie  # the shard up twice (forward, backward), its gradients down
+    assert off.exposed_comm_s == pytest.approx(on.exposed_comm_s + copies)
+    assert off.compute_s == pytest.approx(on.compute_s - 0.01 / 2 + 0.5 / 2)  # the shard's step, on the CPU
+    assert Layout("sharded", 2, offload=True).describe() == "sharded x2 --offload cpu"
+    assert Layout("sharded", 2, offload=True).flags()["offload"] == "cpu"
+    # The host must hold the shards too: a host share below them rules offload out.
+    tight_host = Resources(**{**resources.__dict__, "host_budget_bytes": 300 * MB})
+    assert not fits(predict(gpu, tight_host, Layout("sharded", 2, offload=True), 64), tight_host)
+
+
+def test_offload_is_a_gpus_candidate_one_gpu_included_and_chosen_only_on_a_trials_time():
+    gpu = ModelProfile(**{**PROFILE.__dict__, "device": "cuda", "chain_parts": 0, "optimizer_cpu_s": 0.2})
+    one_gpu = Resources(ranks=1, hosts=1, budget_bytes=600 * MB, within_host=FAST, host_budget_bytes=20_000 * MB,
+                        pcie_bytes_per_s=25e9)
+    layouts = candidates(gpu, one_gpu, 64)
+    assert {l.strategy for l in layouts if l.offload} == {"sharded"}
+    assert not [l for l in layouts if l.strategy == "sharded" and not l.offload]  # sharded x1 only to offload
+    assert not [l for l in candidates(ModelProfile(**{**gpu.__dict__, "device": "cpu"}), _resources(10_000), 64)
+                if l.offload]
+    # 1.3 GB of state does not fit a 600 MB GPU whole; offloaded, it is the only layout that fits: chosen.
+    decision = decide(gpu, one_gpu, 64)
+    assert decision.chosen.layout.offload and decision.chosen.layout.replicas == 1
+    # Where a trusted layout fits too, offload is not chosen on the model's word.
+    roomy = Resources(**{**one_gpu.__dict__, "budget_bytes": 10_000 * MB})
+    assert not decide(gpu, roomy, 64).chosen.layout.offload
+
+
+def test_the_probe_times_the_optimizer_on_the_cpu_over_a_copy_of_the_largest_unit():
+    import torch
+    from torch import nn
+
+    from distrun.planner.probe import _cpu_optimizer_s
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 256))
+    before = [p.detach().clone() for p in model.parameters()]
+    seconds = _cpu_optimizer_s(model, list(model), lambda params: torch.optim.Adam(params, lr=0.1),
+                               sum(p.numel() * 4 for p in model.parameters()))
+    assert seconds > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was stepped, not the model
