@@ -246,7 +246,6 @@ def _validate_embeddings(spec: JobSpec) -> None:
         ("--ps-sync", "its rounds are always synchronous", ps.sync),
         ("--max-staleness", "its rounds are synchronous: nothing is stale", ps.max_staleness is not None),
         ("--tp/--pp", "not supported yet", spec.parallel.ranks_per_replica > 1),
-        ("--elastic", "not supported yet", strategy.elastic),
     ) if on]
     if blocked:
         raise ConfigError(f"{blocked[0][0]} with --embeddings ps: {blocked[0][1]}")

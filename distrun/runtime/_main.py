@@ -418,8 +418,9 @@ def _join_elastic(spec: JobSpec, launch: LaunchEnv, device: Any) -> Any:
                             backend="nccl" if device.type == "cuda" else "gloo",
                             device=device if device.type == "cuda" else None, who=_who(launch),
                             launch_rank=launch.rank, incarnation=incarnation_id())
+    ps_tasks = spec.ps.tasks if spec.strategy.embeddings == "ps" else 0  # --embeddings ps: ps tasks are no members
     elastic = Elastic(membership, min_members=spec.strategy.elastic_min, max_members=spec.strategy.elastic_max,
-                      expect=launch.world_size)
+                      expect=launch.world_size - ps_tasks)
     if not joiner:
         elastic.first_round()
     return elastic

@@ -45,7 +45,8 @@ def serve_ps(recipe: ModuleType, spec: JobSpec, launch: LaunchEnv, writer: Event
     layout = Layout(model, spec.ps.tasks, spec.ps.partition_bytes, rows_of=is_table if hybrid else None)
     server = ParameterServer(task, layout, model, recipe.optimizer, sync=spec.ps.sync or hybrid,
                              max_staleness=spec.ps.max_staleness, wait_for_load=spec.checkpoint.resume,
-                             expected_workers=spec.strategy.replicas, wire=ps_wire_dtype(spec), rowwise=hybrid)
+                             expected_workers=spec.strategy.replicas, wire=ps_wire_dtype(spec), rowwise=hybrid,
+                             elastic=hybrid and bool(spec.strategy.elastic))  # rounds follow the membership
     del model  # only the shards stay
 
     def report() -> None:

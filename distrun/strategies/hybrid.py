@@ -7,7 +7,7 @@ DDP, as under mirrored or multi-worker. It is composition, not a third strategy:
 wraps the model, each table is swapped for a ``RemoteEmbedding`` (``ps/tables.py``) that pulls
 the rows its batch looks up, so DDP never sees a table and the ps tasks never see a dense layer.
 
-Each step, after the recipe's optimizer has stepped the dense parameters (DDP all-reduced their
+Each step, just before the recipe's optimizer steps the dense parameters (DDP all-reduced their
 gradients in backward), every replica pushes its rows' gradients; each ps task applies the
 mean of one push per replica once (SyncReplicasOptimizer's rule, ``--ps-sync``'s code) and
 answers every replica when it has. The next step's pulls see that update, so the parameters
@@ -19,6 +19,14 @@ summary): its rows pulled and their gradients pushed, and its dense gradients, w
 all-reduces. Mirrored would all-reduce every table's whole gradient instead; ``bench embeddings``
 sets the two side by side. ``--clip-grad-norm`` clips one norm over the dense gradients and the
 tables' (each made from every replica's rows), as one-device clips its own.
+
+``--elastic``: a lost replica heals as under mirrored, and the ps tasks keep the tables. Each
+push names the replica's membership round, and a ps task applies a round only once every replica
+of that round pushed to it and every task holds its part (``ps/server.py``); a round a lost
+replica can no longer complete is dropped, and the push raises a change of membership. The push
+comes before the dense step, so a replica whose step is dropped has changed nothing, and the new
+group redoes the whole step. A replica whose rank changes opens its ps connections again: the
+chief's operations (checkpoints, the end) are the rank 0's of the round.
 
 The whole tables never reach a replica (never a GPU): they are built on the CPU with the
 model, as every strategy builds it, and dropped there. The chief's checkpoint gathers each table
@@ -94,6 +102,9 @@ class _EmbeddingsOnPs:
                   f"{sum(p.numel() for n, p in model.named_parameters() if not _in(n, paths))} parameters", flush=True)
         channels = open_worker_channels(self._store, self._num_ps, me.replica_id, self._secret, self._wire)
         self._rows = RowClient(layout, channels, me.device)
+        self._channels_of = me.replica_id
+        if me._elastic is not None and me._elastic.round is not None:
+            self._follow_round(me._elastic.round)
         flat = [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]
         for path, weight in zip(paths, weights):
             self._positions[path] = next((i for i, p in enumerate(flat) if p is weight), -1)
@@ -106,7 +117,7 @@ class _EmbeddingsOnPs:
         self._dense_grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         if isinstance(optimizer, torch.optim.Optimizer):
             self._base_lr = float(optimizer.param_groups[0]["lr"]) or None
-            optimizer.register_step_post_hook(self._push)
+            optimizer.register_step_pre_hook(self._before_dense_step)
         wrapped, optimizer = super()._wrap(root, optimizer)  # type: ignore[misc]
         if isinstance(optimizer, torch.optim.Optimizer):
             _state_to_params(optimizer)
@@ -127,8 +138,19 @@ class _EmbeddingsOnPs:
 
     _wrapped_optimizer: Any = None
 
-    def _push(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        """After the dense step: this step's rows to the ps tasks, at this replica's lr (its scheduler's)."""
+    _clip_max_norm: float | None = None
+    _channels_of = 0  # the replica id the ps connections were opened (and proven) with
+
+    def _before_dense_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """Before the dense step: ``--clip-grad-norm`` over both, then this step's rows to the ps tasks.
+        Pushed first, so that a round the ps tasks drop (``--elastic``: a replica lost) leaves the
+        dense parameters as they were, and the step is redone whole."""
+        if self._clip_max_norm is not None:
+            self._clip(optimizer, self._clip_max_norm)
+        self._push(optimizer)
+
+    def _push(self, optimizer: Any) -> None:
+        """This step's rows to the ps tasks, at this replica's lr (its scheduler's)."""
         assert self._rows is not None
         factor = float(optimizer.param_groups[0]["lr"]) / self._base_lr if self._base_lr else 1.0
         with _ps_link():
@@ -137,12 +159,37 @@ class _EmbeddingsOnPs:
         me._reporter.bytes_moved(self._rows.row_bytes / self._rows.pushes, float(self._dense_grad_bytes))
 
     def _clip_before_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:
-        """``--clip-grad-norm`` over the dense gradients and the tables' rows together: one-device's clip."""
+        """``--clip-grad-norm`` over the dense gradients and the tables' rows together: one-device's clip,
+        before the push (``_before_dense_step``)."""
+        self._clip_max_norm = max_norm
 
-        def clip(opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            self._clip(opt, max_norm)
+    # -- --elastic: the ps tasks' rounds follow the membership
 
-        optimizer.register_step_pre_hook(clip)
+    def _follow_round(self, round_: Any) -> None:
+        """Push and pull as a replica of membership round ``round_``; connections opened again where
+        this replica's rank changed (a ps task proves which replica is the chief by them)."""
+        assert self._rows is not None
+        me: Strategy = self  # type: ignore[assignment]
+        if me.replica_id != self._channels_of:
+            with _ps_link():
+                self._rows.close(chief=False)  # a BYE: a replica that leaves, not one lost
+                self._rows.channels = open_worker_channels(self._store, self._num_ps, me.replica_id, self._secret,
+                                                           self._wire)
+            self._channels_of = me.replica_id
+        self._rows.round_tag, self._rows.members = round_.generation + 1, round_.world_size
+
+    def _release_model(self) -> None:
+        """A recovery begins: this replica leaves its membership round on the ps tasks too."""
+        super()._release_model()  # type: ignore[misc]
+        if self._rows is not None:
+            self._rows.touched = []
+            with _ps_link():
+                self._rows.abandon()
+
+    def _rebuild_model(self, round_: Any) -> None:
+        super()._rebuild_model(round_)  # type: ignore[misc]
+        if self._rows is not None:
+            self._follow_round(round_)
 
     @torch.no_grad()
     def _clip(self, optimizer: torch.optim.Optimizer, max_norm: float) -> None:

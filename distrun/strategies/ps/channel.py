@@ -48,7 +48,7 @@ from distrun.protocol.wire import mac
 
 __all__ = ["Channel", "Op", "HEADER_LEN", "MAX_JSON_BYTES", "CHIEF_OPS", "PeerRefused", "open_worker_channels",
            "accept_channel", "watch_joins", "describe_state", "receive_state", "check_header", "prove_worker",
-           "check_worker", "lr_factor_word", "push_lr_factor"]
+           "check_worker", "lr_factor_word", "push_lr_factor", "elastic_round"]
 
 HEADER_LEN = 8
 _FP16_MAX = 65504.0
@@ -163,6 +163,9 @@ class Op:
     LOAD = 5  # everything, from a checkpoint
     FINISH = 6  # the chief: the job is over
     BYE = 7  # a worker leaves
+    # --embeddings ps --elastic (``elastic_round``): a round is staged when whole, applied on the word.
+    DECIDE = 8  # words: the staged round's number, 1 to apply it or 0 to drop it (no reply)
+    ABANDON = 9  # words: a membership round's tag; its rounds that are not whole can never be (no reply)
 
 
 #: What only the chief (worker 0) may ask: reading or replacing every parameter, ending the job.
@@ -192,6 +195,14 @@ def check_header(words: list[int], *, chief: bool, sparse_slots: int, max_rows: 
         if not 0 <= count <= max_rows:
             raise PeerRefused(f"ROWS: {count} rows asked of {max_rows}")
         return (op, slot, count)
+    if op == Op.DECIDE:
+        if words[1] < 0 or words[2] not in (0, 1):
+            raise PeerRefused(f"DECIDE: round {words[1]}, verdict {words[2]}")
+        return (op, words[1], words[2])
+    if op == Op.ABANDON:
+        if words[1] <= 0:
+            raise PeerRefused(f"ABANDON: membership round tag {words[1]}")
+        return (op, words[1])
     if op in (Op.PULL, Op.STATE, Op.LOAD, Op.FINISH, Op.BYE):
         return (op,)
     raise PeerRefused(f"unknown op {op}")
@@ -211,6 +222,23 @@ def push_lr_factor(words: list[int]) -> float:
     if not math.isfinite(factor) or factor < 0:
         raise PeerRefused(f"PUSH: an lr factor must be a finite number >= 0. Received: {factor}")
     return factor
+
+
+#: The most replicas a membership round may name (a bound on what a peer may claim, not a limit in use).
+_MAX_MEMBERS = 1 << 20
+
+
+def elastic_round(words: list[int]) -> tuple[int, int]:
+    """``--embeddings ps --elastic``: (tag, members) a checked PUSH header carries in words 4 and 5,
+    or a ROWS header in word 3 (no members): the replica's membership round, as its generation + 1
+    (0: not elastic), and how many replicas that round has. Under a tag, a ps task stages a round
+    once ``members`` pushes of that tag are in, and applies it only when a replica says every task
+    staged its own (``Op.DECIDE``): a step is applied on every task or on none."""
+    op = words[0]
+    tag, members = (words[4], words[5]) if op == Op.PUSH else (words[3], 0)
+    if tag < 0 or (op == Op.PUSH and tag and not 1 <= members <= _MAX_MEMBERS):
+        raise PeerRefused(f"a membership round tag {tag} of {members} replica(s)")
+    return tag, members
 
 
 def prove_worker(channel: Channel, secret: bytes, worker: int) -> None:

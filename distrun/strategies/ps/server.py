@@ -18,6 +18,16 @@ TensorFlow's ParameterServerStrategy. Two options change when a reply goes out:
 
 ``limit`` (sent with each push) is the step budget: updates beyond it are
 refused, so ``--steps N`` means exactly N applied updates.
+
+``elastic`` (``--embeddings ps --elastic``): rounds follow the replicas' membership, not the
+connections. Each push names its membership round (a tag) and that round's size; a ps round is
+whole when that many pushes of one tag are in. Whole, it is staged, and the pushers are told;
+it is applied when a replica says that every ps task staged its part (``Op.DECIDE``), so a step
+lands on every task or on none (a replica killed between two tasks' pushes leaves one task whole
+and the other not). A round that cannot be whole any more is dropped, and its pushers told so:
+when a connection that trained in its membership round is lost, or a replica of that round says
+it left it (``Op.ABANDON``, as its recovery starts). The replicas then redo the whole step in
+their next membership round, so no step is applied from some replicas' pushes, nor twice.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from distrun.strategies.ps.channel import (
     accept_channel,
     check_header,
     describe_state,
+    elastic_round,
     push_lr_factor,
     receive_state,
     watch_joins,
@@ -51,13 +62,15 @@ class ParameterServer:
     def __init__(self, task: int, layout: Layout, model: nn.Module,
                  make_optimizer: Callable[[list[nn.Parameter]], Any], *, sync: bool = False,
                  max_staleness: int | None = None, wait_for_load: bool = False, expected_workers: int = 1,
-                 join_grace_s: float = 60.0, wire: torch.dtype | None = None, rowwise: bool = False) -> None:
+                 join_grace_s: float = 60.0, wire: torch.dtype | None = None, rowwise: bool = False,
+                 elastic: bool = False) -> None:
         """``expected_workers``, ``join_grace_s``: synchronous rounds start once every worker has
         connected, or after this grace (a worker that never comes must not stall the job).
         ``wire``: the dtype pushes and pulls cross in (``--compression fp16|bf16``).
         ``rowwise`` (``--embeddings ps``): a partitioned table's gradient is a sparse tensor of the
         rows pushed, so the optimizer touches only those rows (what ``nn.Embedding(sparse=True)``
-        gives one-device training; SparseAdam needs it), not a dense one of zeros elsewhere."""
+        gives one-device training; SparseAdam needs it), not a dense one of zeros elsewhere.
+        ``elastic``: synchronous rounds follow the replicas' membership rounds (the module's docstring)."""
         self.task = task
         self.wire = wire
         self._rowwise = rowwise
@@ -91,6 +104,13 @@ class ParameterServer:
             self._loaded.set()
         self.finished = threading.Event()
         self._channels: list[Channel] = []
+        self._elastic = elastic
+        self._tag_of: dict[int, int] = {}  # connection -> the membership round tag it last trained in
+        self._ended_tag = 0  # rounds of membership rounds up to this tag can never be whole
+        self._round_tag = 0  # the membership round of the pushes in ``_round``
+        self._round_members = 0  # how many pushes make it whole
+        self._dropped: set[int] = set()  # round numbers dropped, not staged
+        self._staged: tuple[int, list[torch.Tensor | None], float] | None = None  # (round number, mean, lr factor)
 
     # -- figures
 
@@ -121,25 +141,39 @@ class ParameterServer:
             self._channels.append(channel)
             self._clocks[connection] = min(self._clocks.values(), default=0)
         max_rows = max((self._tensors[i].shape[0] for i in self._sparse), default=0)
+        lost = True  # unless it says BYE or FINISH
         try:
             while True:
                 words = channel.recv_header()
                 op, *args = check_header(words, chief=worker == 0, sparse_slots=len(self._sparse), max_rows=max_rows)
+                if op in (Op.PUSH, Op.ROWS) and self._elastic:
+                    tag, members = elastic_round(words)
+                    if tag:
+                        with self._cond:
+                            self._tag_of[connection] = tag
                 if op == Op.PULL:
                     self._pull(channel, connection)
                 elif op == Op.PUSH:
-                    self._push(channel, connection, pulled=args[0], limit=args[1], lr_factor=push_lr_factor(words))
+                    self._push(channel, connection, pulled=args[0], limit=args[1], lr_factor=push_lr_factor(words),
+                               members=members if self._elastic and tag else 0)
                 elif op == Op.ROWS:
                     self._rows(channel, slot=args[0], count=args[1])
+                elif op == Op.DECIDE:
+                    self._decide(round_number=args[0], apply=bool(args[1]))
+                elif op == Op.ABANDON:
+                    with self._cond:
+                        self._abandon(args[0])
                 elif op == Op.STATE:
                     self._send_state(channel)
                 elif op == Op.LOAD:
                     self._load_state(channel)
                 elif op == Op.FINISH:  # the chief's last word
+                    lost = False
                     self.finished.set()
                     channel.send_header(1)
                     return "finished the job"
                 else:  # Op.BYE (check_header let no other op through)
+                    lost = False
                     return "left"
         except PeerRefused as exc:  # it broke the wire's rules: the pair is dropped, the job goes on
             return f"refused ({exc})"
@@ -148,6 +182,9 @@ class ParameterServer:
         finally:
             with self._cond:
                 self._clocks.pop(connection, None)
+                tag = self._tag_of.pop(connection, 0)
+                if lost and tag:  # --elastic: its membership round lost a replica, whose push may never come
+                    self._abandon(tag)
                 self._close_round_if_complete()
                 self._cond.notify_all()
 
@@ -176,7 +213,8 @@ class ParameterServer:
     def _ahead(self, connection: int) -> int:
         return self._clocks.get(connection, 0) - min(self._clocks.values(), default=0)
 
-    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int, lr_factor: float = 1.0) -> None:
+    def _push(self, channel: Channel, connection: int, *, pulled: int, limit: int, lr_factor: float = 1.0,
+              members: int = 0) -> None:
         flats = [channel.recv_values((numel,), dtype) for numel, dtype in self._dense_specs]
         grads: list[torch.Tensor | None] = [None] * len(self._tensors)
         dense = [torch.empty_like(self._tensors[i]) for i in self._dense]
@@ -193,6 +231,15 @@ class ParameterServer:
             grads[i] = (torch.sparse_coo_tensor(ids.unsqueeze(0), rows, shard.shape, check_invariants=False)
                         if self._rowwise else torch.zeros_like(shard).index_add_(0, ids, rows))
         self._loaded.wait()
+        if members:  # --elastic: a membership round's push
+            with self._cond:
+                self._clocks[connection] = self._clocks.get(connection, 0) + 1
+                staged, number = self._elastic_push(connection, members, grads, lr_factor)
+                flats = self._current_parameters(connection)
+                header = [*self._reply_header(), 1 if staged else 2, number]
+            channel.send_header(*header)
+            channel.send_values(*flats)
+            return
         with self._cond:
             if limit > 0:
                 self._limit = limit
@@ -223,24 +270,79 @@ class ParameterServer:
         expected worker has connected once (or the join grace is over), so the first
         rounds are not the chief's alone.
         """
-        if not self._sync or not self._round or not set(self._round) >= set(self._clocks):
-            return
+        if self._elastic or not self._sync or not self._round or not set(self._round) >= set(self._clocks):
+            return  # --elastic: rounds are whole by count (``_elastic_push``)
         if not self._all_joined():
             return
         if not self.done:
-            ordered = sorted(self._round.values(), key=lambda entry: entry[0])
-            contributions = [grads for _worker, grads, _factor in ordered]
-            mean: list[torch.Tensor | None] = []
-            for i, tensor in enumerate(self._tensors):
-                parts = [grads[i] for grads in contributions if grads[i] is not None]
-                if parts and parts[0].is_sparse:  # rowwise: the rows of every push, summed where they meet
-                    mean.append(sum(parts[1:], parts[0]) / len(contributions))
-                    continue
-                mean.append(torch.stack(parts).sum(0) / len(contributions) if parts else torch.zeros_like(tensor))
-            self._apply(mean, ordered[0][2])  # the workers of a round are at the same step: the first's lr
+            mean, lr_factor = self._mean()
+            self._apply(mean, lr_factor)
         self._round = {}
         self._round_number += 1
         self._cond.notify_all()
+
+    def _mean(self) -> tuple[list[torch.Tensor | None], float]:
+        """The round's mean gradient, summed in worker order, and its lr factor (lock held)."""
+        ordered = sorted(self._round.values(), key=lambda entry: entry[0])
+        contributions = [grads for _worker, grads, _factor in ordered]
+        mean: list[torch.Tensor | None] = []
+        for i, tensor in enumerate(self._tensors):
+            parts = [grads[i] for grads in contributions if grads[i] is not None]
+            if parts and parts[0].is_sparse:  # rowwise: the rows of every push, summed where they meet
+                mean.append(sum(parts[1:], parts[0]) / len(contributions))
+                continue
+            mean.append(torch.stack(parts).sum(0) / len(contributions) if parts else torch.zeros_like(tensor))
+        return mean, ordered[0][2]  # the workers of a round are at the same step: the first's lr
+
+    # -- --elastic: rounds that follow the replicas' membership (the module's docstring)
+
+    def _elastic_push(self, connection: int, members: int, grads: list[torch.Tensor | None],
+                      lr_factor: float) -> tuple[bool, int]:
+        """Put a push in its round and wait until the round is staged or dropped (lock held):
+        (staged, the round's number)."""
+        tag = self._tag_of.get(connection, 0)
+        if tag <= self._ended_tag or (self._round and tag < self._round_tag):
+            return False, -1  # its membership round is over: its replicas redo the step in the next
+        if self._round and tag > self._round_tag:
+            self._drop_round()  # pushes of an older membership round: their replicas are recovering
+        self._round_tag, self._round_members = tag, members
+        self._round[connection] = (self._workers[connection], grads, lr_factor)
+        mine = self._round_number
+        if len(self._round) >= self._round_members:  # whole: every replica of the membership round pushed
+            mean, factor = self._mean()
+            self._staged = (mine, mean, factor)
+            self._round = {}
+            self._round_number += 1
+            self._cond.notify_all()
+        while self._round_number == mine:
+            self._cond.wait(0.5)
+        return mine not in self._dropped, mine
+
+    def _drop_round(self) -> None:
+        """The round in progress can never be whole: its pushers are told, nothing is applied (lock held)."""
+        self._dropped.add(self._round_number)
+        self._round = {}
+        self._round_number += 1
+        self._cond.notify_all()
+
+    def _abandon(self, tag: int) -> None:
+        """Membership round ``tag`` lost a replica: its round in progress, and any later push of it, can
+        never be whole (lock held). A round already staged is left to its replicas' word."""
+        self._ended_tag = max(self._ended_tag, tag)
+        if self._round and self._round_tag <= self._ended_tag:
+            self._drop_round()
+
+    def _decide(self, *, round_number: int, apply: bool) -> None:
+        """A replica's word on a staged round: every task staged its part (apply), or some task dropped
+        its own (drop). The first word decides; every replica of the round says the same."""
+        with self._cond:
+            if self._staged is None or self._staged[0] != round_number:
+                return  # decided already, on another replica's word
+            _number, mean, lr_factor = self._staged
+            self._staged = None
+            if apply:
+                self._apply(mean, lr_factor)
+            self._cond.notify_all()
 
     def _apply(self, grads: list[torch.Tensor | None], lr_factor: float = 1.0) -> None:
         """One optimizer step with ``grads``, at the pushing worker's lr (its scheduler's factor)."""

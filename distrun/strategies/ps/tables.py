@@ -123,10 +123,11 @@ def send_row_gradients(layout: Any, channel: Any, task: int, touched: list[tuple
 
 
 @torch.no_grad()
-def exchange_rows(layout: Any, channels: list[Any], name: str, uniq: torch.Tensor) -> torch.Tensor:
+def exchange_rows(layout: Any, channels: list[Any], name: str, uniq: torch.Tensor, tag: int = 0) -> torch.Tensor:
     """The rows ``uniq`` of table ``name`` (on the CPU), each asked of the ps task holding it: every
     task's ask is sent before any answer is read, so the tasks look up at once. Parameter-server's
-    workers and the hybrid's replicas both pull this way."""
+    workers and the hybrid's replicas both pull this way. ``tag``: the asker's membership round
+    (``--elastic``; ``channel.elastic_round``), 0 where there is none."""
     shape = layout.shapes[name]
     rows = torch.empty((uniq.numel(), *shape[1:]), dtype=layout.dtypes[name])
     cpu_ids = uniq.cpu()
@@ -136,7 +137,7 @@ def exchange_rows(layout: Any, channels: list[Any], name: str, uniq: torch.Tenso
         mask = (cpu_ids >= lo) & (cpu_ids < hi)
         wanted = cpu_ids[mask]
         channel = channels[ref.shard.task]
-        channel.send_header(Op.ROWS, layout.sparse(ref.shard.task).index(ref), wanted.numel())
+        channel.send_header(Op.ROWS, layout.sparse(ref.shard.task).index(ref), wanted.numel(), tag)
         channel.send(wanted)
         asks.append((channel, mask, wanted.numel()))
     for channel, mask, count in asks:
@@ -159,6 +160,10 @@ class RowClient:
         #: Of those, the rows' and their gradients' values alone, over the steps pushed: what a step's
         #: unique rows are worth at the wire's dtype (eval's pulls, which push nothing, left out).
         self.row_bytes = 0
+        #: ``--elastic``: the membership round this replica trains in, as its generation + 1 (0: not
+        #: elastic), and its replicas: what a ps task counts a whole round by (``channel.elastic_round``).
+        self.round_tag = 0
+        self.members = 0
 
     def _moved(self) -> int:
         return sum(channel.bytes_in + channel.bytes_out for channel in self.channels)
@@ -167,25 +172,51 @@ class RowClient:
     def pull(self, name: str, uniq: torch.Tensor) -> torch.Tensor:
         """The rows ``uniq`` of table ``name``, each from the ps task holding it."""
         before = self._moved()
-        rows = exchange_rows(self.layout, self.channels, name, uniq)
+        rows = exchange_rows(self.layout, self.channels, name, uniq, self.round_tag)
         self.step_bytes += self._moved() - before
         return rows.to(self.device)
 
     @torch.no_grad()
     def push(self, lr_factor: float = 1.0) -> None:
-        """This step's row gradients to every ps task; returns once each has applied the round."""
+        """This step's row gradients to every ps task; returns once each has applied the round.
+
+        ``--elastic``: each task answers once its round is staged (every replica of the membership
+        round pushed) or dropped (one was lost); only where every task staged its part is the step
+        applied, on this replica's word or another's (``Op.DECIDE``). Otherwise the staged parts are
+        dropped too, and a plain ``RuntimeError`` says the step must be redone: the membership record
+        shows a replica lost, so the fit loop takes it for a change of membership, as a failed
+        collective, and the new group redoes the whole step (no replica stepped its dense part)."""
         touched, self.touched = self.touched, []
         for _name, _ids, rows in touched:
             size = self._wire_itemsize(rows.dtype)
             self.row_bytes += (rows.numel() + (rows.grad.numel() if rows.grad is not None else 0)) * size
         before = self._moved()
-        for task, channel in enumerate(self.channels):
-            channel.send_header(Op.PUSH, 0, 0, lr_factor_word(lr_factor))  # no dense shards, no step budget
+        for task, channel in enumerate(self.channels):  # no dense shards, no step budget
+            channel.send_header(Op.PUSH, 0, 0, lr_factor_word(lr_factor), self.round_tag, self.members)
             send_row_gradients(self.layout, channel, task, touched)
-        for channel in self.channels:
-            channel.recv_header()  # the round is applied (a dense reply would follow: the tables have none)
+        replies = [channel.recv_header() for channel in self.channels]  # (a dense reply would follow: none here)
+        if self.round_tag:
+            staged = all(reply[3] == 1 for reply in replies)
+            for channel, reply in zip(self.channels, replies):
+                if reply[3] == 1:
+                    channel.send_header(Op.DECIDE, reply[4], int(staged))
+            if not staged:
+                self.step_bytes += self._moved() - before
+                raise RuntimeError("a ps task dropped this step's round: a replica of membership round "
+                                   f"{self.round_tag - 1} left it; the step is redone")
         self.pushes += 1
         self.step_bytes += self._moved() - before
+
+    def abandon(self) -> None:
+        """``--elastic``: this replica leaves its membership round (a recovery begins): a round of it
+        that is not whole on some ps task can never be, and its pushers there are told so."""
+        if not self.round_tag:
+            return
+        for channel in self.channels:
+            try:
+                channel.send_header(Op.ABANDON, self.round_tag)
+            except RuntimeError:
+                pass  # that ps task is gone
 
     def _wire_itemsize(self, dtype: torch.dtype) -> int:
         """Bytes a value of ``dtype`` crosses in (``--compression fp16|bf16`` narrows floating ones)."""
