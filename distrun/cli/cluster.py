@@ -98,7 +98,7 @@ def _finish(report: ClusterReport, json_output: bool) -> None:
             console = Console(highlight=False, width=160)  # piped: do not squeeze the table into 80 columns
         console.print(render_cluster(report))
     if not report.ok:
-        bad = [row for row in report.rows if row.exit_code or not row.status.healthy]
+        bad = report.failed_rows
         names = ", ".join(f"{row.host} ({row.status.value})" for row in bad)
         stderr.print(f"error: {len(bad)} of {len(report.rows)} host(s) not {_WANTED[report.command]}: {names}",
                      markup=False)

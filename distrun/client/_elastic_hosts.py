@@ -13,6 +13,10 @@ are the client's part of elastic training (docs/elastic.md); the ranks' part is
   where its stream broke: its ranks, fenced out of the group meanwhile, rejoin on their own.
 - A worker host added to the cluster file and brought up while the job runs joins the
   same way, up to MAX. The file is read again every :data:`WATCH_S`.
+- Before a joiner's ranks are submitted, its host is prepared as the first hosts were
+  (``client/_job_env``): the job's ``--requirements`` layer found or built there, then the
+  skew checks. A host that fails them is named and does not join (an added host is not
+  tried again; a lost one rejoins at its next `up`, if that fixes it).
 - A hung rank (``--hang-timeout-s``) is killed by its host's server as lost, and rejoins.
 - A job whose survivors finish every step succeeds: once the chief's host (the store's,
   rank 0's) succeeded, the other hosts have :data:`FINISH_GRACE_S` to report, then are
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +39,9 @@ from distrun.client._links import HostLink, Placement
 from distrun.client._stop import stop_everywhere
 from distrun.client.cluster import slots_for
 from distrun.client._bundle import Bundle
+from distrun.client._job_env import PreparedHosts
 from distrun.config import ClusterSpec, JobSpec, Role, load_cluster, parse_elastic
-from distrun.errors import DistrunError, HostError, UsageError
+from distrun.errors import DistrunError, HostError, HostUnreachable, UsageError
 from distrun.protocol import PEER_LOST, Hung
 
 __all__ = ["ElasticHosts", "ElasticJob", "WATCH_S"]
@@ -60,6 +66,7 @@ class ElasticJob(Protocol):
     _cancelled: threading.Event
     _detaching: bool
     _bundle: Bundle | None
+    _prepared: PreparedHosts  # what a joiner needs: the job's layer and its skew checks
 
     @property
     def replicas(self) -> int: ...
@@ -81,6 +88,7 @@ class ElasticHosts:
         self._job = job
         self._refused_hosts: set[str] = set()  # added hosts that cannot join (their slots differ)
         self._left_behind: set[str] = set()  # hosts stopped because the job finished without them
+        self._prepared_lock = threading.Lock()  # two hosts may join at once: neither's layer is lost
 
     def result_of(self, link: HostLink, result: dict[str, Any]) -> dict[str, Any]:
         """``link``'s result as the job counts it: a worker host the job finished without, or whose
@@ -160,6 +168,7 @@ class ElasticHosts:
             return
         placement = self._job.placements[self._job._links.index(link)]
         try:
+            self._prepare(link)
             self._job._ship(link, self._job._bundle)
             self._job._submit_to(link, placement, attempt_id, self._job.spec, join=True)
         except HostError as exc:
@@ -168,6 +177,18 @@ class ElasticHosts:
         self._job._note(f"[distrun] {link.label} is back: its ranks join the job")
         del self._job._results[link.label]
         self._job._follow(link, attempt_id)
+
+    def _prepare(self, link: HostLink) -> None:
+        """``link``'s host as the job's first hosts were prepared: the job's layer (built where missing,
+        leased) on its ranks' ``PYTHONPATH``, and the skew checks passed. HostError if it cannot."""
+        assert self._job.spec is not None
+        joined = self._job._prepared.join(link, self._job.spec)  # outside the lock: a build takes a while
+        if link.label not in joined.env:
+            return  # the job has no layer of its own: nothing to record
+        with self._prepared_lock:  # merged into the current hosts: another joiner may have been added meanwhile
+            now = self._job._prepared
+            self._job._prepared = replace(now, env={**now.env, link.label: joined.env[link.label]},
+                                          names={**now.names, link.label: joined.names[link.label]})
 
     def _still_running(self, link: HostLink, attempt_id: str) -> bool:
         """Whether ``link``'s server still runs the attempt (a link that dropped for less than the
@@ -224,6 +245,15 @@ class ElasticHosts:
             if slots != self._job.placements[0].slots:
                 self._job._note(f"[distrun] {link.label} cannot join: it has {slots} slot(s), the job's hosts "
                            f"{self._job.placements[0].slots} (--elastic counts hosts of the same slots)")
+                self._refused_hosts.add(link.label)
+                link.close()
+                return
+            try:
+                self._prepare(link)
+            except HostUnreachable:
+                raise  # its link, not its environment: the next turn tries again
+            except HostError as exc:  # its environment: trying again would fail again
+                self._job._note(f"[distrun] {link.label} cannot join: {exc.reason}")
                 self._refused_hosts.add(link.label)
                 link.close()
                 return

@@ -150,7 +150,8 @@ def _last_uv_error(log):
 
 def _find_uv(choice):
     """The command that runs uv here (a list), or None: pip then. On PATH, beside this python, or its
-    ``uv`` package's binary (``pip install uv`` puts it in the python's bin, which PATH may not name)."""
+    ``uv`` package's binary (``pip install uv`` puts it in the python's bin, which PATH may not name).
+    ``server/_doctor.installer_here`` follows the same rule for `doctor`: change both together."""
     if choice == "pip":
         return None
     found = shutil.which("uv")

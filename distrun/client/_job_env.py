@@ -16,6 +16,11 @@ job's folder there has no result), as the cluster file's ``keep_environments`` b
 
 Then, before any rank starts, ``client/_skew`` checks every host against the client and
 the recipe, with the layer in place.
+
+Under ``--elastic`` a host joins the running job later: a lost host whose server is back, or
+one added to the cluster file. :meth:`PreparedHosts.join` does the same for that one host
+before its ranks are submitted (its layer found or built, and leased; then the skew checks),
+so a joiner's ranks import what the first ranks did.
 """
 
 from __future__ import annotations
@@ -46,10 +51,29 @@ class JobEnvironment:
 
 @dataclass(frozen=True)
 class PreparedHosts:
-    """Per host label: the variables the job's ranks get there (its layer on ``PYTHONPATH``)."""
+    """Per host label: the variables the job's ranks get there (its layer on ``PYTHONPATH``); and what
+    a host that joins later (``--elastic``) needs to be prepared the same way (:meth:`join`)."""
 
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)  # the layer's environment name, per host
+    plan: EnvironmentPlan | None = None  # the job's layer (None: no --requirements)
+    allow_skew: bool = False
+    shipped: tuple[str, ...] = ()  # the bundle's files: the recipe's own modules are not asked of a host
+    job_id: str = ""  # the layer's lease on each host
+
+    def join(self, link: HostLink, spec: JobSpec) -> PreparedHosts:
+        """A host joining the running job: its layer built where missing and leased to the job, then the
+        skew checks, as :func:`prepare_hosts` did for the first hosts. A HostError (one line, the
+        host named) if it cannot run the job; else these hosts with ``link``'s added (or renewed:
+        a host back from a loss may run another interpreter now)."""
+        layers: dict[str, tuple[str, str]] = {}
+        env, names = dict(self.env), dict(self.names)
+        if self.plan is not None:
+            python, site, name = _layer(link, self.plan, self.job_id)
+            layers[link.label] = (python, site)
+            env[link.label], names[link.label] = {"PYTHONPATH": site}, name
+        check_hosts([link], spec, self.shipped, allow_skew=self.allow_skew, layers=layers)
+        return replace(self, env=env, names=names)
 
     def spec_for(self, label: str, spec: JobSpec) -> JobSpec:
         extra = self.env.get(label)
@@ -101,13 +125,14 @@ def prepare_hosts(links: list[HostLink], cluster: ClusterSpec, spec: JobSpec, sh
     skew checks; a HostError names the first host that cannot run the job."""
     environment = environment or JobEnvironment()
     layers: dict[str, tuple[str, str]] = {}
-    prepared = PreparedHosts()
-    if environment.requirements and links:
+    prepared = PreparedHosts(allow_skew=environment.allow_skew, shipped=tuple(shipped), job_id=job_id)
+    if environment.requirements:
         plan = job_plan(cluster, environment.requirements)
-        with ThreadPoolExecutor(max_workers=min(32, len(links))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(32, len(links)))) as pool:
             built = list(pool.map(lambda link: _layer(link, plan, job_id), links))
         layers = {link.label: (python, site) for link, (python, site, _) in zip(links, built)}
-        prepared = PreparedHosts(env={link.label: {"PYTHONPATH": site} for link, (_, site, _) in zip(links, built)},
-                                 names={link.label: name for link, (_, _, name) in zip(links, built)})
+        prepared = replace(prepared, plan=plan,
+                           env={link.label: {"PYTHONPATH": site} for link, (_, site, _) in zip(links, built)},
+                           names={link.label: name for link, (_, _, name) in zip(links, built)})
     check_hosts(links, spec, shipped, allow_skew=environment.allow_skew, layers=layers)
     return prepared

@@ -8,6 +8,8 @@ that says why ("down"), never a hang. Asked of each host's worker server:
   CUDA, NCCL, GPUs (a short-lived ``python -c`` of the server's interpreter);
 - the environment the server runs in (its content hash, when `up` built one), and its
   Python and torch beside the client's: a job is refused where they differ (``client/_skew``);
+- the installer: the one that built that environment ("uv 0.9.2" or "pip"), else what
+  ``installer:`` resolves to on that host (uv where it has one, else pip);
 - free disk in the host's distrun folder, and the host's clock against this machine's
   (the midpoint of a quick round trip);
 - the interface its route to the chief leaves by, and whether it can open a TCP
@@ -17,7 +19,8 @@ that says why ("down"), never a hang. Asked of each host's worker server:
 Problems (exit 6): down, a distrun version that differs, torch that does not import, a
 Python minor version or torch release other than the client's (a job would be refused
 without ``--allow-skew``), the chief's port not reached. Warnings (exit 0): clock skew over 1 s, under 1 GiB free, fewer
-GPUs than the cluster file's ``gpus:``, torch built without CUDA on a host with GPUs.
+GPUs than the cluster file's ``gpus:``, torch built without CUDA on a host with GPUs, ``installer: uv``
+on a host without uv.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class DoctorRow:
     interface: str | None = None
     reaches_chief: bool | None = None
     environment: str | None = None  # the environment's name (a content hash) when `up` built one
+    installer: str | None = None  # what built it, else what `installer:` resolves to there: "uv 0.9.2" | "pip"
     client_python: str | None = None  # the client's, side by side with the host's
     client_torch: str | None = None
     problems: tuple[str, ...] = ()
@@ -100,7 +104,7 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe, client: HostFacts)
         t0 = time.time()
         their_time = float(link.call("doctor", clock_only=True)["time"])
         t1 = time.time()
-        facts = link.call("doctor", chief=probe.chief_address, port=probe.port)
+        facts = link.call("doctor", chief=probe.chief_address, port=probe.port, installer=_installer(cluster))
     except HostError as exc:
         return DoctorRow(host=host.label, status="down", problems=(exc.reason,))
     finally:
@@ -130,6 +134,9 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe, client: HostFacts)
     if public:
         warnings.append(f"the data plane would use {public}, a public address: gloo and NCCL traffic is neither "
                         "authenticated nor encrypted (docs/security.md); set network.interface to a private network")
+    if facts.get("installer") is None and _installer(cluster) == "uv":
+        warnings.append("installer: uv, and there is no uv on PATH or beside the host's python: "
+                        "`up` cannot build an environment there (install uv, or installer: auto)")
     gpus = facts.get("gpus")
     if host.gpus and (gpus or 0) < host.gpus:
         warnings.append(f"the cluster file says gpus: {host.gpus}; torch sees {gpus or 0}")
@@ -138,8 +145,13 @@ def _row(cluster: ClusterSpec, host: HostSpec, probe: _Probe, client: HostFacts)
         python=link.info.python, distrun=link.info.version, torch=facts.get("torch"), cuda=facts.get("cuda"),
         nccl=facts.get("nccl"), gpus=gpus, free_bytes=free, skew_s=skew, interface=facts.get("interface"),
         reaches_chief=None if probe.port is None else reach is None, environment=facts.get("environment"),
+        installer=facts.get("installer"),
         client_python=client.python_full, client_torch=client.version("torch"),
         problems=tuple(problems), warnings=tuple(warnings))
+
+
+def _installer(cluster: ClusterSpec) -> str:
+    return cluster.environment.installer if cluster.environment is not None else "auto"
 
 
 def _skew(python: str | None, torch: str | None, client: HostFacts) -> list[str]:

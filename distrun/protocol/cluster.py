@@ -145,10 +145,16 @@ class ClusterReport:
 
     @property
     def ok(self) -> bool:
+        return not self.failed_rows
+
+    @property
+    def failed_rows(self) -> tuple[HostRow, ...]:
+        """The hosts that did not end as the command wants (up; for `down`, clean), each judged by its
+        own row: one host that failed never makes another's clean `down` read as "not clean"."""
         if self.command == "down":
-            return all(row.status in (HostStatus.STOPPED, HostStatus.NOT_RUNNING) and not row.processes_left
-                       for row in self.rows)
-        return all(row.status.healthy for row in self.rows)
+            return tuple(row for row in self.rows
+                         if row.status not in (HostStatus.STOPPED, HostStatus.NOT_RUNNING) or row.processes_left)
+        return tuple(row for row in self.rows if not row.status.healthy)
 
     @property
     def exit_code(self) -> int:

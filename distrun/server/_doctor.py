@@ -2,7 +2,8 @@
 
 Besides, the environment the server (and so every rank) runs in: its name, when `up` built
 one (``workdir/.envs/<name>/bin/python``, issue 49), so ``doctor`` can show it beside the
-versions a job's skew checks compare (``client/_skew``).
+versions a job's skew checks compare (``client/_skew``); and the host's installer: the one
+that built that environment, else what the cluster's ``installer:`` resolves to here.
 
 The server never imports torch (the control plane's rule), so what torch sees (its
 version, CUDA, NCCL, GPUs) is asked of a short-lived ``python -c`` with the server's own
@@ -40,10 +41,17 @@ _TORCH_PROBE_S = 60.0
 _CONNECT_S = 3.0
 
 
-def doctor_facts(state_dir: Path, chief: str | None, port: int | None) -> dict[str, Any]:
-    """Facts of this host; ``chief``/``port``: the chief's probe listener, to try to reach."""
+#: ``client/_env_collect.MARKER``: written last into an environment `up` built, naming its installer.
+_ENV_MARKER = ".distrun-ready"
+_UV_VERSION_S = 10.0
+
+
+def doctor_facts(state_dir: Path, chief: str | None, port: int | None, installer: str = "auto") -> dict[str, Any]:
+    """Facts of this host; ``chief``/``port``: the chief's probe listener, to try to reach;
+    ``installer``: the cluster file's ``installer:`` (auto, uv or pip)."""
     facts: dict[str, Any] = {"time": time.time(), "free_bytes": shutil.disk_usage(state_dir).free,
-                             "environment": environment_name(sys.executable), "python_full": platform.python_version()}
+                             "environment": environment_name(sys.executable), "python_full": platform.python_version(),
+                             "installer": installer_here(sys.executable, installer)}
     facts.update(_torch_facts())
     if chief:
         facts["interface"] = interface_towards(chief)
@@ -59,6 +67,43 @@ def environment_name(executable: str) -> str | None:
     if len(parts) >= 4 and parts[-4] == ".envs" and parts[-2] == "bin":
         return parts[-3]
     return None
+
+
+def installer_here(executable: str, choice: str) -> str | None:
+    """What installs this host's environments: in one `up` built, the installer its marker names
+    ("uv 0.9.2" or "pip"); else what ``installer: choice`` resolves to here, by
+    ``client/_env_host._find_uv``'s rule (that file is shipped to hosts as source, so it is not
+    imported here): uv on PATH, beside this python, or this python's ``uv`` package, else pip.
+    None: ``installer: uv`` and no uv here (a build would fail)."""
+    if environment_name(executable) is not None:
+        try:
+            with open(os.path.join(os.path.dirname(os.path.dirname(os.path.normpath(executable))), _ENV_MARKER)) as f:
+                said = json.load(f).get("installer")
+            if isinstance(said, str) and said:
+                return said
+        except (OSError, ValueError, AttributeError):
+            pass  # an environment from before markers named it: resolved as for a new one
+    if choice == "pip":
+        return "pip"
+    found = shutil.which("uv")
+    beside = os.path.join(os.path.dirname(executable), "uv")
+    if found is None and os.access(beside, os.X_OK):
+        found = beside
+    if found is None:
+        try:
+            from uv import find_uv_bin  # type: ignore[import-not-found]
+
+            found = find_uv_bin()
+        except Exception:  # noqa: BLE001 - no uv package, or one without its binary: pip
+            found = None
+    if found is None:
+        return None if choice == "uv" else "pip"
+    try:
+        said = subprocess.run([found, "--version"], stdin=subprocess.DEVNULL, capture_output=True, text=True,  # noqa: S603
+                              timeout=_UV_VERSION_S, check=False).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        said = []
+    return "uv " + said[1] if len(said) >= 2 and said[0] == "uv" else "uv"
 
 
 def _torch_facts() -> dict[str, Any]:

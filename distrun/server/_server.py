@@ -229,8 +229,10 @@ class WorkerServer:
             return {"time": time.time()}
         chief = args.get("chief")
         port = args.get("port")
+        installer = args.get("installer")
         return doctor_facts(self.state_dir.path, str(chief) if chief else None,
-                            int(port) if isinstance(port, int) and not isinstance(port, bool) else None)
+                            int(port) if isinstance(port, int) and not isinstance(port, bool) else None,
+                            installer=installer if installer in ("auto", "uv", "pip") else "auto")
 
     def _doctor_listen(self, args: dict[str, Any]) -> dict[str, Any]:
         """``distrun doctor`` on the chief: a port that accepts for a while, as the rendezvous will."""

@@ -108,14 +108,14 @@ def render_doctor(cluster: str, rows: list, links: list | None = None) -> Group:
             if first is not None and first.client_python else "")
     table = Table(title=f"cluster {cluster}: doctor{here}", title_justify="left", box=box.SIMPLE_HEAD)
     host_width = max((len(row.host) for row in rows), default=0)
-    for name in ("host", "env", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock",
+    for name in ("host", "env", "installer", "python", "distrun", "torch", "cuda", "nccl", "gpus", "free", "clock",
                  "route to chief", "chief port", "status"):
         table.add_column(name, no_wrap=True, min_width=host_width if name == "host" else None,
                          justify="right" if name in ("gpus", "free", "clock") else "left")
     for row in rows:
         reach = "-" if row.reaches_chief is None else ("reached" if row.reaches_chief else "NOT reached")
         table.add_row(
-            row.host, row.environment or "-", _beside(row.python, row.client_python, minor=True),
+            row.host, row.environment or "-", row.installer or "-", _beside(row.python, row.client_python, minor=True),
             row.distrun or "-", _beside(row.torch, row.client_torch), row.cuda or "-", row.nccl or "-",
             "-" if row.gpus is None else str(row.gpus),
             "-" if row.free_bytes is None else fmt_bytes(row.free_bytes),

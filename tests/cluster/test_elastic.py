@@ -24,6 +24,7 @@ import torch
 from distrun.strategies import latest_checkpoint
 from tests._sshd import cluster_yaml
 from tests.cluster.conftest import Lab, brought_up, json_lines, lab_cli, shaped_lab, training_pids
+from tests.cluster.test_environment import _wheel
 from tests.integration._recipes import ELASTIC
 from tests.integration.test_tensorboard import read as read_board
 
@@ -221,20 +222,36 @@ def test_a_hung_rank_is_killed_as_lost_by_its_server(elastic_lab) -> None:
     _no_training_processes(lab)
 
 
+#: The grow test's recipe imports a package only the job's ``--requirements`` brings (issue 49):
+#: a joining host's ranks must get the job's layer too, or their import fails and they never join.
+_JOB_PACKAGE = """
+import os as _os
+import jobpkg
+print(f"jobpkg {jobpkg.VALUE} rank {_os.environ.get('RANK')} {jobpkg.__file__}", flush=True)
+"""
+
+
 def test_a_worker_host_added_to_the_cluster_file_joins_up_to_max(elastic_lab) -> None:
     lab, _ = elastic_lab
     recipe = _recipe(lab, "grow")
+    recipe.write_text(_JOB_PACKAGE + ELASTIC)
+    _wheel(lab.root / "grow-src", "jobpkg", "1.0", "VALUE = 7\n", lab.root / "grow-wheels")
+    requirements = lab.root / "grow-requirements.txt"
+    requirements.write_text("jobpkg==1.0\n")
     grow = lab.root / "grow.yaml"
     hosts = [{"address": lab.hosts["h1"][1], "roles": "[chief, worker]"}, {"address": lab.hosts["h2"][1]}]
-    grow.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="grow"))
-    assert lab_cli(lab, "up", str(grow)).returncode == 0
+    offline = "wheels: grow-wheels\nindex: false"  # no index in the lab: the wheel comes from the client
+    grow.write_text(cluster_yaml(lab.keys, hosts, workdir=lab.workdir, name="grow", extra=offline))
+    up = lab_cli(lab, "up", str(grow))
+    assert up.returncode == 0, up.stdout + up.stderr
     try:
-        job = _Job(lab, str(recipe), "--cluster", str(grow), "--elastic", "1:3", "--json", "--steps", "300", "--",
-                   "--sleep-s", "0.05")
+        job = _Job(lab, str(recipe), "--cluster", str(grow), "--elastic", "1:3", "--json", "--steps", "300",
+                   "--requirements", str(requirements), "--", "--sleep-s", "0.05")
         try:
             job.read_until(lambda line: line["type"] == "step" and line["step"] >= 10, 90, "step 10")
             h3 = lab.hosts["h3"][1]
-            grow.write_text(cluster_yaml(lab.keys, [*hosts, {"address": h3}], workdir=lab.workdir, name="grow"))
+            grow.write_text(cluster_yaml(lab.keys, [*hosts, {"address": h3}], workdir=lab.workdir, name="grow",
+                                         extra=offline))
             up = lab_cli(lab, "up", str(grow))
             assert up.returncode == 0, up.stdout + up.stderr
             job.read_until(lambda line: line["type"] == "membership" and line["world_size"] == 3, 60, "a group of 3")
@@ -250,6 +267,11 @@ def test_a_worker_host_added_to_the_cluster_file_joins_up_to_max(elastic_lab) ->
         assert summary["steps"] == 300 and summary["world_size"] == 3 and summary["steps_lost"] == 0
         assert any(line["type"] == "output" and line["line"].startswith(f"[distrun] {h3} was added to")
                    for line in job.lines)
+        # Every rank, the joiner's too, imported jobpkg from the job's layer (not the hosts' environment).
+        imported = {said[3]: said[4] for said in (line["line"].split() for line in job.lines
+                                                  if line["type"] == "output" and line["line"].startswith("jobpkg "))}
+        assert sorted(imported) == ["0", "1", "2"], job.lines[-20:]
+        assert all(path.startswith(str(lab.workdir / ".envs")) for path in imported.values()), imported
     finally:
         lab_cli(lab, "down", str(grow))
     _no_training_processes(lab)

@@ -11,6 +11,7 @@ no rank: every rank writes a file, and the output folder stays empty.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -183,10 +184,14 @@ def test_doctor_shows_each_hosts_environment_beside_the_clients(lab: Lab) -> Non
     for row in doctor:
         assert row["python"] == row["client_python"] == platform.python_version(), row
         assert row["torch"] == row["client_torch"] and row["torch"].startswith("2."), row
+        # The installer that built the host's environment (installer: auto): uv where the host has it, else pip.
+        marker = json.loads((lab.workdir / ".envs" / row["environment"] / ".distrun-ready").read_text())
+        assert row["installer"] == marker["installer"] and row["installer"].split()[0] in ("uv", "pip"), row
     table = lab_cli(lab, "doctor", str(lab.root / "skew.yaml"))
     assert table.returncode == 0, table.stdout[-3000:]
     assert f"client: python {platform.python_version()}" in table.stdout and " env " in table.stdout, table.stdout
     assert next(iter(names)) in table.stdout, table.stdout
+    assert " installer " in table.stdout and doctor[0]["installer"] in table.stdout, table.stdout
 
 
 def test_the_skew_rules_and_their_one_line(tmp_path: Path) -> None:

@@ -82,6 +82,16 @@ def test_unreachable_host_is_named_within_connect_timeout(lab: Lab) -> None:
 
     status, wall_s = _cli(lab, "status", str(cluster))
     assert status.returncode == 6 and ghost in status.stdout and wall_s < 2 + 8
+    # One host cannot be reached: each row says what happened to its own host, and only the
+    # unreachable one is "not clean" (h1's row, cleaned, was once listed there too).
     down, _ = _cli(lab, "down", str(cluster), "--json")
-    assert _report(down)["hosts"][0]["processes_left"] == 0
+    assert down.returncode == 6
+    rows = {row["host"]: row for row in _report(down)["hosts"]}
+    clean = rows[lab.hosts["h1"][1]]
+    assert (clean["status"], clean["processes_left"], clean["exit_code"]) == ("stopped", 0, 0), clean
+    assert clean["message"] == "no process of distrun's left"
+    # Its own reason: no answer within the timeout, or (ARP given up by then) no route to it.
+    assert rows[ghost]["status"] == "down" and rows[ghost]["processes_left"] is None
+    assert "within 2 s" in rows[ghost]["message"] or "unreachable" in rows[ghost]["message"], rows[ghost]
+    assert f"1 of 2 host(s) not clean: {ghost} (down)" in down.stderr, down.stderr
     assert distrun_pids_in(lab, lab.hosts["h1"][0]) == []
