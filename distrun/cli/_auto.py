@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrun.cli._auto_trials import time_near, trial_flags
-from distrun.cli._spec import build_spec, local_layout, recipe_defaults
+from distrun.cli._auto_trials import cluster_trial, time_near, trial_flags
+from distrun.cli._spec import build_spec, local_layout, recipe_defaults, replicas_of
 from distrun.cli.cluster import distrun_home
 from distrun.client import ClusterJob, JobEnvironment, pack
 from distrun.client._cluster_plan import plan_on_cluster
 from distrun.client._link_cache import cluster_key, keep_links, kept_links
 from distrun.client.planning import Plan, plan_local
-from distrun.config import ClusterSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
+from distrun.config import ClusterSpec, JobSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import UsageError
 from distrun.launch import visible_gpu_count
+from distrun.planner.cost import Layout
 from distrun.protocol import JobSummary
 
 __all__ = ["AUTO", "Choice", "choose", "choose_on_cluster", "with_measured"]
@@ -103,10 +104,12 @@ def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
 
 def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global_batch_size: int | None,
                       seed: int | None, recipe_args: tuple[str, ...] = (), include: list[Path] | None = None,
-                      environment: JobEnvironment | None = None, given: dict[str, Any] | None = None) -> Choice:
+                      environment: JobEnvironment | None = None, given: dict[str, Any] | None = None,
+                      trials: bool = True, keep: dict[str, Any] | None = None) -> Choice:
     """The layout of ``recipe`` on ``cluster``'s worker hosts and slots, from a probe job run there
     (client/_cluster_plan.py), with the cluster's links kept from its last probe where they still
-    hold (client/_link_cache.py). No trials yet: each would be a cluster job of its own."""
+    hold (client/_link_cache.py); then, as here, the layouts the model cannot tell apart are timed,
+    each a short cluster job of its own, while the decision stays within its budget."""
     path, info, unplanned = _fit_recipe(recipe, given)
     if unplanned is not None:
         return Choice({"strategy": "multi-worker", "replicas": None, "device": device}, None,
@@ -135,8 +138,23 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
     except BaseException:
         job.close()
         raise
+    slots_total = job.replicas
     plan = plan_on_cluster(job, spec, bundle, environment, kept_age_s=kept.age_s() if kept else None)
     if plan.links is not None and plan.links["from"] == "timed":
         keep_links(distrun_home(), key, plan.links["figures"])
+    notes: list[str] = []
+    if trials:  # each a cluster job of its own, on the same hosts and slots, within the decision's budget
+        base = {**{name: value for name, value in (keep or {}).items() if name in TRIAL_KEEPS},
+                "recipe": path, "recipe_args": recipe_args, "device": device,
+                "global_batch_size": int(filled["global_batch_size"]), "seed": seed,
+                "gpus": slots_total if device == "cuda" else 0}
+
+        def make_spec(layout: Layout, steps: int) -> JobSpec:
+            flags = trial_flags(base, layout, steps)
+            flags["replicas"] = replicas_of(slots_total, layout.tp * layout.pp, cluster.source)
+            return build_spec(**flags)
+        decision, spent_s = time_near(plan.decision, plan.decide_s, make_spec, notes.append,
+                                      run=cluster_trial(cluster, bundle, environment))
+        plan = dataclasses.replace(plan, decision=decision, decide_s=plan.decide_s + spent_s)
     flags = {**plan.decision.chosen.layout.flags(), "replicas": None, "device": device}  # replicas: the slots
-    return Choice(flags, plan, tuple(plan.lines()))
+    return Choice(flags, plan, (*notes, *plan.lines()))

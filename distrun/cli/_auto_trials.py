@@ -12,7 +12,8 @@ each other, and wider, as far as the model's own error reaches:
   within :data:`TRIAL_NEAR` of the first (the issue's 15% inside it) or the first's step is under
   :data:`SHORT_STEP_S`; a ``--tp`` layout (a GPU's only) is timed last, where the model puts it
   near or ahead, and is chosen only on its trial's time;
-- a trial is a real local job of that layout (the same processes, loop and reporting a run has)
+- a trial is a real job of that layout, local or on the cluster's hosts (the same processes, loop
+  and reporting a run has)
   for enough steps to fill about :data:`TRIAL_S` seconds, from the end of step 1 (the summary's
   samples/s), started only while the decision stays within :data:`DECIDE_BUDGET_S` (the issue's
   30 s);
@@ -30,14 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from distrun.client import LocalJob
+from distrun.client import Bundle, ClusterJob, JobEnvironment, LocalJob
 from distrun.client.planning import follow_within
-from distrun.config import JobSpec
+from distrun.config import ClusterSpec, JobSpec
 from distrun.errors import DistrunError
 from distrun.planner.choose import Decision, retime
 from distrun.planner.cost import Layout, Prediction
 
-__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "TRIAL_NEAR", "TRIAL_S", "time_near", "trial_flags"]
+__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "TRIAL_NEAR", "TRIAL_S", "cluster_trial", "time_near", "trial_flags"]
 
 #: A trial's timed steps fill about this long (after its first step), between the bounds below: a
 #: short step needs many, as its first few after step 1 still warm up (40 steps of a 15 ms step
@@ -92,13 +93,17 @@ class _OverBudget(Exception):
 
 def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, int], JobSpec],
               say: Callable[[str], None] = lambda _: None,
-              budget_s: float = DECIDE_BUDGET_S) -> tuple[Decision, float]:
+              budget_s: float = DECIDE_BUDGET_S, run: Callable[[JobSpec, float], float] | None = None,
+              ) -> tuple[Decision, float]:
     """The decision after timing what it cannot tell apart (see the module), and the seconds spent.
 
     ``spent_s``: what the decision took so far (the probe); ``make_spec(layout, steps)``: the job a
-    trial runs; ``budget_s``: the whole decision's. A trial that fails takes its layout out (and
-    every variant of it the model ranked: they run the same machinery); one still running when the
-    budget is spent is stopped and counts as untimed. Nothing left that fits: ConfigError (exit 2)."""
+    trial runs; ``budget_s``: the whole decision's; ``run(spec, deadline)``: a trial's seconds a step
+    (a local job by default; :func:`cluster_trial` on a cluster's hosts). A trial that fails takes its
+    layout out (and every variant of it the model ranked: they run the same machinery); one still
+    running when the budget is spent is stopped and counts as untimed. Nothing left that fits:
+    ConfigError (exit 2)."""
+    run = run or _run_trial
     started = time.perf_counter()
     timed: dict[Layout, float] = {}
     failed: dict[Layout, str] = {}
@@ -111,7 +116,7 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
             break
         began = time.perf_counter()
         try:
-            step_s = _run_trial(make_spec(prediction.layout, steps), deadline=began + left_s)
+            step_s = run(make_spec(prediction.layout, steps), began + left_s)
         except _OverBudget:
             say(f"auto: the trial of {prediction.layout.describe()} ran past the decision's {budget_s:.0f} s; "
                 "it was stopped, and the model's prediction stands")
@@ -128,15 +133,31 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
 
 
 def _run_trial(spec: JobSpec, deadline: float) -> float:
-    """The seconds a step took in a short real run of ``spec`` (from the end of its first step);
+    """The seconds a step took in a short real local run of ``spec`` (from the end of its first step);
     stopped at ``deadline`` (a ``time.perf_counter()``)."""
     with LocalJob(spec) as job:
-        if not follow_within(job, deadline, "--strategy auto: the trial ran past the decision's budget"):
-            raise _OverBudget
-        try:
-            summary = job.outcome().summary
-        except DistrunError as exc:  # the layout failed (killed, or the recipe raised under it)
-            raise DistrunError(exc.message.splitlines()[0]) from None
+        return _step_s(job, spec, deadline)
+
+
+def cluster_trial(cluster: ClusterSpec, bundle: Bundle,
+                  environment: JobEnvironment | None) -> Callable[[JobSpec, float], float]:
+    """A trial runner for ``time_near`` on ``cluster``'s hosts: each trial a cluster job of its own, on
+    the hosts and slots the job gets, with the recipe the probe shipped (the hosts keep it)."""
+    def run(spec: JobSpec, deadline: float) -> float:
+        with ClusterJob.plan(cluster, spec.strategy.name) as job:
+            job.start(spec, bundle, environment=environment)
+            return _step_s(job, spec, deadline)
+    return run
+
+
+def _step_s(job: Any, spec: JobSpec, deadline: float) -> float:
+    """Follow a started trial ``job`` to its end within ``deadline``; its seconds a step."""
+    if not follow_within(job, deadline, "--strategy auto: the trial ran past the decision's budget"):
+        raise _OverBudget
+    try:
+        summary = job.outcome().summary
+    except DistrunError as exc:  # the layout failed (killed, or the recipe raised under it)
+        raise DistrunError(exc.message.splitlines()[0]) from None
     if summary.status != "succeeded" or summary.samples_per_s <= 0:
         raise DistrunError(summary.error or f"ended {summary.status}")
     return spec.training.global_batch_size / summary.samples_per_s

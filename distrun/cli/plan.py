@@ -36,7 +36,8 @@ def plan(
         if replicas is not None:
             raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
         choice = choose_on_cluster(resolve_cluster(cluster_file), recipe, device=device,
-                                   global_batch_size=global_batch_size, seed=seed, recipe_args=tuple(recipe_args or ()))
+                                   global_batch_size=global_batch_size, seed=seed, recipe_args=tuple(recipe_args or ()),
+                                   trials=trials)
     else:
         choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size, seed=seed,
                         recipe_args=tuple(recipe_args or ()), trials=trials)

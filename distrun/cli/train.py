@@ -160,6 +160,9 @@ def train(
             given = {"tp": tp, "pp": pp, "microbatches": microbatches, "pp_schedule": pp_schedule, "offload": offload,
                      "activation_checkpointing": activation_checkpointing, "accumulate": accumulate,
                      "shard_within": shard_within}
+            keep = {"precision": precision, "compile": compile_model, "compile_mode": compile_mode,
+                    "compression": compression, "data_workers": data_workers, "clip_grad_norm": clip_grad_norm,
+                    "on_nonfinite": on_nonfinite}
             if cluster_file is not None:
                 if replicas is not None:
                     raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
@@ -167,13 +170,10 @@ def train(
                                            global_batch_size=global_batch_size, seed=seed,
                                            recipe_args=tuple(recipe_args or ()), include=include, given=given,
                                            environment=JobEnvironment(str(requirements) if requirements else None,
-                                                                      allow_skew))
+                                                                      allow_skew), keep=keep)
             else:
                 choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
-                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given,
-                                keep={"precision": precision, "compile": compile_model, "compile_mode": compile_mode,
-                                      "compression": compression, "data_workers": data_workers,
-                                      "clip_grad_norm": clip_grad_norm, "on_nonfinite": on_nonfinite})
+                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given, keep=keep)
             for line in choice.lines:
                 stderr.print(line, markup=False, soft_wrap=True)
             plan, chosen = choice.plan, dict(choice.flags)
@@ -184,6 +184,7 @@ def train(
             activation_checkpointing = chosen.get("activation_checkpointing", activation_checkpointing)
             accumulate = chosen.get("accumulate", accumulate)
             shard_within = chosen.get("shard_within", shard_within)
+            offload = chosen.get("offload", offload)
         observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
                                 experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
                                 checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
