@@ -145,7 +145,12 @@ def cluster_trial(cluster: ClusterSpec, bundle: Bundle,
     the hosts and slots the job gets, with the recipe the probe shipped (the hosts keep it)."""
     def run(spec: JobSpec, deadline: float) -> float:
         with ClusterJob.plan(cluster, spec.strategy.name) as job:
-            job.start(spec, bundle, environment=environment)
+            job.start(spec, bundle, environment=environment)  # SSH, the environment's checks: not bounded
+            if time.perf_counter() > deadline:  # its start took what was left: no step will be timed
+                job.cancel("--strategy auto: the trial's start ran past the decision's budget")
+                for _ in job.events():
+                    pass
+                raise _OverBudget
             return _step_s(job, spec, deadline)
     return run
 

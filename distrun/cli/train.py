@@ -280,6 +280,9 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         if spec.communication.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.communication.allreduce}: {cluster.source} trains on one host; it "
                              "arranges the all-reduce across two or more worker hosts")
+        if elastic is not None and spec.strategy.embeddings == "ps":  # a host that joins would be placed
+            # after the ps tasks' ranks, and taken for one (the hybrid heals locally: docs/strategies.md)
+            raise UsageError("--elastic with --embeddings ps: local jobs only for now; on a cluster, drop --elastic")
         if elastic is not None:
             spec = spec.replace(**job.elastic.elastic_range(elastic))
         if (cluster.slurm is not None and spec.checkpoint.dir and spec.strategy.name.collective

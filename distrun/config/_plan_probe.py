@@ -34,9 +34,9 @@ def kept_links_valid(kept: Any) -> bool:
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
-    def link(value: Any) -> bool:
+    def link(value: Any) -> bool:  # a rate of 0 would divide by zero in the check
         return value is None or (isinstance(value, dict) and sorted(value) == ["bytes_per_s", "latency_s"]
-                                 and all(number(v) for v in value.values()))
+                                 and all(number(v) for v in value.values()) and value["bytes_per_s"] > 0)
     return (isinstance(kept, dict) and sorted(kept) == sorted(KEPT_LINK_KEYS) and number(kept["nbytes"])
             and link(kept["between_hosts"]) and link(kept["within_host"])
             and number(kept["gather_bytes_per_s"]) and number(kept["scatter_bytes_per_s"]))

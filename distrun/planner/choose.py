@@ -69,8 +69,9 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     """Every exact layout of the job's ranks that the batch and the recipe allow."""
     ranks = resources.ranks
     data_parallel = "multi-worker" if resources.hosts > 1 else "mirrored" if ranks > 1 else "one-device"
+    offloads = (False, True) if profile.device == "cuda" and profile.optimizer_cpu_s > 0 else (False,)  # GPUs only
     shapes: list[tuple[str, int, int, int, int]] = [(data_parallel, ranks, 1, 0, 1)]
-    if ranks > 1 or profile.device == "cuda":  # one GPU: sharded x1 only as --offload's host
+    if ranks > 1 or True in offloads:  # one GPU: sharded x1 only as --offload's host
         shapes.append(("sharded", ranks, 1, 0, 1))
     hsdp = resources.hosts > 1 and resources.ranks_per_host > 1 and ranks % resources.hosts == 0
     for pp in range(2, ranks + 1):
@@ -80,7 +81,6 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
     for tp in profile.tp_degrees if profile.device == "cuda" else ():  # see TP_ON_CPU
         if resources.ranks_per_host % tp == 0 and ranks % tp == 0:  # a tensor-parallel group in one host
             shapes.append((data_parallel if ranks > tp else "mirrored", ranks // tp, 1, 0, tp))
-    offloads = (False, True) if profile.device == "cuda" else (False,)  # --offload: GPUs only
     out = []
     for strategy, replicas, pp, m, tp in shapes:
         for checkpointing in ("none", "full"):

@@ -83,7 +83,8 @@ class ModelProfile:
     tp_bytes_per_sample: int = 0
     tp_messages: int = 0
     #: ``--offload cpu``: the optimizer's step over the whole model on the host's CPU (seconds; measured
-    #: on a GPU host only, over the largest unit's parameters copied to the CPU and scaled by bytes).
+    #: on a GPU host only, over the largest unit's parameters copied to the CPU and scaled by bytes;
+    #: 0: not measured, or the recipe's optimizer cannot step on a CPU, and --offload is no candidate).
     optimizer_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:

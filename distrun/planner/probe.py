@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from distrun.planner.cost import ModelProfile
-from distrun.errors import RecipeError
 from distrun.planner.overheads import sharded_step_s
 from distrun.strategies.sharding.units import pick_units
 
@@ -156,7 +155,7 @@ def _tensor_parallel(model: nn.Module, plan_from: Callable[[nn.Module], Any] | N
     for tp in (t for t in TP_DEGREES if t <= up_to):
         try:
             plan = resolve_plan(model, plan_from, tp)
-        except (RecipeError, ValueError, TypeError):  # a layer this degree does not divide, or no plan
+        except Exception:  # noqa: BLE001 - no plan, a layer this degree does not divide, a tp_plan that raises
             continue
         degrees.append(tp)
         styles = styles or plan.styles
@@ -310,7 +309,12 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
         list(model.children()) if isinstance(model, nn.Sequential) else [])
     boundary = _boundary_bytes(chain, _first(batch_large)) // rows if chain else 0
     tensor_parallel = _tensor_parallel(model, tp_plan_from, tp_up_to, forward_only(batch_small), small)
-    optimizer_cpu_s = _cpu_optimizer_s(model, units, make_optimizer, parameter_bytes) if device.type == "cuda" else 0.0
+    optimizer_cpu_s = 0.0
+    if device.type == "cuda":
+        try:
+            optimizer_cpu_s = _cpu_optimizer_s(model, units, make_optimizer, parameter_bytes)
+        except Exception:  # noqa: BLE001 - an optimizer for GPUs only (fused, capturable, ...): no --offload
+            optimizer_cpu_s = 0.0
     sharded_s = 0.0
     model.zero_grad(set_to_none=True)
     del batch_large

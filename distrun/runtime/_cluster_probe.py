@@ -65,9 +65,12 @@ def _within_host(profile_bytes: int, probe: PlanProbeSpec, device: torch.device)
     return rates
 
 
-#: A kept link holds while one all-reduce of this many bytes (or the gradients', if fewer) takes
-#: within :data:`KEPT_HOLDS` of what the kept figures say it takes.
+#: A kept link holds while one all-reduce takes within :data:`KEPT_HOLDS` of what the kept figures say
+#: it takes. Its size: what the kept rate moves in :data:`CHECK_S` (so the transfer, not the jitter,
+#: decides: a fast link checked on a megabyte could slow tenfold and still pass), at least
+#: ``CHECK_BYTES`` and at most the gradients.
 CHECK_BYTES = 1 << 20
+CHECK_S = 0.01
 #: How far (either way) the check may land from the kept figures' prediction: gloo's small
 #: all-reduces wander by tens of percent on a loaded host, a link shaped or swapped moves by far more.
 KEPT_HOLDS = 3.0
@@ -89,7 +92,8 @@ def _check_kept(kept: dict[str, Any], nbytes: int, probe: PlanProbeSpec,
     ring = kept["between_hosts"] if probe.hosts > 1 else kept["within_host"]
     if ring is None:
         return False, "the kept links have no ring over these ranks"
-    n, check = dist.get_world_size(), min(nbytes, CHECK_BYTES)
+    n = dist.get_world_size()
+    check = int(min(nbytes, max(CHECK_BYTES, ring["bytes_per_s"] * CHECK_S)))
     took = torch.tensor([all_reduce_s(check, device=collective_device(device))], device=collective_device(device))
     # One verdict on every rank (the same collectives follow), from the least disturbed rank's median.
     dist.all_reduce(took, op=dist.ReduceOp.MIN)

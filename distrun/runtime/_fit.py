@@ -90,6 +90,10 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
         schedule.load_state_dict(strategy.healed_lr_schedule, strategy.step)
     reporter.during = "building the callbacks"
     callbacks = build_callbacks(recipe, strategy, spec, reporter)  # after prepare: a callback may keep the weights
+    if callbacks is not None and spec.strategy.elastic:  # a heal carries their state (EarlyStopping's count)
+        strategy.callbacks_state, strategy.load_callbacks_state = callbacks.checkpoint_state, callbacks.load_state
+        if strategy.joined and strategy.healed_callbacks is not None:  # healed in prepare, before they existed
+            callbacks.load_state(strategy.healed_callbacks)
     reporter.during = "loading the data"
     # After prepare: an elastic joiner learns its place in the job there.
     ctx = InputContext(strategy.num_replicas, strategy.replica_id, global_batch_size, spec.training.seed)
@@ -228,7 +232,8 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     if callbacks is not None:
         callbacks.total_steps = total_steps
         callbacks.train_begin()
-        callbacks.agreed_stop()
+        if not strategy.joined:  # its agreement is a collective the members already training passed long
+            callbacks.agreed_stop()  # ago: a joiner's stop is agreed after its first step, with theirs
     reporter.during = None  # from here a failure is at a step
     while not ended:
         failed_at, switch, cause = None, False, ""

@@ -55,11 +55,11 @@ def _said(lines: list[dict], text: str) -> list[dict]:
 def test_two_workers_one_ps_a_worker_killed_then_one_that_rejoins(lab: Lab, ps_cluster: Path, tmp_path: Path) -> None:
     recipe = _recipe(tmp_path)
     # A worker SIGKILLed at its 15th step: the job goes on without it and still applies 200 updates.
-    # --sleep-s: the chief's 200 steps take 10 s or more. Unslowed, they once ended the job (and its store)
+    # --sleep-s: the chief's 200 steps take 6 s or more. Unslowed, they once ended the job (and its store)
     # before a loaded host's rank 1 had opened its channels: rank 1 failed peer-lost, never killed.
     run = lab_cli(lab, "train", str(recipe), "--cluster", str(ps_cluster), "--strategy", "ps", "--json",
                   "--steps", "200", "--", "--die-rank", "1", "--die-at", "15", "--once", str(tmp_path / "died"),
-                  "--sleep-s", "0.05")
+                  "--sleep-s", "0.03")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     lines = json_lines(run)
     assert lines[0]["world_size"] == 3 and lines[0]["hosts"] == [lab.hosts["h1"][1], lab.hosts["h2"][1]]

@@ -244,13 +244,40 @@ SCHEDULED = ELASTIC + """
 
 def scheduler(optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1.0 + 0.2 * step))
+
+
+from distrun.callbacks import Callback
+
+
+class _Seen(Callback):
+    \"\"\"Counts the steps it saw; its count is its state, so a joiner healed from a peer goes on from it.\"\"\"
+
+    def __init__(self):
+        self.seen = 0
+
+    def on_step_end(self, state):
+        self.seen += 1
+
+    def on_train_end(self, state):
+        print(f"[seen] {self.seen} steps", flush=True)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = int(state["seen"])
+
+
+def callbacks():
+    return [_Seen()]
 """
 
 
 def test_a_lost_replica_rejoins_with_the_learning_rate_schedule_where_it_was(tmp_path):
     """The schedule's state travels with a heal: rank 2, killed at step 10 and healed as a joiner,
     and the survivors all step the source's schedule, so the job ends with the parameters of
-    one device on the same schedule (an lr that changes every step: one step off fails it)."""
+    one device on the same schedule (an lr that changes every step: one step off fails it). So
+    does the callbacks' state (their checkpoints' ``extra``)."""
     recipe = tmp_path / "scheduled.py"
     recipe.write_text(SCHEDULED)
     alone = _train(recipe, "--strategy", "one-device", "--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "one"))
@@ -264,6 +291,11 @@ def test_a_lost_replica_rejoins_with_the_learning_rate_schedule_where_it_was(tmp
     _no_step_lost_and_one_devices_parameters(result, tmp_path, reference["model"])
     healed = torch.load(latest_checkpoint(tmp_path / "ck"), weights_only=True)
     assert healed["lr_scheduler"]["last_epoch"] == reference["lr_scheduler"]["last_epoch"] == STEPS
+    # The callbacks' state travels too: the joiner's count went on from its source's, so every rank
+    # that ended the job saw every step (a joiner without it would count from its join).
+    seen = {line["rank"]: line["line"] for line in result.json_lines()
+            if line["type"] == "output" and line["line"].startswith("[seen]")}
+    assert sorted(seen) == [0, 1, 2] and set(seen.values()) == {f"[seen] {STEPS} steps"}, seen
 
 def test_a_lost_replica_with_compressed_gradients(tmp_path):
     """With a comm hook (bf16 on the wire), DDP is rebuilt for the new group and the hook attached anew."""

@@ -61,6 +61,8 @@ def test_the_probe_spec_carries_kept_links_and_refuses_foreign_ones() -> None:
     spec = PlanProbeSpec(hosts=2, ranks_per_host=2, kept_links=FIGURES)
     assert PlanProbeSpec.from_env(spec.to_env()) == spec
     assert PlanProbeSpec.from_env(PlanProbeSpec(hosts=2, ranks_per_host=1).to_env()).kept_links is None
-    for bad in ({**FIGURES, "nbytes": -1}, {**FIGURES, "between_hosts": {"bytes_per_s": "fast"}}, {"nbytes": 1}):
+    zero_rate = {**FIGURES, "between_hosts": {"bytes_per_s": 0, "latency_s": 1e-4}}  # the check would divide by it
+    for bad in ({**FIGURES, "nbytes": -1}, {**FIGURES, "between_hosts": {"bytes_per_s": "fast"}}, {"nbytes": 1},
+                zero_rate):
         with pytest.raises(ConfigError, match="kept_links is not a cluster's kept links"):
             PlanProbeSpec.from_env({PLAN_PROBE_VAR: json.dumps({"hosts": 2, "ranks_per_host": 1, "kept_links": bad})})

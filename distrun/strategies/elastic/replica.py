@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -258,6 +259,13 @@ class ElasticReplica:
     #: The learning-rate schedule's state a heal brought (a joiner heals before its schedule is built:
     #: the fit loop loads this into it then); None where no heal carried one.
     healed_lr_schedule: dict[str, Any] | None = None
+    #: The recipe's callbacks' state as their checkpoints keep it (``{"callbacks": {...}}``): the fit loop
+    #: sets these once it has built them, so a heal carries it (EarlyStopping's count, a custom
+    #: callback's own); ``healed_callbacks`` is what a heal brought, for a joiner that heals before
+    #: its callbacks exist (the fit loop loads it into them then).
+    callbacks_state: Callable[[], dict[str, Any]] | None = None
+    load_callbacks_state: Callable[[dict[str, Any] | None], None] | None = None
+    healed_callbacks: dict[str, Any] | None = None
     step: int
     epoch: int
     name: str
@@ -347,12 +355,19 @@ class ElasticReplica:
                       round_ended=elastic.membership.round_ended,
                       values={"step": self.step, "position": list(self._committed_position),
                               "scaler": self._step.scaler_state(),
-                              "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None})
+                              "lr_schedule": self.lr_schedule.state_dict() if self.lr_schedule is not None else None,
+                              "callbacks": self.callbacks_state() if self.callbacks_state is not None else None})
+        behind = int(values["step"]) != self.step or self._held_step() < 0  # a joiner, or a step short
         self.step = int(values["step"])
         self._step.load_scaler_state(values["scaler"])
         self.healed_lr_schedule = values.get("lr_schedule")
         if self.lr_schedule is not None:  # the source's, skipped steps and all (a count would miss them)
             self.lr_schedule.load_state_dict(self.healed_lr_schedule, self.step)
+        self.healed_callbacks = values.get("callbacks")
+        # Only where this member's callbacks saw other steps than the source's: loading clears what a
+        # callback holds outside its state (EarlyStopping's kept best weights), which the rest keep.
+        if behind and self.load_callbacks_state is not None and self.healed_callbacks is not None:
+            self.load_callbacks_state(self.healed_callbacks)
         self._resplit(round_, (int(values["position"][0]), int(values["position"][1])))
 
     def _resplit(self, round_: Any, position: tuple[int, int]) -> None:
