@@ -171,6 +171,12 @@ def test_the_hybrid_keeps_its_table_on_the_ps_host_and_ends_as_one_device(lab: L
     assert remote["step"] == one["step"] == 20 and list(remote["model"]) == list(one["model"])
     for key, tensor in one["model"].items():
         torch.testing.assert_close(remote["model"][key], tensor, rtol=0, atol=1e-6, msg=key)
+    # --elastic with the hybrid heals locally only: on a cluster it is one line, before anything runs.
+    refused = lab_cli(lab, "train", str(recipe), "--cluster", str(ps_cluster), "--strategy", "mirrored",
+                      "--embeddings", "ps", "--elastic", "1:2", "--steps", "2")
+    assert refused.returncode == 2 and "--elastic with --embeddings ps: local jobs only" in refused.stderr, \
+        refused.stderr[-2000:]
+    assert len([line for line in refused.stderr.splitlines() if line.strip()]) == 1, refused.stderr
 
 
 def test_sync_rounds_across_hosts_equal_one_device_and_the_checkpoint_resumes_under_mirrored(

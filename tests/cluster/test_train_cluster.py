@@ -594,7 +594,9 @@ def test_auto_on_the_cluster_measures_its_link_and_a_slow_one_makes_it_pipeline(
     print("100 Mbit/s:", "\n".join(line for line in slow.stderr.splitlines() if "auto" in line or "not " in line))
     print("links:", plan["links"])
     assert plan["links"]["from"] == "timed" and "all-reduce took" in plan["links"]["why"], plan["links"]
-    assert plan["chosen"]["parallel"]["pp"] == 2, plan["candidates"][:4]
+    assert plan["chosen"]["parallel"]["pp"] == 2, (
+        [(c["layout"], c["predicted_step_s"], c["timed_step_s"], c["verdict"]) for c in plan["candidates"][:5]],
+        plan["decide_s"], [line for line in slow.stderr.splitlines() if line.startswith("auto")])
     ring = next(c for c in plan["candidates"] if c["layout"] == "multi-worker x2")
     assert "waiting on the links" in ring["verdict"], ring
     assert summary["status"] == "succeeded" and summary["steps"] == 2 and plan["measured_step_s"] > 0
