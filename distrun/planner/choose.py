@@ -29,9 +29,10 @@ __all__ = ["Decision", "NEAR", "candidates", "decide", "retime"]
 #: :func:`retime`).
 NEAR = 0.15
 #: Why ``--tp`` is no candidate on CPU: gloo all-reduces every split layer's activations inside the
-#: step and DTensor dispatches each op; on this project's 2-core host a trial of ``mirrored --tp 2``
-#: (a 13M-parameter MLP, batch 512) ran at 0.64 s/step where mirrored x2 runs at about 0.46 and the
-#: model, with DTensor's measured cost a layer pair, said 0.28. On a GPU its all-reduces go over
+#: step and DTensor dispatches each op; on this project's 2-core host, an 8.5M-parameter MLP at batch
+#: 512 ran ``mirrored --tp 2`` at 0.39 s/step and mirrored x2 at 0.30 (12 steps each), where the
+#: model, with DTensor's measured cost a layer pair, put them at 0.28 and 0.46: the order reversed
+#: (an auto trial of the first, under load, took 0.64). On a GPU its all-reduces go over
 #: NVLink or PCIe under NCCL; there it is a candidate, and, its model unchecked on GPUs, it is
 #: chosen only on a trial's time (:func:`decide`, cli/_auto_trials.py), never on the model's word.
 TP_ON_CPU = "--tp is no candidate on CPU (gloo's all-reduce of every split layer's activations)"
