@@ -327,3 +327,27 @@ def test_the_probe_times_the_optimizer_on_the_cpu_over_a_copy_of_the_largest_uni
                                sum(p.numel() * 4 for p in model.parameters()))
     assert seconds > 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # a copy was stepped, not the model
+
+
+def test_a_trial_slower_than_the_model_said_times_the_next_kind_within_reach():
+    """The trial runner is time_near's own parameter: here a function of the layout (no job runs). The
+    best timed at twice its prediction brings the next kind within reach: it is timed and chosen."""
+    from distrun.cli._auto_trials import _to_time, time_near
+
+    decision = decide(PROFILE, _resources(10_000, SLOW), 64)
+    first = _to_time(decision)
+    fitting = sorted((p for p, v in decision.ranked if not v.startswith("needs ")), key=lambda p: p.step_s)
+    later = next(p for p in fitting if p.layout.kind not in {q.layout.kind for q in first})  # its kind's fastest
+    seconds = {p.layout: p.step_s for p, _ in decision.ranked}
+    slow_best = {**seconds, first[0].layout: later.step_s * 1.2}  # the best ran slower than `later` is said to
+    ran: list = []
+
+    def make_spec(layout, steps):
+        ran.append(layout)
+        return layout
+
+    retimed, _ = time_near(decision, 0.0, make_spec, budget_s=1e9, run=lambda spec, deadline: slow_best[spec])
+    assert later.layout in ran and retimed.chosen.layout.kind != first[0].layout.kind, ran
+    ran.clear()
+    time_near(decision, 0.0, make_spec, budget_s=1e9, run=lambda spec, deadline: seconds[spec])
+    assert later.layout not in ran  # as fast as predicted: nothing more is timed
