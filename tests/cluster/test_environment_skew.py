@@ -280,14 +280,20 @@ def test_old_environments_go_after_the_newest_few_never_while_a_job_uses_one(lab
         time.sleep(0.5)
     assert all(path.exists() for path in results), results
     # Its result is written as its ranks leave; a rank still exiting runs layer 1's python, which
-    # keeps the layer in use (as it should): the test waits for them to be gone.
-    layer_path = str(lab.workdir / ".envs" / next(iter(in_use)))
-    while time.monotonic() < deadline and any(layer_path in cmdline(pid) for ns, _ in lab.hosts.values()
-                                               for pid in lab.netns.pids(ns)):
+    # keeps the layer in use (as it should): the test waits for them to be gone, and for job B's,
+    # which ran layer 2's (seen twice in full suites: the build after kept both layers).
+
+    def users(layer: str) -> list[str]:
+        path = str(lab.workdir / ".envs" / layer)
+        return [cmdline(pid) for ns, _ in lab.hosts.values() for pid in lab.netns.pids(ns) if path in cmdline(pid)]
+    while time.monotonic() < deadline + 30 and any(users(layer) for layer in in_use | layer_2):
         time.sleep(0.5)
     proc, _ = _train(lab, JOB_RECIPE, "--requirements", str(_job_requirements(lab, "third", "extrapkg>=1.1")),
                      name="job")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     after_c = _layers(lab)
-    assert servers <= after_c and not (after_c & (in_use | layer_2)), (after_c, servers, in_use, layer_2)
+    kept = after_c & (in_use | layer_2)
+    assert servers <= after_c and not kept, (after_c, servers, in_use, layer_2, {  # what held each
+        layer: (users(layer), sorted(p.name for p in (lab.workdir / ".envs" / layer / ".in-use").glob("*")))
+        for layer in kept})
     assert len(after_c - servers) == 1, after_c  # the newest (layer 3) and what the servers run
