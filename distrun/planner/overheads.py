@@ -37,7 +37,10 @@ def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) 
     cuda = torch.cuda.is_initialized()  # NCCL's collectives and CUDA kernels return before they end
     times = []
     for _ in range(_STEPS):
-        dist.barrier(group)
+        if cuda:
+            torch.cuda.synchronize()
+        if dist.is_initialized():  # one GPU's probe has no group
+            dist.barrier(group)
         start = time.perf_counter()
         step()
         if cuda:
@@ -46,8 +49,8 @@ def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) 
     return statistics.median(times)
 
 
-def _step_s(model: nn.Module, device: torch.device) -> float:
-    """A training step of ``model`` (wrapped for its layout) on two rows, timed."""
+def _step_s(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """A training step of ``model`` (wrapped for its layout) on two rows, timed among ``group``."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.zeros(2, _WIDTH, device=device)
 
@@ -55,7 +58,7 @@ def _step_s(model: nn.Module, device: torch.device) -> float:
         optimizer.zero_grad()
         model(x).sum().backward()
         optimizer.step()
-    return _median_s(step)
+    return _median_s(step, group)
 
 
 def _ddp_step_s(device: torch.device) -> float:
@@ -83,14 +86,7 @@ def _tp_pair_s(device: torch.device, group: dist.ProcessGroup) -> float:
     mesh = DeviceMesh.from_group(group, device.type)
     pair = parallelize_module(nn.Sequential(nn.Linear(_WIDTH, _WIDTH), nn.Linear(_WIDTH, _WIDTH)).to(device), mesh,
                               {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    optimizer = torch.optim.SGD(pair.parameters(), lr=0.0)
-    x = torch.zeros(2, _WIDTH, device=device)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        pair(x).sum().backward()
-        optimizer.step()
-    return _median_s(step, group)
+    return _step_s(pair, device, group)
 
 
 def _microbatch_s(device: torch.device, group: dist.ProcessGroup) -> float:
@@ -148,21 +144,8 @@ def pcie_bytes_per_s(device: torch.device) -> float:
     def both() -> None:
         there.copy_(host, non_blocking=True)
         host.copy_(there, non_blocking=True)
-    took = _median_s(both) if dist.is_initialized() else _timed_alone(both)
+    took = _median_s(both)
     return 2 * _PCIE_BYTES / max(took, 1e-9)
-
-
-def _timed_alone(step: Callable[[], None]) -> float:
-    """``_median_s`` for a process with no group (one GPU's probe)."""
-    step()
-    times = []
-    for _ in range(_STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimizer: Callable[[Any], Any],
