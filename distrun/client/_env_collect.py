@@ -7,7 +7,7 @@ After a build, environments past the newest ``keep`` (by last use: ``check`` tou
 ``.last-used`` of a ready one) are removed, but never one in use: one a process runs
 (its path in the process's command line: a server, its warm interpreter, a cold rank; or
 in a server's ``interpreter`` file under the workdir, for hosts sharing it over NFS), or
-one a job's lease names (``.in-use/<job>``, written here for a job's ``--requirements``
+one a job's lease names (``.in-use/<job>.<folder hash>``, written here for a job's ``--requirements``
 layer) while that job's folder on the server has no ``result.json`` (ranks forked from a
 warm interpreter show nothing of their layer in /proc). Without /proc nothing is removed.
 
@@ -83,6 +83,8 @@ def _leased(env_dir):
     except OSError:
         return False
     for name in names:
+        if name.startswith("."):  # a lease being written (``_write_lease``): its job's own check holds the layer
+            continue
         try:
             with open(os.path.join(folder, name)) as source:
                 lease = json.load(source)

@@ -357,6 +357,19 @@ def _inspect(config):
     return inspect_modules([m for m in config.get("modules") or [] if isinstance(m, str)])
 
 
+def _write_lease(folder, job, job_dir):
+    """``<job>.<hash of job_dir>``, whole or not at all: hosts sharing a workdir over NFS lease one
+    layer for one job at the same moment, each naming its own job folder. One file for both, each
+    truncating and writing it, once left the shorter JSON followed by the longer one's tail: read as
+    unreadable, so in use, and the layer was never removed."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    name = "%s.%s" % (os.path.basename(job) or "job", hashlib.sha256(job_dir.encode()).hexdigest()[:12])
+    staged = os.path.join(folder, ".%s.%d" % (name, os.getpid()))
+    with open(staged, "w") as out:
+        json.dump({"folder": job_dir, "at": time.time()}, out)
+    os.replace(staged, os.path.join(folder, name))
+
+
 def _mark_used(config, answer):
     """A ready environment was chosen: its last use is now, and a job's lease says who uses it."""
     env_dir = answer["dir"]
@@ -365,10 +378,7 @@ def _mark_used(config, answer):
             pass
         lease = config.get("lease")
         if lease:
-            os.makedirs(os.path.join(env_dir, LEASES), mode=0o700, exist_ok=True)
-            name = os.path.basename(str(lease["job"])) or "job"
-            with open(os.path.join(env_dir, LEASES, name), "w") as out:
-                json.dump({"folder": _absolute(str(lease["folder"])), "at": time.time()}, out)
+            _write_lease(os.path.join(env_dir, LEASES), str(lease["job"]), _absolute(str(lease["folder"])))
     except OSError:
         pass  # a read-only environment is still usable; it is only never removed
 

@@ -244,6 +244,21 @@ def _layers(lab: Lab) -> set[str]:
     return {path.name for path in (lab.workdir / ".envs").iterdir() if (path / ".distrun-ready").exists()}
 
 
+def _leases(layer: Path) -> dict[str, object]:
+    """Each lease on ``layer``: its job folder, and which of its attempts' folders have a result yet."""
+    found: dict[str, object] = {}
+    for lease in (layer / ".in-use").glob("*"):
+        try:
+            folder = Path(json.loads(lease.read_text())["folder"])
+        except (OSError, ValueError, KeyError) as exc:
+            found[lease.name] = repr(exc)
+            continue
+        attempts = [folder, *folder.parent.glob(folder.name + "-r*")]
+        found[lease.name] = (str(folder), {path.name: (path.is_dir(), (path / "result.json").exists())
+                                           for path in attempts})
+    return found
+
+
 def _job_requirements(lab: Lab, name: str, line: str) -> Path:
     path = lab.root / f"{name}.txt"
     path.write_text(line + "\n")
@@ -270,7 +285,7 @@ def test_old_environments_go_after_the_newest_few_never_while_a_job_uses_one(lab
     after_b = _layers(lab)
     layer_2 = after_b - base - layer_1
     assert len(layer_2) == 1 and servers <= after_b, (after_b, servers)
-    in_use = {name for name in after_b if (lab.workdir / ".envs" / name / ".in-use" / job_a).exists()}
+    in_use = {name for name in after_b if list((lab.workdir / ".envs" / name / ".in-use").glob(f"{job_a}.*"))}
     assert len(in_use) == 1 and in_use <= after_b, after_b  # layer 1, leased by job A, is still there
     # Job A ends; job C builds layer 3, and then layers 1 and 2 go (no job uses them), never the servers'.
     (lab.root / "out-a" / "go").write_text("")
@@ -294,6 +309,5 @@ def test_old_environments_go_after_the_newest_few_never_while_a_job_uses_one(lab
     after_c = _layers(lab)
     kept = after_c & (in_use | layer_2)
     assert servers <= after_c and not kept, (after_c, servers, in_use, layer_2, {  # what held each
-        layer: (users(layer), sorted(p.name for p in (lab.workdir / ".envs" / layer / ".in-use").glob("*")))
-        for layer in kept})
+        layer: (users(layer), _leases(lab.workdir / ".envs" / layer)) for layer in kept})
     assert len(after_c - servers) == 1, after_c  # the newest (layer 3) and what the servers run
