@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from distrun.cli._auto_trials import cluster_trial, time_near, trial_flags
+from distrun.cli._auto_race import race
+from distrun.cli._auto_trials import cluster_trial, run_local, time_near, trial_flags
 from distrun.cli._spec import build_spec, local_layout, recipe_defaults, replicas_of
 from distrun.cli.cluster import distrun_home
 from distrun.client import ClusterJob, JobEnvironment, pack
@@ -22,7 +23,7 @@ from distrun.client._cluster_plan import plan_on_cluster
 from distrun.client._link_cache import cluster_key, keep_links, kept_links
 from distrun.client.planning import Plan, plan_local
 from distrun.config import ClusterSpec, JobSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
-from distrun.errors import UsageError
+from distrun.errors import ConfigError, UsageError
 from distrun.launch import visible_gpu_count
 from distrun.planner.cost import Layout
 from distrun.protocol import JobSummary
@@ -39,6 +40,10 @@ _CHOSEN = {"tp": ("--tp", 1), "pp": ("--pp", 1), "microbatches": ("--microbatche
 #: trial times the job the user asked for.
 TRIAL_KEEPS = ("precision", "compile", "compile_mode", "compression", "data_workers", "clip_grad_norm",
                "on_nonfinite")
+#: What ``--auto-approximate`` checks a raced layout against beyond those: the flags of the job the
+#: user asked for that an approximate layout may refuse (diloco: checkpoints at syncs, no
+#: SyncBatchNorm, DDP's all-reduce only), so that no layout wins a race the job would then refuse.
+JOB_CHECKS = ("steps", "epochs", "checkpoint_dir", "checkpoint_every", "sync_batch_norm", "allreduce", "embeddings")
 
 
 @dataclass(frozen=True)
@@ -50,16 +55,24 @@ class Choice:
     lines: tuple[str, ...]
 
 
-def _fit_recipe(recipe: Path, given: dict[str, Any] | None) -> tuple[Path, RecipeInfo, str | None]:
+def _fit_recipe(recipe: Path, given: dict[str, Any] | None, *, approximate: bool = False,
+                keep: dict[str, Any] | None = None, trials: bool = True) -> tuple[Path, RecipeInfo, str | None]:
     """The recipe's path and what it is; for a recipe the probe cannot lay out, why (else None)."""
     for name, (flag, unset) in _CHOSEN.items():
         value = (given or {}).get(name)
         if value not in (None, unset) and not (name == "microbatches" and value == 0):
             raise UsageError(f"--strategy auto chooses {flag} itself; drop {flag}, or name a strategy to pin a layout")
+    if approximate and (keep or {}).get("compression", "none") not in (None, "none"):
+        raise UsageError("--auto-approximate chooses --compression itself; drop --compression (or --auto-approximate)")
+    if approximate and not trials:
+        raise UsageError("--auto-approximate races the layouts it may choose; drop --no-trials")
     path = recipe.expanduser().resolve()
     if not path.is_file():
         raise UsageError(f"{recipe}: recipe not found")
     info = inspect_recipe(str(path))
+    if approximate and (info.kind is not RecipeKind.FIT or "eval_data" not in info.functions):
+        raise UsageError(f"--auto-approximate: {recipe} has no eval_data(ctx): an approximate layout is judged by "
+                         "the eval loss it reaches, so the recipe must evaluate (or drop --auto-approximate)")
     if info.kind is RecipeKind.FIT:
         return path, info, None
     return path, info, ("a plain script builds its own model and loop" if info.kind is RecipeKind.SCRIPT
@@ -68,11 +81,12 @@ def _fit_recipe(recipe: Path, given: dict[str, Any] | None) -> tuple[Path, Recip
 
 def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size: int | None, seed: int | None,
            recipe_args: tuple[str, ...] = (), given: dict[str, Any] | None = None, trials: bool = True,
-           keep: dict[str, Any] | None = None) -> Choice:
+           keep: dict[str, Any] | None = None, approximate: bool = False) -> Choice:
     """The layout of ``recipe`` on this machine; ``given``: the layout flags as the command has them;
     ``trials``: time the layouts the model cannot tell apart (``distrun plan --no-trials``: the model
-    alone); ``keep``: the command's other flags a trial runs with (:data:`TRIAL_KEEPS`)."""
-    path, info, unplanned = _fit_recipe(recipe, given)
+    alone); ``keep``: the command's other flags a trial runs with (:data:`TRIAL_KEEPS`);
+    ``approximate``: race compression and diloco against the exact choice (cli/_auto_race.py)."""
+    path, info, unplanned = _fit_recipe(recipe, given, approximate=approximate, keep=keep, trials=trials)
     device, ranks = local_layout(device, replicas, visible_gpu_count())
     if unplanned is not None:
         return Choice({"strategy": "mirrored", "replicas": ranks, "device": device}, None,
@@ -89,8 +103,38 @@ def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size
         decision, spent_s = time_near(plan.decision, plan.decide_s,
                                       lambda layout, steps: build_spec(**trial_flags(base, layout, steps)), notes.append)
         plan = dataclasses.replace(plan, decision=decision, decide_s=plan.decide_s + spent_s)
+    if approximate:
+        plan = race(plan, lambda layout, steps, every: build_spec(**race_flags(base, layout, steps, every)), run_local,
+                    **_job_limits(info, base, keep))
     flags = {**plan.decision.chosen.layout.flags(), "device": device}
     return Choice(flags, plan, (*notes, *plan.lines()))
+
+
+def _job_limits(info: RecipeInfo, base: dict[str, Any], keep: dict[str, Any] | None) -> dict[str, Any]:
+    """``race``'s ``check`` and ``sync_every_ok`` for the job the user asked for (:data:`JOB_CHECKS`):
+    a raced layout must be one that job accepts, and diloco's interval must leave it 4 syncs and
+    divide its checkpoint interval (checkpoints are written at syncs)."""
+    job = {name: value for name, value in (keep or {}).items() if name in JOB_CHECKS and value is not None}
+
+    def check(layout: Layout) -> str | None:
+        try:
+            build_spec(**{**base, "steps": None, "epochs": None, "checkpoint_dir": None, "checkpoint_every": None,
+                          **job, **layout.flags()})
+        except (ConfigError, UsageError) as exc:
+            return exc.message.splitlines()[0] if exc.message else type(exc).__name__
+        return None
+    filled = recipe_defaults(info, steps=job.get("steps"), epochs=job.get("epochs"), global_batch_size=None,
+                             seed=None, checkpoint_every=job.get("checkpoint_every"))
+    steps, every = filled.get("steps"), job.get("checkpoint_every")
+
+    def sync_every_ok(h: int) -> bool:
+        return (not every or every % h == 0) and (not steps or 4 * h <= int(steps))
+    return {"check": check, "sync_every_ok": sync_every_ok}
+
+
+def race_flags(base: dict[str, Any], layout: Layout, steps: int, eval_every: int) -> dict[str, Any]:
+    """A race run's ``build_spec`` arguments: a trial's, evaluating every ``eval_every`` steps."""
+    return {**trial_flags(base, layout, steps), "eval_every": eval_every}
 
 
 def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
@@ -105,12 +149,12 @@ def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
 def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global_batch_size: int | None,
                       seed: int | None, recipe_args: tuple[str, ...] = (), include: list[Path] | None = None,
                       environment: JobEnvironment | None = None, given: dict[str, Any] | None = None,
-                      trials: bool = True, keep: dict[str, Any] | None = None) -> Choice:
+                      trials: bool = True, keep: dict[str, Any] | None = None, approximate: bool = False) -> Choice:
     """The layout of ``recipe`` on ``cluster``'s worker hosts and slots, from a probe job run there
     (client/_cluster_plan.py), with the cluster's links kept from its last probe where they still
     hold (client/_link_cache.py); then, as here, the layouts the model cannot tell apart are timed,
     each a short cluster job of its own, while the decision stays within its budget."""
-    path, info, unplanned = _fit_recipe(recipe, given)
+    path, info, unplanned = _fit_recipe(recipe, given, approximate=approximate, keep=keep, trials=trials)
     if unplanned is not None:
         return Choice({"strategy": "multi-worker", "replicas": None, "device": device}, None,
                       (f"auto: {unplanned}, so it can only be placed, not laid out: multi-worker",))
@@ -153,8 +197,11 @@ def choose_on_cluster(cluster: ClusterSpec, recipe: Path, *, device: str, global
             flags = trial_flags(base, layout, steps)
             flags["replicas"] = replicas_of(slots_total, layout.tp * layout.pp, cluster.source)
             return build_spec(**flags)
-        decision, spent_s = time_near(plan.decision, plan.decide_s, make_spec, notes.append,
-                                      run=cluster_trial(cluster, bundle, environment))
+        runner = cluster_trial(cluster, bundle, environment)
+        decision, spent_s = time_near(plan.decision, plan.decide_s, make_spec, notes.append, run=runner)
         plan = dataclasses.replace(plan, decision=decision, decide_s=plan.decide_s + spent_s)
+        if approximate:
+            plan = race(plan, lambda layout, steps, every: make_spec(layout, steps).replace(eval_every=every), runner,
+                        **_job_limits(info, base, keep))
     flags = {**plan.decision.chosen.layout.flags(), "replicas": None, "device": device}  # replicas: the slots
     return Choice(flags, plan, (*notes, *plan.lines()))

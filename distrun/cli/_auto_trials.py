@@ -39,8 +39,10 @@ from distrun.config import ClusterSpec, JobSpec
 from distrun.errors import DistrunError
 from distrun.planner.choose import Decision, retime
 from distrun.planner.cost import Layout, Prediction
+from distrun.protocol import Event
 
-__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "TRIAL_NEAR", "TRIAL_S", "cluster_trial", "time_near", "trial_flags"]
+__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "TRIAL_NEAR", "TRIAL_S", "OverBudget", "cluster_trial", "run_local",
+           "time_near", "trial_flags"]
 
 #: A trial's timed steps fill about this long (after its first step), between the bounds below: a
 #: short step needs many, as its first few after step 1 still warm up (40 steps of a 15 ms step
@@ -64,7 +66,7 @@ def _to_time(decision: Decision) -> list[Prediction]:
     kind where it is within TRIAL_NEAR or the best step is short, then the best ``--tp`` or
     ``--offload`` layout where the model puts it within TRIAL_NEAR of the best or ahead (chosen on a
     trial's time only, so timed last: a budget spent before it leaves the layouts the model is trusted on)."""
-    seen: set[tuple[str, int, str, int, bool]] = set()
+    seen: set[tuple[str, int, str, int, bool, str]] = set()
     fitting = []
     for prediction, verdict in decision.ranked:
         if verdict.startswith("needs ") or prediction.layout.kind in seen:
@@ -103,7 +105,11 @@ def _trial_steps(predicted_step_s: float) -> int:
     return 1 + max(_MIN_STEPS, min(_MAX_STEPS, math.ceil(TRIAL_S / max(predicted_step_s, 1e-4))))
 
 
-class _OverBudget(Exception):
+def _ignore(_: Event | None) -> None:
+    return None
+
+
+class OverBudget(Exception):
     """A trial still running when the decision's budget ran out: stopped, and untimed (not failed)."""
 
 
@@ -119,7 +125,7 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
     layout out (and every variant of it the model ranked: they run the same machinery); one still
     running when the budget is spent is stopped and counts as untimed. Nothing left that fits:
     ConfigError (exit 2)."""
-    run = run or _run_trial
+    run = run or run_local
     started = time.perf_counter()
     timed: dict[Layout, float] = {}
     failed: dict[Layout, str] = {}
@@ -136,7 +142,7 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
         began = time.perf_counter()
         try:
             step_s = run(make_spec(prediction.layout, steps), began + left_s)
-        except _OverBudget:
+        except OverBudget:
             say(f"auto: the trial of {prediction.layout.describe()} ran past the decision's {budget_s:.0f} s; "
                 "it was stopped, and the model's prediction stands")
             break
@@ -151,33 +157,33 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
     return retime(decision, timed, failed), time.perf_counter() - started
 
 
-def _run_trial(spec: JobSpec, deadline: float) -> float:
+def run_local(spec: JobSpec, deadline: float, on_event: Callable[[Event | None], None] = _ignore) -> float:
     """The seconds a step took in a short real local run of ``spec`` (from the end of its first step);
-    stopped at ``deadline`` (a ``time.perf_counter()``)."""
+    stopped at ``deadline`` (a ``time.perf_counter()``); each event handed to ``on_event``."""
     with LocalJob(spec) as job:
-        return _step_s(job, spec, deadline)
+        return _step_s(job, spec, deadline, on_event)
 
 
 def cluster_trial(cluster: ClusterSpec, bundle: Bundle,
-                  environment: JobEnvironment | None) -> Callable[[JobSpec, float], float]:
-    """A trial runner for ``time_near`` on ``cluster``'s hosts: each trial a cluster job of its own, on
-    the hosts and slots the job gets, with the recipe the probe shipped (the hosts keep it)."""
-    def run(spec: JobSpec, deadline: float) -> float:
+                  environment: JobEnvironment | None) -> Callable[..., float]:
+    """A trial runner for ``time_near`` (and the race) on ``cluster``'s hosts: each run a cluster job of
+    its own, on the hosts and slots the job gets, with the recipe the probe shipped (the hosts keep it)."""
+    def run(spec: JobSpec, deadline: float, on_event: Callable[[Event | None], None] = _ignore) -> float:
         with ClusterJob.plan(cluster, spec.strategy.name) as job:
             job.start(spec, bundle, environment=environment)  # SSH, the environment's checks: not bounded
             if time.perf_counter() > deadline:  # its start took what was left: no step will be timed
                 job.cancel("--strategy auto: the trial's start ran past the decision's budget")
                 for _ in job.events():
                     pass
-                raise _OverBudget
-            return _step_s(job, spec, deadline)
+                raise OverBudget
+            return _step_s(job, spec, deadline, on_event)
     return run
 
 
-def _step_s(job: Any, spec: JobSpec, deadline: float) -> float:
+def _step_s(job: Any, spec: JobSpec, deadline: float, on_event: Callable[[Event | None], None]) -> float:
     """Follow a started trial ``job`` to its end within ``deadline``; its seconds a step."""
-    if not follow_within(job, deadline, "--strategy auto: the trial ran past the decision's budget"):
-        raise _OverBudget
+    if not follow_within(job, deadline, "--strategy auto: the trial ran past the decision's budget", on_event):
+        raise OverBudget
     try:
         summary = job.outcome().summary
     except DistrunError as exc:  # the layout failed (killed, or the recipe raised under it)

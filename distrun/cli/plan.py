@@ -28,6 +28,8 @@ def plan(
     seed: int | None = typer.Option(None, "--seed", help="Seed of the probed model's parameters (default: the recipe's, else 0)."),
     cluster_file: Path | None = typer.Option(None, "--cluster", help="Probe on this cluster's worker hosts and slots (a short job there: the model on their devices, their memory, the links between them) and lay the job out over them."),
     trials: bool = typer.Option(True, "--trials/--no-trials", help="Run the layouts the cost model cannot tell apart for a few steps each and keep the faster, as train --strategy auto does (--no-trials: the model's decision alone, no training)."),
+    steps: int | None = typer.Option(None, "--steps", help="The job's steps (default: the recipe's): --auto-approximate's diloco syncs at least 4 times in them."),
+    auto_approximate: bool = typer.Option(False, "--auto-approximate", help="Also race --compression bf16 and diloco against the exact layout, as train --strategy auto --auto-approximate does (needs the recipe's eval_data)."),
     json_output: bool = typer.Option(False, "--json", help="Print the plan as one JSON object (the --json summary's `plan`)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -37,10 +39,11 @@ def plan(
             raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
         choice = choose_on_cluster(resolve_cluster(cluster_file), recipe, device=device,
                                    global_batch_size=global_batch_size, seed=seed, recipe_args=tuple(recipe_args or ()),
-                                   trials=trials)
+                                   trials=trials, approximate=auto_approximate, keep={"steps": steps})
     else:
         choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size, seed=seed,
-                        recipe_args=tuple(recipe_args or ()), trials=trials)
+                        recipe_args=tuple(recipe_args or ()), trials=trials, approximate=auto_approximate,
+                        keep={"steps": steps})
     if json_output:
         print_json({"type": "plan", **(choice.plan.summary_object(None, None) if choice.plan else
                                        {"chosen": {"strategy": {"name": choice.flags["strategy"],

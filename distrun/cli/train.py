@@ -55,10 +55,12 @@ def _filled(params: dict[str, Any]) -> dict[str, Any]:
     if out["strategy"] == AUTO and out.get("cluster_file") is None:  # the layout auto would choose, to pin
         choice = choose(Path(out["recipe"]), replicas=out.get("replicas"), device=out.get("device", "auto"),
                         global_batch_size=out.get("global_batch_size"), seed=out.get("seed"),
-                        recipe_args=tuple(out.get("recipe_args") or ()), given=out)
+                        recipe_args=tuple(out.get("recipe_args") or ()), given=out,
+                        keep=out, approximate=bool(out.get("auto_approximate")))
         for line in choice.lines:
             stderr.print(line, markup=False, soft_wrap=True)
         out.update(choice.flags)
+        out["auto_approximate"] = False  # the layout is pinned now: the option is auto's alone
     try:
         info = inspect_recipe(str(Path(out["recipe"]).expanduser()))
     except DistrunError:  # its own error comes when it runs
@@ -85,6 +87,7 @@ def train(
     strategy: str | None = typer.Option(None, "--strategy", "-s", help="auto (distrun measures the model, the memory and the links, and chooses the layout: docs/strategies.md#auto) | one-device | mirrored | multi-worker (--cluster: every worker host) | central-storage | parameter-server (alias ps) | sharded (alias fsdp: FSDP2, for models too big for one device) | diloco (replicas sync every --sync-every steps: for slow links). Default: one-device here, multi-worker with --cluster."),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help=f"Processes: default one per GPU, else {DEFAULT_CPU_REPLICAS} on CPU (1 for one-device)."),
     device: str = typer.Option("auto", "--device", help="auto (GPU if any) | cpu | cuda"),
+    auto_approximate: bool = typer.Option(False, "--auto-approximate", help="--strategy auto: also race --compression bf16 and diloco against the exact layout, and keep one only where it reached the exact layout's eval loss sooner (needs the recipe's eval_data; docs/strategies.md#auto-approximate)."),
     elastic: str | None = typer.Option(None, "--elastic", metavar="MIN[:MAX]", help="mirrored, diloco (replicas) or multi-worker, diloco on a cluster (worker hosts): a lost replica does not stop the job while MIN remain; it is restarted and rejoins, up to MAX (docs/elastic.md)."),
     sync_batch_norm: bool = typer.Option(False, "--sync-batch-norm/--no-sync-batch-norm", help="mirrored, multi-worker: BatchNorm statistics over the global batch (torch's SyncBatchNorm on CUDA, distrun's on CPU)."),
     embeddings: str = typer.Option("dense", "--embeddings", help="mirrored, multi-worker: dense (embedding tables all-reduced with the model) | ps (tables larger than --ps-partition-mb on the ps tasks, split by rows; the rest DDP; docs/strategies.md#hybrid)."),
@@ -156,13 +159,17 @@ def train(
         if strategy is None:  # a cluster means all of it: every worker host
             strategy = default_strategy(cluster_file is not None)
         plan = None
+        if auto_approximate and strategy != AUTO:
+            raise UsageError(f"--auto-approximate is for --strategy auto. Received: --strategy {strategy}")
         if strategy == AUTO:  # the planner chooses the layout before the job is built
             given = {"tp": tp, "pp": pp, "microbatches": microbatches, "pp_schedule": pp_schedule, "offload": offload,
                      "activation_checkpointing": activation_checkpointing, "accumulate": accumulate,
                      "shard_within": shard_within}
             keep = {"precision": precision, "compile": compile_model, "compile_mode": compile_mode,
                     "compression": compression, "data_workers": data_workers, "clip_grad_norm": clip_grad_norm,
-                    "on_nonfinite": on_nonfinite}
+                    "on_nonfinite": on_nonfinite, "steps": steps, "epochs": epochs, "checkpoint_dir": checkpoint_dir,
+                    "checkpoint_every": checkpoint_every, "sync_batch_norm": sync_batch_norm,
+                    "allreduce": allreduce, "embeddings": embeddings}
             if cluster_file is not None:
                 if replicas is not None:
                     raise UsageError("--replicas: on a cluster each host runs its `slots:` (cluster file); set them there")
@@ -170,10 +177,12 @@ def train(
                                            global_batch_size=global_batch_size, seed=seed,
                                            recipe_args=tuple(recipe_args or ()), include=include, given=given,
                                            environment=JobEnvironment(str(requirements) if requirements else None,
-                                                                      allow_skew), keep=keep)
+                                                                      allow_skew), keep=keep,
+                                           approximate=auto_approximate)
             else:
                 choice = choose(recipe, replicas=replicas, device=device, global_batch_size=global_batch_size,
-                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given, keep=keep)
+                                seed=seed, recipe_args=tuple(recipe_args or ()), given=given, keep=keep,
+                                approximate=auto_approximate)
             for line in choice.lines:
                 stderr.print(line, markup=False, soft_wrap=True)
             plan, chosen = choice.plan, dict(choice.flags)
@@ -185,6 +194,8 @@ def train(
             accumulate = chosen.get("accumulate", accumulate)
             shard_within = chosen.get("shard_within", shard_within)
             offload = chosen.get("offload", offload)
+            compression = chosen.get("compression", compression)  # --auto-approximate's
+            sync_every = chosen.get("sync_every", sync_every)
         observe = observe_flags(profile=profile, trackers=tracker, tracker_uris=tracker_uri, run_name=run_name,
                                 experiment=experiment, tracker_checkpoint=tracker_checkpoint, tensorboard=tensorboard,
                                 checkpoint_dir=checkpoint_dir, results_dir=results_dir, local=cluster_file is None)
@@ -192,7 +203,8 @@ def train(
             recipe=recipe, recipe_args=tuple(recipe_args or ()), strategy=strategy, device=device,
             steps=steps, epochs=epochs, global_batch_size=global_batch_size, seed=seed, checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every, keep_checkpoints=keep_checkpoints, resume=resume,
-            sync_batch_norm=sync_batch_norm, embeddings=embeddings, ps_sync=ps_sync, max_staleness=max_staleness,
+            sync_batch_norm=sync_batch_norm, embeddings=embeddings, auto_approximate=auto_approximate, ps_sync=ps_sync,
+            max_staleness=max_staleness,
             ps_partition_mb=ps_partition_mb, log_interval_s=log_interval_s, precision=precision,
             compile=compile_model, compile_mode=compile_mode, compression=compression, powersgd_warmup=powersgd_warmup,
             allreduce=allreduce, on_nonfinite=on_nonfinite, reshard_after_forward=reshard_after_forward,

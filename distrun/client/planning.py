@@ -52,6 +52,9 @@ class Plan:
     budget_source: str  # "cgroup memory.limit_in_bytes", "MemAvailable", "GPU free memory"
     #: A cluster's links: ``{"from": "kept" | "timed", "why", "figures", "age_s" (kept)}``; None here.
     links: dict[str, Any] | None = None
+    #: ``--auto-approximate``'s race (cli/_auto_race.py): ``{"raced", "said" (the lines printed), and, where
+    #: it ran, "metric", "target", "exact", "exact_s"}``; None without the option.
+    race: dict[str, Any] | None = None
 
     def lines(self) -> list[str]:
         """The block printed before step 1: the choice, its prediction, up to three runners-up."""
@@ -65,6 +68,8 @@ class Plan:
             out.append(f"  not {prediction.layout.describe()}: {verdict}")
         if self.links is not None:
             out.append(f"  links: {_links_said(self.links)}")
+        if self.race is not None:
+            out.extend(self.race["said"])
         return out
 
     def summary_object(self, measured_peak_mb: float | None, measured_step_s: float | None) -> dict[str, Any]:
@@ -87,6 +92,7 @@ class Plan:
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
             **({"links": {k: v for k, v in self.links.items() if k != "figures"}} if self.links else {}),
+            **({"race": self.race} if self.race is not None else {}),
         }
 
 

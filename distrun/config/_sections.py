@@ -90,6 +90,10 @@ class StrategySection:
     #: ``--embeddings``: ``dense`` (the tables are parameters like any other, all-reduced with
     #: them) or ``ps`` (the hybrid: tables larger than ``--ps-partition-mb`` on the ps tasks).
     embeddings: str = "dense"
+    #: ``--auto-approximate``: ``--strategy auto`` chose this layout with compression and diloco
+    #: allowed (cli/_auto_race.py). The job file's key, and the record of how the layout was chosen:
+    #: a spec's strategy is the chosen one, never ``auto``.
+    auto_approximate: bool = False
 
     @property
     def elastic(self) -> bool:

@@ -45,7 +45,7 @@ def _section(name: str, panel: str, keys: dict[str, str]) -> Section:
 SECTIONS: tuple[Section, ...] = (
     _section("strategy", "Strategy", {"name": "strategy", "replicas": "replicas", "device": "device",
                                       "elastic": "elastic", "sync_batch_norm": "sync_batch_norm",
-                                      "embeddings": "embeddings"}),
+                                      "embeddings": "embeddings", "auto_approximate": "auto_approximate"}),
     _section("training", "Data and steps", {"steps": "steps", "epochs": "epochs",
                                             "global_batch_size": "global_batch_size", "seed": "seed",
                                             "data_workers": "data_workers", "accumulate": "accumulate",

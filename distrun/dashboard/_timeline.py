@@ -1,6 +1,6 @@
 """A job's events as its page's timeline: one line each for what changes the story of a run
-(a rank started or failed, a checkpoint, a resume, an evaluation, a changed group, a slow or
-hung rank), none for the steady stream of steps, heartbeats and output lines.
+(a rank started or failed, a checkpoint, a resume, an evaluation, a changed group, a diloco
+sync, a slow or hung rank), none for the steady stream of steps, heartbeats and output lines.
 
 Each line is written as the terminal's live view words it, so the page and the CLI agree.
 """
@@ -23,6 +23,7 @@ from distrun.protocol import (
     Resumed,
     Started,
     Straggler,
+    Synced,
 )
 
 __all__ = ["timeline_entry"]
@@ -65,6 +66,10 @@ def _describe(event: Event) -> str | None:  # noqa: PLR0911 - one answer per kin
                 f"({event.compute_ms:.0f} ms against {event.median_ms:.0f} ms)")
     if isinstance(event, Hung):
         return f"no rank has stepped for {event.stalled_s:.0f} s: {event.where}"
+    if isinstance(event, Synced):
+        fragment = f" (fragment {event.fragment + 1} of {event.fragments})" if event.fragments > 1 else ""
+        return (f"sync {event.outer_step} at step {event.step}{fragment}: {event.bytes_sent / 1e6:,.1f} MB as "
+                f"{event.dtype} in {event.seconds:.2f} s, {event.blocked_s:.2f} s of it waited")
     if isinstance(event, AllReduceChosen):
         return f"all-reduce: {event.algorithm} ({event.reason})"
     return None

@@ -50,12 +50,13 @@ class Decision:
     budget_mb: float = 0.0  # a rank's, as the verdicts say it
 
     def runners_up(self, count: int = 3) -> list[tuple[Prediction, str]]:
-        """The best of each other kind of layout (strategy and pipeline depth), best first: what
-        the choice is said against (its own variants would only repeat it)."""
+        """The best of each other kind of exact layout (strategy and pipeline depth), best first: what
+        the choice is said against (its own variants would only repeat it; ``--auto-approximate``'s
+        raced layouts are said by the race's own lines)."""
         seen = {self.chosen.layout.kind}
         picked = []
         for prediction, verdict in self.ranked[1:]:
-            if prediction.layout.kind not in seen:
+            if prediction.layout.exact and prediction.layout.kind not in seen:
                 seen.add(prediction.layout.kind)
                 picked.append((prediction, verdict))
         return picked[:count]

@@ -146,7 +146,7 @@ class Resources:
 class Layout:
     """One candidate, in the job file's sections' keys (so a chosen one can be pinned)."""
 
-    strategy: str  # mirrored | multi-worker | sharded
+    strategy: str  # mirrored | multi-worker | sharded | diloco (--auto-approximate's only)
     replicas: int
     pp: int = 1
     pp_schedule: str = "1f1b"
@@ -160,6 +160,15 @@ class Layout:
     tp: int = 1
     #: ``--offload cpu`` (sharded on GPUs): the shards and the optimizer's state in host memory.
     offload: bool = False
+    #: ``--auto-approximate``'s layouts (planner/approximate.py), which change the arithmetic: DDP's
+    #: gradients sent as ``--compression`` (bf16), or ``diloco`` syncing every ``sync_every`` steps.
+    compression: str = "none"
+    sync_every: int = 0
+
+    @property
+    def exact(self) -> bool:
+        """Whether it ends with one-device's parameters (everything but compression and diloco)."""
+        return self.compression == "none" and self.strategy != "diloco"
 
     @property
     def trusted(self) -> bool:
@@ -168,10 +177,11 @@ class Layout:
         return self.tp == 1 and not self.offload
 
     @property
-    def kind(self) -> tuple[str, int, str, int, bool]:
-        """What runs a step (strategy, pipeline depth, HSDP or not, tensor parallel, offload): a layout's
-        checkpointing and accumulation variants share it, and its trial speaks for them."""
-        return self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else "", self.tp, self.offload
+    def kind(self) -> tuple[str, int, str, int, bool, str]:
+        """What runs a step (strategy, pipeline depth, HSDP or not, tensor parallel, offload, compression):
+        a layout's checkpointing and accumulation variants share it, and its trial speaks for them."""
+        return (self.strategy, self.pp, self.shard_within if self.strategy == "sharded" else "", self.tp, self.offload,
+                self.compression)
 
     def describe(self) -> str:
         """``sharded x2``, ``mirrored --pp 2 (1f1b, 4 microbatches)``, ``mirrored --tp 2``, ``... --accumulate 2``."""
@@ -185,6 +195,10 @@ class Layout:
             text += " --shard-within host"
         if self.offload:
             text += " --offload cpu"
+        if self.strategy == "diloco":
+            text += f" --sync-every {self.sync_every}"
+        if self.compression != "none":
+            text += f" --compression {self.compression}"
         if self.activation_checkpointing != "none":
             text += f" --activation-checkpointing {self.activation_checkpointing}"
         if self.accumulate > 1:
@@ -200,6 +214,10 @@ class Layout:
                     "training": {"accumulate": self.accumulate}}
         if self.strategy == "sharded":
             sections["sharding"] = {"within": self.shard_within, "offload": "cpu" if self.offload else "none"}
+        if self.compression != "none":
+            sections["communication"] = {"compression": self.compression}
+        if self.strategy == "diloco":
+            sections["diloco"] = {"sync_every": self.sync_every}
         return sections
 
     def flags(self) -> dict[str, Any]:
@@ -210,6 +228,10 @@ class Layout:
         if self.strategy == "sharded":
             flags["shard_within"] = self.shard_within
             flags["offload"] = "cpu" if self.offload else "none"
+        if self.compression != "none":
+            flags["compression"] = self.compression
+        if self.strategy == "diloco":
+            flags["sync_every"] = self.sync_every
         return flags
 
 

@@ -201,7 +201,7 @@ def test_hsdp_is_a_candidate_over_hosts_of_several_ranks_and_wins_on_a_slow_link
     assert Layout("sharded", 8, shard_within="host") in layouts
     assert not [l for l in candidates(chainless, _resources(10_000, ranks=8), 64) if l.shard_within == "host"]
     chosen = decide(chainless, resources, 64).chosen.layout
-    assert chosen.kind == ("sharded", 1, "host", 1, False), chosen.describe()
+    assert chosen.kind == ("sharded", 1, "host", 1, False, "none"), chosen.describe()
     assert chosen.job_file()["sharding"] == {"within": "host", "offload": "none"} and chosen.flags()["shard_within"] == "host"
     assert chosen.describe().startswith("sharded x8 --shard-within host")
 

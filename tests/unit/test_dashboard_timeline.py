@@ -1,0 +1,35 @@
+"""The dashboard's timeline (issue 50): which events become a line on a job's page, and their words.
+
+The page's browser tests (tests/integration/test_dashboard.py) see the lines a mirrored job makes;
+a diloco job's syncs, a straggler and a changed group are worded here, from the events themselves.
+"""
+
+from __future__ import annotations
+
+from distrun.dashboard._timeline import timeline_entry
+from distrun.protocol import Heartbeat, MembershipChanged, Output, Step, Straggler, Synced
+
+
+def test_a_diloco_sync_is_a_line_with_its_bytes_and_wait():
+    sync = Synced(rank=0, time=5.0, step=32, outer_step=2, fragment=0, fragments=1, bytes_sent=34_000_000,
+                  elements=8_500_000, seconds=0.41, blocked_s=0.12, dtype="bf16")
+    entry = timeline_entry(sync, "h1")
+    assert entry == {"time": 5.0, "rank": 0, "host": "h1", "kind": "sync",
+                     "text": "sync 2 at step 32: 34.0 MB as bf16 in 0.41 s, 0.12 s of it waited"}
+    streamed = Synced(rank=0, time=5.0, step=40, outer_step=2, fragment=2, fragments=4, bytes_sent=8_500_000,
+                      elements=2_125_000, seconds=0.1, blocked_s=0.0, dtype="fp32")
+    assert timeline_entry(streamed, "h1")["text"].startswith("sync 2 at step 40 (fragment 3 of 4): 8.5 MB as fp32")
+
+
+def test_the_steady_stream_is_left_out_and_changes_are_kept():
+    step = Step(rank=0, time=1.0, step=3, epoch=0, loss=0.5, samples_per_s=100.0, mem_mb=300.0)
+    assert timeline_entry(step, "h1") is None
+    assert timeline_entry(Heartbeat(rank=0, time=1.0, where="collective"), "h1") is None
+    assert timeline_entry(Output(rank=0, time=1.0, stream="stdout", line="hi"), "h1") is None
+    slow = Straggler(rank=1, time=1.0, host="h2", ratio=1.8, compute_ms=90.0, median_ms=50.0, intervals=3)
+    assert timeline_entry(slow, "h2")["text"] == \
+        "rank 1 on h2 is slow: 1.80x the others' compute per step (90 ms against 50 ms)"
+    group = MembershipChanged(rank=0, time=1.0, generation=2, world_size=2, step=40, left=["rank 1 on h2"],
+                              joined=[], recovery_s=1.25)
+    assert timeline_entry(group, "h1")["text"] == \
+        "group 2: 2 replica(s) from step 40; left: rank 1 on h2 (recovered in 1.2 s)"
