@@ -233,7 +233,7 @@ def test_an_elastic_multi_worker_job_under_attack_ends_with_its_own_parameters(d
     with brought_up(lab, roles, "elx") as cluster:
         run, report, listeners = _run_attacked(lab, attacker_ns, [
             "train", str(recipe), "--cluster", str(cluster), "--elastic", "1:2", "--steps", "40", "--json",
-            "--checkpoint-dir", str(tmp_path / "el"), "--", "--sleep-s", "0.3"])
+            "--checkpoint-dir", str(tmp_path / "el"), "--", "--sleep-s", "0.2"])
     _check(lab, run, report, listeners)
     _control(lab, attacker_ns)
     _same_parameters(lab, run, recipe, tmp_path / "two", "--strategy", "mirrored", "--replicas", "2", "--steps", "40")

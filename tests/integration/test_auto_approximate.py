@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-defaults = {"global_batch_size": 16, "steps": 128, "seed": 0}
+defaults = {"global_batch_size": 16, "steps": 64, "seed": 0}
 _IN, _OUT = 128, 8
 
 
