@@ -22,7 +22,7 @@ from distrun.dashboard._watch import JobWatch
 from distrun.errors import UsageError
 from distrun.protocol import event_to_dict
 
-__all__ = ["Source", "JOB_ID", "LOCAL", "WATCHED"]
+__all__ = ["Source", "ATTEMPT", "JOB_ID", "LOCAL", "WATCHED", "fold_attempts"]
 
 #: The label of this machine's own server and its jobs, beside the clusters' names.
 LOCAL = "local"
@@ -69,12 +69,20 @@ class Source:
         """Whether the cluster's servers list ``job_id`` (the shared look at them, not a new one)."""
         return any(row.job == job_id for row in self._list()[0])
 
+    def _listed_now(self, job_id: str) -> bool:
+        """Whether a server lists ``job_id`` now (a new look: a restart's attempt is seconds old)."""
+        return any(row.job == job_id for row in list_jobs(self.cluster, []))
+
     def jobs(self) -> dict[str, Any]:
-        """Every job, newest first, with its figures; ``unreachable``: hosts not listed, and why."""
+        """Every job, newest first, with its figures, a ``--max-restarts`` job's attempts one row (its
+        newest attempt's state, and how many); ``unreachable``: hosts not listed, and why."""
         rows, unreachable = self._list()
         listed = []
-        for index, row in enumerate(rows):
-            item = {**_row(row), "cluster": self.name}
+        for index, (row, attempts) in enumerate(fold_attempts(rows)):
+            newest = attempts[-1]
+            item = {**_row(row), "cluster": self.name, "attempts": len(attempts), "state": newest.state,
+                    "why": newest.reason or newest.failure,
+                    "hosts": sorted({host for attempt in attempts for host in attempt.hosts})}
             if index < WATCHED:
                 head = self.watch(row.job).head()
                 item.update({key: head[key] for key in ("step", "total_steps", "loss", "samples_per_s", "elapsed_s")})
@@ -88,7 +96,9 @@ class Source:
         with self._lock:
             watch = self._watches.get(job_id)
             if watch is None or watch.ended and watch.head()["state"] == "unknown":  # not found then: ask again
-                watch = self._watches[job_id] = JobWatch(self.cluster, job_id, self._final_state, self.name).start()
+                listed = None if self.cluster.local else self._listed_now  # --max-restarts: a cluster's only
+                watch = self._watches[job_id] = JobWatch(self.cluster, job_id, self._final_state, self.name,
+                                                         listed=listed).start()
             return watch
 
     def _final_state(self, job_id: str) -> tuple[str, str | None]:
@@ -116,6 +126,24 @@ class Source:
             watches = list(self._watches.values())
         for watch in watches:
             watch.close()
+
+
+#: A ``--max-restarts`` job's later attempts: ``JOB-r1``, ``JOB-r2``, ... (client/cluster_job.py).
+ATTEMPT = re.compile(r"(?P<job>.+)-r(?P<number>[1-9][0-9]*)")
+
+
+def fold_attempts(rows: list[JobRow]) -> list[tuple[JobRow, list[JobRow]]]:
+    """Each logical job once, in ``rows``' order (newest first) at its first attempt's place, with its
+    attempts oldest first: an ``ID-rN`` row whose ``ID`` is listed too is one of ``ID``'s attempts."""
+    ids = {row.job for row in rows}
+    attempts: dict[str, list[tuple[int, JobRow]]] = {row.job: [(0, row)] for row in rows}
+    for row in rows:
+        match = ATTEMPT.fullmatch(row.job)
+        if match and match["job"] in ids:
+            attempts[match["job"]].append((int(match["number"]), row))
+            del attempts[row.job]
+    return [(row, [attempt for _, attempt in sorted(attempts[row.job], key=lambda pair: pair[0])])
+            for row in rows if row.job in attempts]
 
 
 def _row(row: JobRow) -> dict[str, Any]:

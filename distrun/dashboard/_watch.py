@@ -22,7 +22,7 @@ from distrun.errors import DistrunError
 from distrun.dashboard._timeline import timeline_entry
 from distrun.protocol import SERVER_RANK, Eval, Event, JobSnapshot, Output, ReplicaStatus, Step
 
-__all__ = ["JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS", "wait_pct"]
+__all__ = ["JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS", "RESTART_WAIT_S", "wait_pct"]
 
 #: Output lines a watch keeps (the oldest go first): a page shows the tail, `distrun logs` has all.
 MAX_LINES = 20_000
@@ -30,6 +30,8 @@ MAX_LINES = 20_000
 MAX_POINTS = 4_000
 #: How often the rank table is refreshed while events arrive.
 _ROWS_EVERY_S = 0.5
+#: How long after a failed attempt the watch looks for the ``--max-restarts`` attempt after it.
+RESTART_WAIT_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,9 @@ class JobWatch:
     ``label``: the cluster's name as the pages show it (``local``)."""
 
     def __init__(self, cluster: ClusterSpec, job_id: str, final_state: Callable[[str], tuple[str, str | None]],
-                 label: str = "") -> None:
+                 label: str = "", listed: Callable[[str], bool] | None = None) -> None:
         self.job_id = job_id
+        self._listed = listed  # whether a job id is listed now; None: no attempt ever follows (a local job)
         self._cluster = cluster
         self._final_state = final_state
         self._changed = threading.Condition()
@@ -79,7 +82,8 @@ class JobWatch:
         self._closing = False
         self._head: dict[str, Any] = {"job": job_id, "cluster": label, "state": "connecting", "reason": None, "recipe": "",
                                       "strategy": "", "step": 0, "total_steps": None, "loss": None,
-                                      "samples_per_s": 0.0, "hosts": [], "elapsed_s": 0.0, "ended": False}
+                                      "samples_per_s": 0.0, "hosts": [], "elapsed_s": 0.0, "ended": False,
+                                      "attempts": 1}
         self._head_version = 0
         self._rows: list[dict[str, Any]] = []
         self._rows_version = 0
@@ -143,11 +147,52 @@ class JobWatch:
     # -- the follower thread
 
     def _run(self) -> None:
+        """Follow the job, and after a failed attempt the ``--max-restarts`` attempt that comes next
+        (``JOB-r1``, ...), as one run: its rows, points and lines go on, a ``restart`` event between."""
+        attempt, number = self.job_id, 0
+        while True:
+            if not self._follow(attempt):
+                return
+            try:
+                state, reason = self._final_state(attempt)
+            except DistrunError as exc:
+                state, reason = "unknown", exc.message
+            following = f"{self.job_id}-r{number + 1}"
+            if state != "failed":
+                break
+            self._set_state(state, reason)  # said at once; a restart may still come, and the page goes on
+            if not self._comes(following):
+                break
+            number, attempt = number + 1, following
+            self._add_entry({"time": time.time(), "rank": SERVER_RANK, "host": "", "kind": "restart",
+                             "text": f"restart {number}: attempt {number} failed ({reason or 'no reason given'}); "
+                                     f"{following} goes on from the newest checkpoint"}, attempts=number + 1)
+        self._end(state, reason)
+
+    def _comes(self, attempt: str) -> bool:
+        """Whether ``attempt`` is listed within :data:`RESTART_WAIT_S` (the client submits it once it
+        has seen the failure and stopped the failed attempt's ranks)."""
+        if self._listed is None:
+            return False
+        deadline = time.monotonic() + RESTART_WAIT_S
+        while not self._closing:
+            try:
+                if self._listed(attempt):
+                    return True
+            except DistrunError:
+                pass
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1.0)
+        return False
+
+    def _follow(self, job_id: str) -> bool:
+        """Follow one attempt to its end; False where the dashboard closes (or it cannot be found: said)."""
         try:
-            job = ClusterJob.attach(self._cluster, self.job_id)
+            job = ClusterJob.attach(self._cluster, job_id)
         except DistrunError as exc:
             self._end("unknown", exc.message)
-            return
+            return False
         with self._changed:
             self._job = job
             closing = self._closing
@@ -175,13 +220,7 @@ class JobWatch:
         finally:
             job.cancel("dashboard closing", interrupted=True)
             job.close()
-        if self._closing:
-            return
-        try:
-            state, reason = self._final_state(self.job_id)
-        except DistrunError as exc:
-            state, reason = "unknown", exc.message
-        self._end(state, reason)
+        return not self._closing
 
     def _add_line(self, event: Output, job: ClusterJob) -> None:
         line = {"rank": event.rank, "host": job.host_of_rank(event.rank), "stream": event.stream, "line": event.line,
@@ -202,6 +241,14 @@ class JobWatch:
                 if isinstance(event, Eval):
                     self._evals.append({"step": event.step, **event.metrics})
                 self._changed.notify_all()
+
+    def _add_entry(self, entry: dict[str, Any], attempts: int) -> None:
+        """A line of the watch's own on the timeline (a restart), and the attempt count it brings."""
+        with self._changed:
+            self._events.append(entry)
+            self._head["attempts"] = attempts
+            self._head_version += 1
+            self._changed.notify_all()
 
     def _add_point(self, event: Step, snapshot: JobSnapshot) -> None:
         """One point per step event of the lowest training rank (the chief's view of the loss)."""
@@ -244,6 +291,12 @@ class JobWatch:
     def _note(self, text: str) -> None:
         with self._changed:
             self._lines.append({"rank": SERVER_RANK, "host": "", "stream": "stderr", "line": text, "time": time.time()})
+            self._changed.notify_all()
+
+    def _set_state(self, state: str, reason: str | None) -> None:
+        with self._changed:
+            self._head.update(state=state, reason=reason)
+            self._head_version += 1
             self._changed.notify_all()
 
     def _end(self, state: str, reason: str | None) -> None:

@@ -317,7 +317,10 @@ def test_a_killed_rank_fails_the_job_or_restarts_it_from_the_checkpoint(lab: Lab
                   "--steps", "60", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "10",
                   "--max-restarts", str(max_restarts))
     assert proc.stdout is not None
+    job_id = ""
     for line in proc.stdout:  # wait for the first checkpoint, then kill rank 1 (on the second host)
+        if line.startswith('{"type":"job"'):
+            job_id = json.loads(line)["job"]
         if line.startswith('{"type":"checkpoint"'):
             break
     rank1 = [pid for pid in training_pids(lab) if pid in lab.netns.pids(lab.hosts["h2"][0])]
@@ -339,7 +342,44 @@ def test_a_killed_rank_fails_the_job_or_restarts_it_from_the_checkpoint(lab: Lab
         restart_at = lines.index(restarted[0])
         second = [line for line in lines[restart_at:] if line.get("type") == "step"]
         assert second and second[0]["step"] > 10
+        _the_dashboard_shows_one_run_of_two_attempts(lab, cluster, job_id)
     _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
+
+
+DASHBOARD_READS = """
+import json, sys, time
+from pathlib import Path
+from distrun.cli.cluster import load_cluster_file
+from distrun.dashboard._source import Source
+source = Source.of(load_cluster_file(Path(sys.argv[1])))
+listed = [job for job in source.jobs()["jobs"] if job["job"].startswith(sys.argv[2])]
+watch = source.watch(sys.argv[2])
+deadline = time.monotonic() + 60
+while not watch.ended and time.monotonic() < deadline:
+    time.sleep(0.2)
+update = watch.read(None)
+print(json.dumps({"listed": listed, "head": update.head, "events": update.events,
+                  "steps": [point["step"] for point in update.points]}))
+source.close()
+"""
+
+
+def _the_dashboard_shows_one_run_of_two_attempts(lab: Lab, cluster: Path, job_id: str) -> None:
+    """The dashboard (issue 50), read as its pages read it: the job and its restart, ``JOB-r1``, are one
+    row (the newest attempt's state, 2 attempts), and the job's page follows both attempts, a restart
+    event between them, to the second's end."""
+    read = subprocess.run(["ip", "netns", "exec", lab.client_ns, sys.executable, "-c", DASHBOARD_READS,
+                           str(cluster), job_id], capture_output=True, text=True, timeout=120, cwd=lab.root)
+    assert read.returncode == 0, read.stderr[-3000:]
+    seen = json.loads(read.stdout.strip().splitlines()[-1])
+    assert [(job["job"], job["state"], job["attempts"]) for job in seen["listed"]] == [(job_id, "succeeded", 2)], \
+        seen["listed"]
+    head = seen["head"]
+    assert head["ended"] and head["state"] == "succeeded" and head["attempts"] == 2 and head["step"] == 60, head
+    restarts = [event["text"] for event in seen["events"] if event["kind"] == "restart"]
+    assert len(restarts) == 1 and restarts[0].startswith("restart 1: attempt 1 failed (") \
+        and restarts[0].endswith(f"{job_id}-r1 goes on from the newest checkpoint"), seen["events"]
+    assert seen["steps"][-1] == 60 and seen["steps"] == sorted(set(seen["steps"])), seen["steps"]
 
 
 HANGS_ON_RANK_1 = SLOW.replace('''def loss(outputs, batch):

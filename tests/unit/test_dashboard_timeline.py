@@ -33,3 +33,16 @@ def test_the_steady_stream_is_left_out_and_changes_are_kept():
                               joined=[], recovery_s=1.25)
     assert timeline_entry(group, "h1")["text"] == \
         "group 2: 2 replica(s) from step 40; left: rank 1 on h2 (recovered in 1.2 s)"
+
+
+def test_a_restarted_jobs_attempts_are_one_row_in_the_newest_first_order():
+    from distrun.client.jobs import JobRow
+    from distrun.dashboard._source import fold_attempts
+
+    def row(job: str, state: str, started_at: float) -> JobRow:
+        return JobRow(job, state, "r.py", "multi-worker", 2, ("h1", "h2"), started_at, False)
+    rows = [row("B-r2", "running", 9.0), row("C", "succeeded", 8.0), row("B-r1", "failed", 7.0),
+            row("A-r1", "running", 6.0), row("B", "failed", 5.0), row("D-r1", "failed", 4.0)]
+    folded = [(first.job, [attempt.job for attempt in attempts]) for first, attempts in fold_attempts(rows)]
+    # B's attempts oldest first, at B's place; A-r1 and D-r1 have no A or D listed: each a job of its own.
+    assert folded == [("C", ["C"]), ("A-r1", ["A-r1"]), ("B", ["B", "B-r1", "B-r2"]), ("D-r1", ["D-r1"])]

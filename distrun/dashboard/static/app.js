@@ -83,7 +83,7 @@ function jobsView() {
     jobs.body.replaceChildren(...data.jobs.map((job) => el("tr", { "data-job": job.job },
       cell(el("a", { href: `/jobs/${encodeURIComponent(job.job)}`, text: job.recipe })),
       cell(job.job, false, "dim"),
-      cell(job.state, false, `state-${job.state}`),
+      cell(job.attempts > 1 ? `${job.state} (attempt ${job.attempts})` : job.state, false, `state-${job.state}`),
       cell(stepOf(job), true), cell(fmtNum(job.loss), true), cell(fmtNum(job.samples_per_s), true),
       cell(job.strategy), cell(job.world_now ? `${job.world_now} of ${job.world_size}` : job.world_size, true),
       cell(job.hosts.join(", ")), cell(when(job.started_at)), cell(duration(job.elapsed_s), true),
@@ -158,7 +158,8 @@ function jobView(jobId) {
     title.textContent = head.recipe ? `${head.recipe} · ${head.strategy}` : jobId;
     document.title = `${head.recipe || jobId} · distrun`;
     const ended = head.ended;
-    state.textContent = `${head.state}${head.reason ? ": " + head.reason : ""}`;
+    const attempt = head.attempts > 1 ? ` (attempt ${head.attempts})` : "";
+    state.textContent = `${head.state}${attempt}${head.reason ? ": " + head.reason : ""}`;
     state.className = `state-${head.state}`;
     cancelButton.disabled = ended;
     stacksButton.disabled = ended;
