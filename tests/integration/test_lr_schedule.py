@@ -115,14 +115,19 @@ def test_a_schedule_ends_with_one_devices_parameters(recipes, one_device, tmp_pa
         assert (result.summary["micro_batch_size"], result.summary["accumulate"]) == (8 // replicas // parts, parts)
 
 
-def test_a_resume_on_another_layout_goes_on_with_the_schedule(recipes, one_device, tmp_path):
-    """Stopped at step 6 of 12 under sharded x2 (the schedule's state in the sharded checkpoint's
-    JSON), resumed on one device: where the uninterrupted run ends."""
+@pytest.mark.parametrize("flags", [
+    ("-s", "sharded", "--replicas", "2"),
+    ("-s", "mirrored", "--tp", "2"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
+], ids=["sharded", "tp", "pp"])
+def test_a_resume_on_another_layout_goes_on_with_the_schedule(recipes, one_device, tmp_path, flags):
+    """Stopped at step 6 of 12 under sharded x2, --tp 2 or --pp 2 (the schedule's state in the
+    sharded checkpoint's JSON), resumed on one device: where the uninterrupted run ends."""
     _, one = one_device
     ckpt = tmp_path / "ck"
-    _train(recipes / "scheduled.py", ckpt, "-s", "sharded", "--replicas", "2", steps=6)
+    _train(recipes / "scheduled.py", ckpt, *flags, steps=6)
     result, data = _train(recipes / "scheduled.py", ckpt, "--resume")
-    _close(data["model"], one["model"], "sharded x2 to step 6, one-device to 12, vs one-device")
+    _close(data["model"], one["model"], f"{' '.join(flags)} to step 6, one-device to 12, vs one-device")
     lrs = _step_lrs(result)
     assert min(lrs) == 7 and lrs[7] == pytest.approx(LR * _factor(6)), lrs
     assert data["lr_scheduler"]["last_epoch"] == STEPS
