@@ -35,6 +35,7 @@ from distrun.config import (
     DEFAULT_PS_PARTITION_MB,
     ClusterSpec,
     JobSpec,
+    Role,
     StrategyName,
     inspect_recipe,
     parse_elastic,
@@ -292,11 +293,15 @@ def run_cluster_job(cluster: ClusterSpec, flags: dict[str, Any], include: list[P
         if spec.communication.allreduce == "hierarchical" and len(job.placements) < 2:
             raise UsageError(f"--allreduce {spec.communication.allreduce}: {cluster.source} trains on one host; it "
                              "arranges the all-reduce across two or more worker hosts")
-        if elastic is not None and spec.strategy.embeddings == "ps":  # a host that joins would be placed
-            # after the ps tasks' ranks, and taken for one (the hybrid heals locally: docs/strategies.md)
-            raise UsageError("--elastic with --embeddings ps: local jobs only for now; on a cluster, drop --elastic")
         if elastic is not None:
             spec = spec.replace(**job.elastic.elastic_range(elastic))
+        if elastic is not None and spec.strategy.embeddings == "ps" and spec.strategy.elastic_max > job.replicas:
+            # A worker host added to the cluster file would be placed after the ps tasks' ranks and taken
+            # for one; the hosts the job starts with leave and rejoin in their own places.
+            hosts = sum(Role.PS not in p.host.roles for p in job.placements)
+            raise UsageError(f"--elastic {elastic} with --embeddings ps: on a cluster the job keeps the {hosts} "
+                             f"worker host(s) it starts with (a host added later is not placed yet); give "
+                             f"--elastic MIN:{hosts}")
         if (cluster.slurm is not None and spec.checkpoint.dir and spec.strategy.name.collective
                 and not spec.strategy.elastic):
             # The allocation's warning before its time limit: checkpoint at an agreed step, stop (exit 75).

@@ -135,13 +135,15 @@ class ElasticHosts:
         threading.Thread(target=stop_the_rest, name="elastic-finish", daemon=True).start()
 
     def elastic_range(self, text: str) -> dict[str, int]:
-        """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas."""
-        slots = sorted({p.slots for p in self._job.placements})
+        """``--elastic MIN[:MAX]`` counted in worker hosts (torchrun's ``--nnodes``), as replicas (the
+        hybrid's ps hosts, placed after them, are not counted)."""
+        workers = [p for p in self._job.placements if Role.PS not in p.host.roles]
+        slots = sorted({p.slots for p in workers})
         if len(slots) != 1:
             where = self._job.cluster.source or "the cluster"
             raise UsageError(f"--elastic counts worker hosts, so every worker host of {where} needs the same "
                              f"slots: they have {', '.join(map(str, slots))}")
-        low, high = parse_elastic(text, len(self._job.placements), unit="worker host", scale=slots[0])
+        low, high = parse_elastic(text, len(workers), unit="worker host", scale=slots[0])
         return {"elastic_min": low, "elastic_max": high}
 
     def lost_host(self, link: HostLink, attempt_id: str, reason: str) -> None:
