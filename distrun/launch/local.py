@@ -44,6 +44,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from distrun.launch._agent import ElasticAgent
@@ -400,6 +401,16 @@ class LocalLauncher:
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
                 failure = self._exit_failure(proc, rc, now)  # the OOM killer is worth saying; an exit code is not
                 self._respawn(proc, why=failure.message if failure.kind == OOM_KILLED else "")
+            elif (rc != 0 and not proc.signalled and self._spec.elastic and self._is_ps_task(proc.rank)
+                  and not any(f.rank == proc.rank for f in self._failures)):
+                # --embeddings ps --elastic: the dense replicas heal, but a ps task holds its tables'
+                # rows alone: started again it would hold none. Said as the job's own failure, so the
+                # root cause is this, not a replica's reset connection to it.
+                described = self._exit_failure(proc, rc, now)
+                task = proc.rank - (self._world_size() - self._spec.num_ps)
+                self._failures.append(replace(described, message=f"ps task {task} {described.message}: the rows "
+                                              "it held are gone, so the job cannot go on (--elastic heals "
+                                              "replicas, not ps tasks)"))
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
                 why = proc.lost_reason or self._exit_failure(proc, rc, now).message
@@ -410,6 +421,13 @@ class LocalLauncher:
                 lost = getattr(proc.popen, "lost_reason", None)
                 self._failures.append(Failed(rank=proc.rank, time=now, kind="exited", message=lost) if lost
                                       else self._exit_failure(proc, rc, now))
+
+    def _world_size(self) -> int:
+        return self._spec.world_size if self._spec.world_size is not None else self._spec.local_world_size
+
+    def _is_ps_task(self, rank: int) -> bool:
+        """Whether ``rank`` is one of the job's ps tasks (the last ``num_ps`` global ranks)."""
+        return self._spec.num_ps > 0 and rank >= self._world_size() - self._spec.num_ps
 
     def _exit_failure(self, proc: _Proc, rc: int, now: float) -> Failed:
         """A rank that ended on its own without saying why: its exit code or signal, and the

@@ -100,3 +100,47 @@ def test_a_replica_lost_between_two_ps_tasks_pushes_costs_no_half_step(tmp_path:
             torch.testing.assert_close(hybrid["optimizer"]["state"][index][name], value, rtol=1e-5, atol=1e-6,
                                        msg=f"{index}.{name}")
     assert_no_processes(str(tmp_path))
+
+
+def test_a_lost_ps_task_ends_the_job_at_once_named_as_the_cause(tmp_path: Path) -> None:
+    """The replicas heal; a ps task holds its rows alone, so its loss ends the job, failed (exit 4), at
+    once, in one line that names the ps task: not a replica's reset connection to it, and no hang
+    (issue 51). Killed from outside, as the OOM killer or an operator would."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO as repo
+
+    recipe = tmp_path / "recommender_slow.py"
+    recipe.write_text(RECIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "--json", "--device", "cpu",
+                             "--steps", "400", "--strategy", "mirrored", "--replicas", "2", "--embeddings", "ps",
+                             "--ps-tasks", "1", "--ps-partition-mb", "0.001", "--elastic", "1:2", "--",
+                             "--sleep-s", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo)
+    assert proc.stdout is not None
+    killed_at = None
+    ps_pid = None
+    try:
+        for line in proc.stdout:
+            event = json.loads(line) if line.startswith("{") else {}
+            if event.get("type") == "started" and event["rank"] == 2:
+                ps_pid = event["pid"]
+            if event.get("type") == "step" and event["step"] >= 10 and ps_pid and killed_at is None:
+                os.kill(ps_pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+        proc.wait(timeout=60)
+        ended_after_s = time.monotonic() - killed_at if killed_at else None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert killed_at is not None and proc.returncode == 4, (proc.returncode, stderr[-3000:])
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: rank 2 failed: ps task 0 killed by SIGKILL: the rows it held are gone, so the job "
+                      "cannot go on (--elastic heals replicas, not ps tasks)"], stderr[-3000:]
+    assert ended_after_s is not None and ended_after_s < 30, ended_after_s
+    assert_no_processes(str(tmp_path))
