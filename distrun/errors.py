@@ -30,6 +30,7 @@ __all__ = [
     "RecipeError",
     "TrainingError",
     "NonFiniteLoss",
+    "PsTaskLost",
     "CheckpointError",
     "HostError",
     "HostUnreachable",
@@ -83,6 +84,11 @@ class TrainingError(DistrunError):
 
 class NonFiniteLoss(TrainingError):
     """A replica's loss was NaN or Inf, and ``--on-nonfinite stop`` (the default) stops the job."""
+
+
+class PsTaskLost(TrainingError):
+    """A worker's connection to a ps task broke: a consequence of that task's loss, which the job's
+    failure names first where it is known (its exit, or its host's)."""
 
 
 class CheckpointError(DistrunError):

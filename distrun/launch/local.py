@@ -44,7 +44,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from distrun.launch._agent import ElasticAgent
@@ -52,8 +51,9 @@ from distrun.launch._chief_store import ChiefStore
 from distrun.launch._diagnose import RankDiagnosis
 from distrun.launch._env import process_env
 from distrun.launch._lines import LineBuffer
+from distrun.launch._exits import exit_failure, ps_task_lost, ps_task_of
 from distrun.launch._oom import OomWatch
-from distrun.launch._proc import Proc as _Proc, describe_exit as _describe_exit
+from distrun.launch._proc import Proc as _Proc
 from distrun.launch._netns import JoiningStarter, PrivateNetwork, store_socket
 from distrun.launch._starter import PopenStarter, Starter, ZygoteUnavailable
 from distrun.launch._stop import DEFAULT_KILL_AFTER_S, StopDecision
@@ -393,49 +393,31 @@ class LocalLauncher:
             self._sink(Exited(rank=proc.rank, time=now, returncode=rc))
             if rc == PREEMPTED_EXIT_CODE and self._preempt_requested.is_set() and not proc.signalled:
                 self._preempted.add(proc.rank)  # told to, it checkpointed with the others: not a failure
+            elif (rc != 0 and not proc.signalled and self._spec.elastic and self._ps_task(proc.rank) is not None
+                  and not any(f.rank == proc.rank for f in self._failures)):  # held its rows alone (launch/_exits)
+                self._failures.append(ps_task_lost(exit_failure(self._oom, proc.rank, rc, now), self._ps_task(proc.rank)))
             elif rc != 0 and not proc.signalled and self._stop.decided:
                 # The job is stopping (a peer on another host was killed first): part of the stop,
                 # never respawned; its entry (stamped now, after the decision) ends the run at once.
                 if not any(f.rank == proc.rank for f in self._failures):
-                    self._failures.append(self._exit_failure(proc, rc, now))
+                    self._failures.append(exit_failure(self._oom, proc.rank, rc, now))
             elif rc != 0 and not proc.signalled and proc.rank in self._spec.independent_ranks:
-                failure = self._exit_failure(proc, rc, now)  # the OOM killer is worth saying; an exit code is not
+                failure = exit_failure(self._oom, proc.rank, rc, now)  # an OOM kill is worth saying, an exit code not
                 self._respawn(proc, why=failure.message if failure.kind == OOM_KILLED else "")
-            elif (rc != 0 and not proc.signalled and self._spec.elastic and self._is_ps_task(proc.rank)
-                  and not any(f.rank == proc.rank for f in self._failures)):
-                # --embeddings ps --elastic: the dense replicas heal, but a ps task holds its tables'
-                # rows alone: started again it would hold none. Said as the job's own failure, so the
-                # root cause is this, not a replica's reset connection to it.
-                described = self._exit_failure(proc, rc, now)
-                task = proc.rank - (self._world_size() - self._spec.num_ps)
-                self._failures.append(replace(described, message=f"ps task {task} {described.message}: the rows "
-                                              "it held are gone, so the job cannot go on (--elastic heals "
-                                              "replicas, not ps tasks)"))
             elif (rc != 0 and not proc.signalled and self._spec.elastic
                   and not any(f.rank == proc.rank for f in self._failures)):
-                why = proc.lost_reason or self._exit_failure(proc, rc, now).message
+                why = proc.lost_reason or exit_failure(self._oom, proc.rank, rc, now).message
                 if self._agent is not None:  # the survivors need not wait for its beat to go stale
                     self._agent.lost(proc.rank, proc.incarnation, why)
                 self._respawn(proc, why=why)
             elif rc != 0 and not proc.signalled and not any(f.rank == proc.rank for f in self._failures):
                 lost = getattr(proc.popen, "lost_reason", None)
                 self._failures.append(Failed(rank=proc.rank, time=now, kind="exited", message=lost) if lost
-                                      else self._exit_failure(proc, rc, now))
+                                      else exit_failure(self._oom, proc.rank, rc, now))
 
-    def _world_size(self) -> int:
-        return self._spec.world_size if self._spec.world_size is not None else self._spec.local_world_size
-
-    def _is_ps_task(self, rank: int) -> bool:
-        """Whether ``rank`` is one of the job's ps tasks (the last ``num_ps`` global ranks)."""
-        return self._spec.num_ps > 0 and rank >= self._world_size() - self._spec.num_ps
-
-    def _exit_failure(self, proc: _Proc, rc: int, now: float) -> Failed:
-        """A rank that ended on its own without saying why: its exit code or signal, and the
-        kernel's OOM killer named when it was that (``launch/_oom``)."""
-        oom = self._oom.explain(proc.rank) if rc == -signal.SIGKILL else None
-        if oom is not None:
-            return Failed(rank=proc.rank, time=now, kind=OOM_KILLED, message=oom)
-        return Failed(rank=proc.rank, time=now, kind="exited", message=_describe_exit(rc))
+    def _ps_task(self, rank: int) -> int | None:
+        world = self._spec.world_size if self._spec.world_size is not None else self._spec.local_world_size
+        return ps_task_of(rank, world, self._spec.num_ps)
 
     def _pass_on_preempt(self) -> None:
         if self._preempt_sent or not self._preempt_requested.is_set():

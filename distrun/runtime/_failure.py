@@ -6,7 +6,7 @@ import os
 import time
 import traceback
 
-from distrun.errors import DistrunError
+from distrun.errors import DistrunError, PsTaskLost
 from distrun.protocol import PEER_LOST, Failed
 
 _PEER_LOST_HINTS = (
@@ -53,6 +53,8 @@ def _without_frames(text: str) -> str:
 
 
 def _classify(exc: BaseException, phase: str) -> str:
+    if isinstance(exc, PsTaskLost):  # the ps task's own loss is the cause (protocol/root_cause)
+        return PEER_LOST
     if isinstance(exc, DistrunError):
         return type(exc).__name__
     text = str(exc)

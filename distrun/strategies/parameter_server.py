@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distrun.config import DEFAULT_PS_PARTITION_MB
-from distrun.errors import TrainingError
+from distrun.errors import PsTaskLost
 from distrun.strategies.checkpoint.catalog import latest_checkpoint
 from distrun.strategies.ps.channel import (Channel, Op, describe_state, lr_factor_word, open_worker_channels,
                                           receive_state)
@@ -53,7 +53,7 @@ def _ps_link() -> Iterator[None]:
         text = str(exc)
         if "gloo" not in text and "Connection" not in text:
             raise
-        raise TrainingError(f"lost a ps task: {text.splitlines()[0][:200]}") from None
+        raise PsTaskLost(f"lost a ps task: {text.splitlines()[0][:200]}") from None
 
 
 class _PushOptimizer:
