@@ -104,8 +104,8 @@ def choose(recipe: Path, *, replicas: int | None, device: str, global_batch_size
                                       lambda layout, steps: build_spec(**trial_flags(base, layout, steps)), notes.append)
         plan = dataclasses.replace(plan, decision=decision, decide_s=plan.decide_s + spent_s)
     if approximate:
-        plan = race(plan, lambda layout, steps, every: build_spec(**race_flags(base, layout, steps, every)), run_local,
-                    **_job_limits(info, base, keep))
+        plan = race(plan, lambda layout, steps, every: build_spec(**trial_flags(base, layout, steps)).replace(
+            eval_every=every), run_local, **_job_limits(info, base, keep))
     flags = {**plan.decision.chosen.layout.flags(), "device": device}
     return Choice(flags, plan, (*notes, *plan.lines()))
 
@@ -130,11 +130,6 @@ def _job_limits(info: RecipeInfo, base: dict[str, Any], keep: dict[str, Any] | N
     def sync_every_ok(h: int) -> bool:
         return (not every or every % h == 0) and (not steps or 4 * h <= int(steps))
     return {"check": check, "sync_every_ok": sync_every_ok}
-
-
-def race_flags(base: dict[str, Any], layout: Layout, steps: int, eval_every: int) -> dict[str, Any]:
-    """A race run's ``build_spec`` arguments: a trial's, evaluating every ``eval_every`` steps."""
-    return {**trial_flags(base, layout, steps), "eval_every": eval_every}
 
 
 def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:

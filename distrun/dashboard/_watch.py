@@ -293,17 +293,14 @@ class JobWatch:
             self._lines.append({"rank": SERVER_RANK, "host": "", "stream": "stderr", "line": text, "time": time.time()})
             self._changed.notify_all()
 
-    def _set_state(self, state: str, reason: str | None) -> None:
+    def _set_state(self, state: str, reason: str | None, *, ended: bool = False) -> None:
         with self._changed:
-            self._head.update(state=state, reason=reason)
+            self._head.update(state=state, reason=reason, ended=ended)
             self._head_version += 1
             self._changed.notify_all()
 
     def _end(self, state: str, reason: str | None) -> None:
-        with self._changed:
-            self._head.update(state=state, reason=reason, ended=True)
-            self._head_version += 1
-            self._changed.notify_all()
+        self._set_state(state, reason, ended=True)
 
 
 def wait_pct(event: Step) -> float | None:

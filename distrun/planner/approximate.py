@@ -178,10 +178,8 @@ class Verdict:
             return (f"did not reach eval_loss {target:.4g} in {self.curve.points[-1][0] if self.curve.points else 0} "
                     f"steps ({best:.4g} at best), where the exact layout took {exact_s:.3g} s")
         ratio = exact_s / self.seconds if self.seconds > 0 else float("inf")
-        return (f"reached eval_loss {target:.4g} in {self.seconds:.3g} s of steps, the exact layout in {exact_s:.3g} s "
-                f"({ratio:.2f}x sooner)" if ratio >= 1 else
-                f"reached eval_loss {target:.4g} in {self.seconds:.3g} s of steps, the exact layout in {exact_s:.3g} s "
-                f"({1 / ratio:.2f}x later)")
+        than = f"{ratio:.2f}x sooner" if ratio >= 1 else f"{1 / ratio:.2f}x later"
+        return f"reached eval_loss {target:.4g} in {self.seconds:.3g} s of steps, the exact layout in {exact_s:.3g} s ({than})"
 
 
 def judge(exact: Curve, raced: list[Curve]) -> tuple[float, float, list[Verdict]]:
