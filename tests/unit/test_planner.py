@@ -61,7 +61,8 @@ def test_a_budget_below_mirroreds_need_chooses_a_layout_that_fits():
     assert decision.chosen.peak_bytes <= BUDGET_SHARE * budget * MB
     assert decision.chosen.layout.strategy == "sharded" or decision.chosen.layout.pp > 1
     verdicts = dict((p.layout, v) for p, v in decision.ranked)
-    assert verdicts[Layout("mirrored", 2)] == f"needs {mirrored_need:,.0f} MB a rank, the budget is {budget:,.0f} MB"
+    assert verdicts[Layout("mirrored", 2)] == (f"needs {mirrored_need:,.0f} MB a rank, over the "
+                                                f"{0.9 * budget:,.0f} MB usable of a {budget:,.0f} MB budget")
 
 
 def test_a_slow_link_chooses_the_pipeline_which_sends_activations_not_gradients():
