@@ -1,0 +1,99 @@
+"""The dashboard's GPU panels on a real GPU: the Hosts page's NVML readings and a job's per-rank
+GPU utilisation, from the same JSON the page draws (tests/integration/test_dashboard.py drives
+the page itself in chromium; a GPU machine here has no browser).
+
+A CUDA job holds memory on the device while the dashboard is asked, so "memory used" is not
+the idle driver's few MB, and the job's rows carry the utilisation its ranks sampled.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import REPO, local_server
+from tests.integration._recipes import SLOW
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Iterator[dict[str, str]]:
+    with local_server(tmp_path / "home") as env:
+        yield env
+
+
+def _get(url: str, path: str) -> object:
+    parts = urlsplit(url)
+    token = parts.query.removeprefix("token=")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("GET", path, headers={"Host": parts.netloc, "Authorization": f"Bearer {token}"})
+        answer = conn.getresponse()
+        body = answer.read().decode()
+        assert answer.status == 200, (path, answer.status, body[:500])
+        return json.loads(body)
+    finally:
+        conn.close()
+
+
+def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_utilisation(home, tmp_path):
+    recipe = tmp_path / "slow.py"
+    recipe.write_text(SLOW)
+    env = {**os.environ, **home}
+    job = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "--device", "cuda", "--steps",
+                            "100000", "--json", "--log-interval-s", "0.2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    dashboard = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--port", "0", "--no-browser"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    try:
+        assert job.stdout is not None and dashboard.stdout is not None
+        job_id, steps = "", 0
+        while steps < 5:  # a few steps in: the ranks have sampled the GPU
+            line = job.stdout.readline()
+            assert line, job.stderr.read()[-2000:] if job.stderr else "no output"
+            event = json.loads(line)
+            job_id = event["job"] if event["type"] == "job" else job_id
+            steps += event["type"] == "step"
+        found = re.fullmatch(r"distrun dashboard: (http://\S+)\n", dashboard.stdout.readline())
+        assert found, dashboard.stderr.read()[-2000:] if dashboard.stderr else "no URL"
+        url = found.group(1)
+
+        hosts = _get(url, "/api/hosts")["hosts"]
+        print("hosts:", json.dumps(hosts)[:2000])
+        server = hosts[0]["server"]
+        assert server["gpu_note"] is None and server["gpus"], server
+        for gpu in server["gpus"]:
+            assert "NVIDIA" in gpu["name"] and 0 <= gpu["util_pct"] <= 100, gpu
+            assert 0 < gpu["memory_used_bytes"] < gpu["memory_total_bytes"], gpu
+        assert server["gpus"][0]["memory_used_bytes"] > 100 * 2**20, "the CUDA job's memory is not in NVML's reading"
+
+        deadline = time.monotonic() + 30
+        while True:  # the job's page: its rank rows, as the live table has them
+            rows = _get(url, f"/api/jobs/{job_id}")["rows"]
+            if rows and rows[0]["gpu_util"] is not None:
+                break
+            assert time.monotonic() < deadline, f"no GPU utilisation in the job's rows after 30 s: {rows}"
+            time.sleep(0.5)
+        print("rows:", json.dumps(rows))
+        assert rows[0]["device"].startswith("cuda") and 0 <= rows[0]["gpu_util"] <= 100 and rows[0]["mem_mb"] > 0, rows
+    finally:
+        for proc in (dashboard, job):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in (dashboard, job):
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
