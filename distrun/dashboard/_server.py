@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from distrun.dashboard._guard import Guard
+from distrun.dashboard._host_history import SAMPLE_EVERY_S, HostHistory
 from distrun.dashboard._sources import Sources
 from distrun.errors import DistrunError, UsageError
 
@@ -30,6 +31,10 @@ _STATIC = {"/static/app.js": ("app.js", "text/javascript"), "/static/charts.js":
            "/static/style.css": ("style.css", "text/css"), "/static/favicon.svg": ("favicon.svg", "image/svg+xml")}
 #: How long an event stream waits for news before a keep-alive comment, and the jobs stream between looks.
 _KEEPALIVE_S = 15.0
+#: A job's page gets at most one update per this, each with everything new since the last: the
+#: browser redraws its charts and rank rows per update, and at a 0.1 s --log-interval-s (ten a
+#: second) drawing the page took 14% of a core beside the ranks it watched (docs/dashboard.md).
+_UPDATE_EVERY_S = 0.5
 _JOBS_EVERY_S = 1.0
 _HEADERS = {
     "Content-Security-Policy": "default-src 'self'",
@@ -52,6 +57,7 @@ class Dashboard:
     guard: Guard
     source: Sources
     stopping: threading.Event
+    history: HostHistory
 
     @classmethod
     def bind(cls, source: Sources, host: str, port: int, names: tuple[str, ...] = ()) -> Dashboard:
@@ -62,7 +68,7 @@ class Dashboard:
             raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}; choose another --port "
                              "(0: any free port)") from None
         bound = httpd.server_address[1]
-        dashboard = cls(httpd, Guard.for_address(host, bound, names), source, threading.Event())
+        dashboard = cls(httpd, Guard.for_address(host, bound, names), source, threading.Event(), HostHistory())
         httpd.dashboard = dashboard
         return dashboard
 
@@ -78,6 +84,7 @@ class Dashboard:
         thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                   name="dashboard-http", daemon=True)
         thread.start()
+        threading.Thread(target=self._sample, name="dashboard-hosts", daemon=True).start()
         try:
             while not self.stopping.wait(0.2):
                 pass
@@ -90,6 +97,22 @@ class Dashboard:
 
     def stop(self) -> None:
         self.stopping.set()
+
+    def hosts(self) -> dict[str, Any]:
+        """Every host as `distrun status` sees it now, recorded, with each one's history."""
+        answer = self.source.hosts()
+        self.history.record(answer["hosts"])
+        return self.history.with_history(answer)
+
+    def _sample(self) -> None:
+        """The hosts' readings every :data:`SAMPLE_EVERY_S` that no page asked for them, so that
+        their charts cover the time before a page was opened."""
+        while not self.stopping.wait(SAMPLE_EVERY_S):
+            if self.history.idle_s() >= SAMPLE_EVERY_S:
+                try:
+                    self.hosts()
+                except DistrunError:
+                    pass  # a cluster that does not answer is the page's to say, when it asks
 
 
 class _Server(ThreadingHTTPServer):
@@ -155,7 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif method == "GET" and path == "/api/jobs/events":
             self._jobs_stream(dashboard)
         elif method == "GET" and path == "/api/hosts":
-            self._json(source.hosts())
+            self._json(dashboard.hosts())
         elif path.startswith("/api/jobs/"):
             job_id, _, action = path[len("/api/jobs/"):].partition("/")
             if method == "GET" and action == "":
@@ -198,6 +221,7 @@ class _Handler(BaseHTTPRequestHandler):
                 last = time.monotonic()
                 if update.head["ended"]:
                     return
+                dashboard.stopping.wait(_UPDATE_EVERY_S)
             elif time.monotonic() - last > _KEEPALIVE_S:
                 self.wfile.write(b": keep-alive\n\n")
                 self.wfile.flush()

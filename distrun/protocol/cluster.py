@@ -74,6 +74,8 @@ class ServerInfo:
     #: None from a server that does not read them (an older one).
     gpus: tuple[GpuReading, ...] = ()
     gpu_note: str | None = None
+    #: CPU use over every core since the server's previous ``status`` (percent); None on its first.
+    cpu_pct: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -94,7 +96,7 @@ class ServerInfo:
 
 
 #: ServerInfo's fields an older server does not send.
-_OPTIONAL = frozenset({"gpus", "gpu_note"})
+_OPTIONAL = frozenset({"gpus", "gpu_note", "cpu_pct"})
 
 
 class HostStatus(str, Enum):

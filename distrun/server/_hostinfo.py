@@ -42,7 +42,24 @@ def host_facts() -> dict[str, object]:
         "memory_total_bytes": int(memory.total),
         "memory_available_bytes": int(memory.available),
         "load_1m": float(os.getloadavg()[0]),
+        "cpu_pct": _CPU.percent(),
     }
+
+
+class _CpuUse:
+    """The host's CPU use over every core since the server's last ``status`` (psutil's
+    ``interval=None``: no sleep in the answer); None on the first, which has no interval yet."""
+
+    def __init__(self) -> None:
+        self._primed = False
+
+    def percent(self) -> float | None:
+        value = float(psutil.cpu_percent(interval=None))
+        primed, self._primed = self._primed, True
+        return value if primed else None
+
+
+_CPU = _CpuUse()
 
 
 def gpu_readings() -> tuple[tuple[GpuReading, ...], str | None]:

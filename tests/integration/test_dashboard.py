@@ -294,12 +294,21 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     expect(page.locator(f"tr[data-job='{job.id}']").get_by_role("cell").nth(2)).to_have_text("stopped", timeout=15_000)
 
     # Hosts: this machine's server, and its GPU panel saying why there is none (the probe ran on the server).
+    # One answer recorded before the page's own: its use charts have at least two samples.
+    status, _, body = _ask(served, "GET", "/api/hosts", {"Authorization": f"Bearer {served.token}"})
+    assert status == 200 and json.loads(body)["hosts"][0]["history"], body[:500]
+    time.sleep(1.1)  # apart by more than the history's MIN_GAP_S
     page.goto(served.origin + "/hosts")
     hosts = page.get_by_role("table", name="hosts").locator("tbody tr")
     expect(hosts).to_have_count(1, timeout=15_000)
     expect(hosts.get_by_role("cell").nth(2)).to_have_text("up")
     expect(hosts.get_by_role("cell").nth(12)).to_have_text("local")
     expect(hosts.get_by_role("cell").nth(13)).to_have_text(re.compile(r"^no GPU \(NVML not found: .+\)$"))
+    for figure in ("cpu %", "memory %"):  # over time, 0-100, from the dashboard's samples of the host
+        chart = hosts.get_by_role("img", name=re.compile(f"^{figure} of "))
+        expect(chart).to_have_attribute("data-points", re.compile(r"^([2-9]|\d\d+)$"), timeout=15_000)
+        expect(chart.locator("title")).to_have_text(re.compile(rf"^{figure} of \S+: [\d.]+ at "))
+    expect(hosts.get_by_role("img", name=re.compile("^GPU"))).to_have_count(0)  # no GPU, no GPU chart
     context.close()
     assert not problems, problems
 

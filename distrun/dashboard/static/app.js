@@ -263,7 +263,7 @@ function hostsView() {
   const status = el("p", { class: "dim", role: "status", text: "asking every server…" });
   const hosts = table("hosts", [["host"], ["roles"], ["status"], ["version"], ["devices"], ["cpus", true], ["load", true],
                                 ["memory free"], ["jobs", true], ["uptime", true], ["round trip ms", true], ["message"],
-                                ["cluster"], ["GPUs"]]);
+                                ["cluster"], ["GPUs"], ["use over time"]]);
   main.replaceChildren(el("h1", { text: "Hosts" }), status, hosts.element);
   const gib = (bytes) => (bytes / 2 ** 30).toFixed(1);
   // Each GPU's utilisation (a meter) and memory, as the host's server read them through NVML;
@@ -277,6 +277,21 @@ function hostsView() {
       el("meter", { min: 0, max: 100, value: gpu.util_pct, "aria-label": `GPU ${gpu.index} utilisation` }),
       el("span", { text: ` ${gpu.util_pct.toFixed(0)}% · ${gib(gpu.memory_used_bytes)} / ${gib(gpu.memory_total_bytes)} GiB` }))),
       s.gpu_note ? el("li", { class: "error", text: s.gpu_note }) : null);
+  }
+  // CPU, memory and GPU use over the dashboard's samples of this host (the dashboard keeps the
+  // last hour, whether or not a page was open): small charts named "cpu % of HOST", ...
+  const clock = (seconds) => new Date(seconds * 1000).toLocaleTimeString();
+  function useCharts(row) {
+    const history = row.history || [];
+    if (!history.length) return "—";
+    const figures = [["cpu %", "cpu_pct"], ["memory %", "memory_pct"], ["GPU %", "gpu_util_pct"], ["GPU memory %", "gpu_memory_pct"]]
+      .filter(([, key]) => history.some((sample) => sample[key] !== null))
+      .map(([name, key]) => {
+        const chart = makeChart(`${name} of ${row.host}`, key, { x: "time", xText: clock, range: [0, 100], small: true });
+        chart.draw(history);
+        return chart.element;
+      });
+    return el("div", { class: "use" }, ...figures);
   }
   async function refresh() {
     try {
@@ -293,7 +308,7 @@ function hostsView() {
           cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
           cell(s ? s.jobs_running : null, true), cell(s ? duration(s.uptime_s) : null, true),
           cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"),
-          cell(row.cluster), cell(gpuPanel(row.host, s), false, "gpus"));
+          cell(row.cluster), cell(gpuPanel(row.host, s), false, "gpus"), cell(useCharts(row), false, "use"));
       }));
     } catch (error) {
       status.textContent = String(error.message);

@@ -19,12 +19,18 @@ function fmtNum(value) {
 }
 
 // A chart: <figure> with an <svg role="img" aria-label=NAME>; draw(points) redraws it whole.
-function makeChart(name, key) {
+// Options: x, the points' key along the axis ("step"); xText, how an x value reads ("step 40");
+// range, a fixed [low, high] for the values (percentages); small, a row's compact chart.
+function makeChart(name, key, options) {
+  const x = (options && options.x) || "step";
+  const xText = (options && options.xText) || ((value) => `step ${value}`);
+  const range = options && options.range;
+  const height = options && options.small ? 100 : 200;
   const figure = document.createElement("figure");
   const caption = document.createElement("figcaption");
   caption.textContent = name;
-  const svg = svgEl("svg", { role: "img", "aria-label": name, class: "chart", viewBox: "0 0 400 200",
-                             preserveAspectRatio: "none", "data-points": 0 });
+  const svg = svgEl("svg", { role: "img", "aria-label": name, class: options && options.small ? "chart small" : "chart",
+                             viewBox: `0 0 400 ${height}`, preserveAspectRatio: "none", "data-points": 0 });
   const title = svgEl("title");
   title.textContent = name;
   svg.appendChild(title);
@@ -34,23 +40,24 @@ function makeChart(name, key) {
     const data = points.filter((p) => typeof p[key] === "number" && Number.isFinite(p[key]));
     while (svg.lastChild !== title) svg.removeChild(svg.lastChild);
     svg.setAttribute("data-points", String(data.length));
-    const left = 56, right = 392, top = 8, bottom = 182;
+    const left = 56, right = 392, top = 8, bottom = height - 18;
     svg.appendChild(svgEl("line", { class: "axis", x1: left, y1: bottom, x2: right, y2: bottom }));
     svg.appendChild(svgEl("line", { class: "axis", x1: left, y1: top, x2: left, y2: bottom }));
     if (!data.length) {
       title.textContent = `${name}: no points yet`;
       return;
     }
-    let x0 = data[0].step, x1 = data[data.length - 1].step;
-    let y0 = Math.min(...data.map((p) => p[key])), y1 = Math.max(...data.map((p) => p[key]));
+    let x0 = data[0][x], x1 = data[data.length - 1][x];
+    let y0 = range ? range[0] : Math.min(...data.map((p) => p[key]));
+    let y1 = range ? range[1] : Math.max(...data.map((p) => p[key]));
     if (x1 === x0) x1 = x0 + 1;
     if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
     const sx = (x) => left + (x - x0) / (x1 - x0) * (right - left);
     const sy = (y) => bottom - (y - y0) / (y1 - y0) * (bottom - top);
-    const path = data.map((p) => `${sx(p.step).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
+    const path = data.map((p) => `${sx(p[x]).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
     svg.appendChild(svgEl("polyline", { class: "series", points: path, "vector-effect": "non-scaling-stroke" }));
     const last = data[data.length - 1];
-    svg.appendChild(svgEl("circle", { class: "last", cx: sx(last.step), cy: sy(last[key]), r: 2.5 }));
+    svg.appendChild(svgEl("circle", { class: "last", cx: sx(last[x]), cy: sy(last[key]), r: 2.5 }));
     for (const [value, y] of [[y1, top + 8], [y0, bottom]]) {
       const label = svgEl("text", { x: left - 4, y, "text-anchor": "end" });
       label.textContent = fmtNum(value);
@@ -58,10 +65,10 @@ function makeChart(name, key) {
     }
     for (const [value, x, anchor] of [[x0, left, "start"], [x1, right, "end"]]) {
       const label = svgEl("text", { x, y: bottom + 13, "text-anchor": anchor });
-      label.textContent = `step ${value}`;
+      label.textContent = xText(value);
       svg.appendChild(label);
     }
-    title.textContent = `${name}: ${fmtNum(last[key])} at step ${last.step} (${data.length} points)`;
+    title.textContent = `${name}: ${fmtNum(last[key])} at ${xText(last[x])} (${data.length} points)`;
   }
 
   draw([]);
