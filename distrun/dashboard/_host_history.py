@@ -2,10 +2,10 @@
 
 A worker server answers ``status`` with the moment's readings only, and keeps no history (it
 would cost every host memory and a clock for a page nobody may open). The dashboard keeps what
-it was told, per host, for as long as it runs: a ring of :data:`KEEP_SAMPLES`, recorded whenever
-the hosts are asked (the page asks every 5 s) and, with no page open, by the dashboard's own
-sampler every :data:`SAMPLE_EVERY_S`. So a page opened late still shows the last hour, as
-Ray's and SkyPilot's node views do, without Prometheus.
+it was told, per host, for the last :data:`HISTORY_S`: recorded whenever the hosts are asked (an
+open page asks every 5 s) and, with no page open, by the dashboard's own sampler every
+:data:`SAMPLE_EVERY_S` (one ``status`` per host, as ``distrun status`` asks). So a page opened
+late still shows the last hour, as Ray's and SkyPilot's node views do, without Prometheus.
 """
 
 from __future__ import annotations
@@ -16,21 +16,24 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["HostHistory", "KEEP_SAMPLES", "SAMPLE_EVERY_S", "Sample"]
+__all__ = ["HISTORY_S", "HostHistory", "SAMPLE_EVERY_S", "Sample", "sample_of"]
 
-#: The sampler's period with no page asking, and the ring's length: an hour at that period.
-SAMPLE_EVERY_S = 10.0
-KEEP_SAMPLES = 360
-#: Answers closer than this to the host's last sample are not recorded again (two open pages, or a
-#: page and the sampler, would otherwise double the points without adding news).
+#: How far back the charts go, and the sampler's period when no page asks.
+HISTORY_S = 3600.0
+SAMPLE_EVERY_S = 30.0
+#: An answer closer than this to the host's last sample is not recorded again (two open pages, or a
+#: page and the sampler, would double the points without adding news).
 MIN_GAP_S = 1.0
+#: At most this many samples a host (an hour at the page's 5 s).
+KEEP_SAMPLES = 720
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One host at one moment: percentages, None where the server did not say (an older server's
-    CPU, a host with no GPU). GPUs are averaged over the host's devices (the panel beside the
-    chart shows each)."""
+    """One host at one moment: percentages to a tenth, None where nothing was said (an older
+    server's CPU, a host with no GPU, and every figure of a host that did not answer: a gap in
+    its charts, never a zero). GPUs are averaged over the host's devices (the panel beside the
+    charts shows each)."""
 
     time: float  # Unix time, as the page labels its axis
     cpu_pct: float | None
@@ -39,47 +42,56 @@ class Sample:
     gpu_memory_pct: float | None
 
 
-def sample_of(server: dict[str, Any] | None, now: float) -> Sample | None:
-    """The readings in one host row's ``server`` (``distrun status --json``); None for a host
-    whose server did not answer (a gap in its chart, not a zero)."""
+def _pct(part: float, whole: float) -> float | None:
+    return round(100.0 * part / whole, 1) if whole else None
+
+
+def sample_of(server: dict[str, Any] | None, now: float) -> Sample:
+    """The readings in one host row's ``server`` (``distrun status --json``); all None for a host
+    whose server did not answer."""
     if not server:
-        return None
+        return Sample(now, None, None, None, None)
     total = server.get("memory_total_bytes") or 0
-    memory_pct = 100.0 * (total - server["memory_available_bytes"]) / total if total else None
     gpus = server.get("gpus") or []
-    util = sum(gpu["util_pct"] for gpu in gpus) / len(gpus) if gpus else None
-    gpu_memory = (100.0 * sum(gpu["memory_used_bytes"] for gpu in gpus) / sum(gpu["memory_total_bytes"] for gpu in gpus)
-                  if gpus and sum(gpu["memory_total_bytes"] for gpu in gpus) else None)
     cpu = server.get("cpu_pct")
-    return Sample(now, None if cpu is None else float(cpu), memory_pct, util, gpu_memory)
+    return Sample(now, None if cpu is None else round(float(cpu), 1),
+                  _pct(total - server["memory_available_bytes"], total),
+                  round(sum(gpu["util_pct"] for gpu in gpus) / len(gpus), 1) if gpus else None,
+                  _pct(sum(gpu["memory_used_bytes"] for gpu in gpus), sum(gpu["memory_total_bytes"] for gpu in gpus)))
 
 
 class HostHistory:
-    """Per (cluster, host), the newest :data:`KEEP_SAMPLES` samples; thread-safe (the request
+    """Per (cluster, host), the samples of the last :data:`HISTORY_S`; thread-safe (the request
     threads and the sampler record into it)."""
 
-    def __init__(self, keep: int = KEEP_SAMPLES) -> None:
+    def __init__(self, keep: int = KEEP_SAMPLES, history_s: float = HISTORY_S) -> None:
         self._keep = keep
+        self._history_s = history_s
         self._lock = threading.Lock()
         self._samples: dict[tuple[str, str], deque[Sample]] = {}
+        self._last_at: dict[tuple[str, str], float] = {}  # monotonic: a wall clock stepped back drops nothing
         self._last_recorded = 0.0  # monotonic
 
     def record(self, rows: list[dict[str, Any]]) -> None:
-        """Each row of ``Sources.hosts()`` that has a server's answer, as of now."""
-        now = time.time()
+        """Each row of ``Sources.hosts()``, as of now; hosts not heard of for the whole history
+        (a Slurm allocation's nodes, long gone) are forgotten."""
+        now, at = time.time(), time.monotonic()
         with self._lock:
-            self._last_recorded = time.monotonic()
+            self._last_recorded = at
             for row in rows:
-                sample = sample_of(row.get("server"), now)
-                if sample is None:
+                key = (row.get("cluster", ""), row["host"])
+                if at - self._last_at.get(key, -MIN_GAP_S) < MIN_GAP_S:
                     continue
-                ring = self._samples.setdefault((row.get("cluster", ""), row["host"]), deque(maxlen=self._keep))
-                if ring and now - ring[-1].time < MIN_GAP_S:
-                    continue
-                ring.append(sample)
+                self._last_at[key] = at
+                self._samples.setdefault(key, deque(maxlen=self._keep)).append(sample_of(row.get("server"), now))
+            for key, ring in list(self._samples.items()):
+                while ring and now - ring[0].time > self._history_s:
+                    ring.popleft()
+                if not ring:
+                    del self._samples[key], self._last_at[key]
 
     def idle_s(self) -> float:
-        """Seconds since anything was recorded: the sampler asks only when the page has not."""
+        """Seconds since anything was recorded: the sampler asks only when no page has."""
         with self._lock:
             return time.monotonic() - self._last_recorded
 

@@ -84,7 +84,8 @@ class Dashboard:
         thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                   name="dashboard-http", daemon=True)
         thread.start()
-        threading.Thread(target=self._sample, name="dashboard-hosts", daemon=True).start()
+        sampler = threading.Thread(target=self._sample, name="dashboard-hosts", daemon=True)
+        sampler.start()
         try:
             while not self.stopping.wait(0.2):
                 pass
@@ -94,6 +95,7 @@ class Dashboard:
             self.source.close()
             self.httpd.server_close()
             thread.join(5)
+            sampler.join(1)  # a host slow to answer is given up: the thread is a daemon
 
     def stop(self) -> None:
         self.stopping.set()
@@ -105,14 +107,16 @@ class Dashboard:
         return self.history.with_history(answer)
 
     def _sample(self) -> None:
-        """The hosts' readings every :data:`SAMPLE_EVERY_S` that no page asked for them, so that
-        their charts cover the time before a page was opened."""
-        while not self.stopping.wait(SAMPLE_EVERY_S):
-            if self.history.idle_s() >= SAMPLE_EVERY_S:
-                try:
-                    self.hosts()
-                except DistrunError:
-                    pass  # a cluster that does not answer is the page's to say, when it asks
+        """The hosts' readings whenever no page asked for :data:`SAMPLE_EVERY_S`, so that their
+        charts cover the time before a page was opened. Nothing it meets ends it: a cluster
+        that does not answer is the page's to say, when it asks."""
+        while not self.stopping.wait(max(0.0, SAMPLE_EVERY_S - self.history.idle_s())):
+            if self.history.idle_s() < SAMPLE_EVERY_S:
+                continue
+            try:
+                self.hosts()
+            except Exception:  # noqa: BLE001 - see above; the next period asks again
+                self.history.record([])  # counted as asked: no retry loop against a failing cluster
 
 
 class _Server(ThreadingHTTPServer):

@@ -10,6 +10,8 @@ import functools
 import os
 import shutil
 import subprocess
+import threading
+import time
 from typing import Any
 
 import psutil
@@ -48,15 +50,27 @@ def host_facts() -> dict[str, object]:
 
 class _CpuUse:
     """The host's CPU use over every core since the server's last ``status`` (psutil's
-    ``interval=None``: no sleep in the answer); None on the first, which has no interval yet."""
+    ``interval=None``: no sleep in the answer); None on the first, which has no interval yet.
+    Callers closer together than :data:`_CPU_MIN_INTERVAL_S` (the CLI, two dashboards) share
+    the last reading: psutil's over a few milliseconds is noise."""
 
     def __init__(self) -> None:
-        self._primed = False
+        self._lock = threading.Lock()
+        self._read_at: float | None = None  # monotonic
+        self._last: float | None = None
 
     def percent(self) -> float | None:
-        value = float(psutil.cpu_percent(interval=None))
-        primed, self._primed = self._primed, True
-        return value if primed else None
+        with self._lock:
+            now = time.monotonic()
+            if self._read_at is not None and now - self._read_at < _CPU_MIN_INTERVAL_S:
+                return self._last
+            value = float(psutil.cpu_percent(interval=None))
+            self._last = value if self._read_at is not None else None
+            self._read_at = now
+            return self._last
+
+
+_CPU_MIN_INTERVAL_S = 0.5
 
 
 _CPU = _CpuUse()

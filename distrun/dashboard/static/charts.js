@@ -54,8 +54,17 @@ function makeChart(name, key, options) {
     if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
     const sx = (x) => left + (x - x0) / (x1 - x0) * (right - left);
     const sy = (y) => bottom - (y - y0) / (y1 - y0) * (bottom - top);
-    const path = data.map((p) => `${sx(p[x]).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
-    svg.appendChild(svgEl("polyline", { class: "series", points: path, "vector-effect": "non-scaling-stroke" }));
+    // One line per run of values: a point whose value is null (a host that did not answer) is a
+    // gap; one without the key at all (an eval that did not report this metric) is skipped.
+    const runs = [[]];
+    for (const p of points) {
+      if (typeof p[key] === "number" && Number.isFinite(p[key])) runs[runs.length - 1].push(p);
+      else if (p[key] === null && runs[runs.length - 1].length) runs.push([]);
+    }
+    for (const run of runs.filter((r) => r.length)) {
+      const path = run.map((p) => `${sx(p[x]).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
+      svg.appendChild(svgEl("polyline", { class: "series", points: path, "vector-effect": "non-scaling-stroke" }));
+    }
     const last = data[data.length - 1];
     svg.appendChild(svgEl("circle", { class: "last", cx: sx(last[x]), cy: sy(last[key]), r: 2.5 }));
     for (const [value, y] of [[y1, top + 8], [y0, bottom]]) {
