@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import json
 import os
@@ -18,6 +19,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Compile distrun's bytecode once, before the hundreds of processes the suite starts (CLIs,
+    servers, ranks) import it. Where the environment sets PYTHONDONTWRITEBYTECODE (this
+    project's machines do) none of them writes a cache, so each compiled every module it
+    imported again: `import distrun.cli._app` took 1.3 s that way against 0.4 s from the cache."""
+    compileall.compile_dir(str(REPO / "distrun"), quiet=1)
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ _STATIC = {"/static/app.js": ("app.js", "text/javascript"), "/static/charts.js":
 #: How long an event stream waits for news before a keep-alive comment, and the jobs stream between looks.
 _KEEPALIVE_S = 15.0
 #: A job's page gets at most one update per this, each with everything new since the last: the
-#: browser redraws its charts and rank rows per update, and at a 0.1 s --log-interval-s (ten a
-#: second) drawing the page took 14% of a core beside the ranks it watched (docs/dashboard.md).
+#: browser redraws its charts and rank rows per update, and drawing one per step event took 14%
+#: of a core beside the ranks it watched (docs/dashboard.md, "What it costs training").
 _UPDATE_EVERY_S = 0.5
 _JOBS_EVERY_S = 1.0
 _HEADERS = {

@@ -107,27 +107,30 @@ def candidates(profile: ModelProfile, resources: Resources, global_batch: int) -
 def _why_slower(prediction: Prediction, best: Prediction) -> str:
     if prediction.timed_step_s is not None and best.timed_step_s is not None:
         slower = prediction.timed_step_s / best.timed_step_s - 1 if best.timed_step_s > 0 else 0.0
-        return f"timed at {prediction.timed_step_s:.3g} s/step, {slower:.0%} slower"
+        # A trial times the whole step; where its time goes is the model's to say.
+        return (f"timed at {prediction.timed_step_s:.3g} s/step, {slower:.0%} slower "
+                f"({_cause(prediction)}, by the model)")
     slower = prediction.step_s / best.step_s - 1 if best.step_s > 0 else 0.0
     if best.timed_step_s is not None and slower < 0.005:  # the model liked it, the trials did not reach it
         return f"{prediction.step_s:.3g} s/step by the model, not timed"
     if not prediction.layout.trusted and slower < 0.005:
         flag = "--tp" if prediction.layout.tp > 1 else "--offload"
         return f"{prediction.step_s:.3g} s/step by the model, not timed: {flag} is chosen on a trial's time only"
-    if prediction.comm_share >= 0.5:
-        cause = f"{prediction.comm_share:.0%} waiting on the links"
-    elif prediction.fixed_s >= 0.5 * prediction.step_s:
-        cause = f"{prediction.fixed_s / prediction.step_s:.0%} the layout's own fixed costs"
-    elif prediction.layout.pp > 1:
-        cause = "the pipeline's bubble and activation hops"
-    elif prediction.layout.activation_checkpointing != "none":
-        cause = "recomputes the forward"
-    elif prediction.layout.accumulate > 1:
-        cause = f"{prediction.layout.accumulate} forwards a step"
-    else:
-        cause = f"{prediction.comm_share:.0%} waiting on the links"
-    return f"{prediction.step_s:.3g} s/step, {slower:.0%} slower ({cause})" if slower >= 0.005 else \
+    return f"{prediction.step_s:.3g} s/step, {slower:.0%} slower ({_cause(prediction)})" if slower >= 0.005 else \
         f"{prediction.step_s:.3g} s/step, as fast; the chosen one is simpler"
+
+
+def _cause(prediction: Prediction) -> str:
+    """What costs a layout its time, by the cost model's parts of its step."""
+    if prediction.fixed_s >= 0.5 * prediction.step_s and prediction.comm_share < 0.5:
+        return f"{prediction.fixed_s / prediction.step_s:.0%} the layout's own fixed costs"
+    if prediction.comm_share < 0.5 and prediction.layout.pp > 1:
+        return "the pipeline's bubble and activation hops"
+    if prediction.comm_share < 0.5 and prediction.layout.activation_checkpointing != "none":
+        return "recomputes the forward"
+    if prediction.comm_share < 0.5 and prediction.layout.accumulate > 1:
+        return f"{prediction.layout.accumulate} forwards a step"
+    return f"{prediction.comm_share:.0%} waiting on the links"
 
 
 def decide(profile: ModelProfile, resources: Resources, global_batch: int) -> Decision:

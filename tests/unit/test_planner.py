@@ -4,10 +4,12 @@ with the budget, the link and the batch."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from distrun.errors import ConfigError
-from distrun.planner.choose import NEAR, candidates, decide
+from distrun.planner.choose import NEAR, _cause, candidates, decide
 from distrun.planner.cost import BUDGET_SHARE, Layout, Link, ModelProfile, Resources, fits, predict
 
 MB = 10**6
@@ -139,7 +141,10 @@ def test_retime_keeps_the_faster_trial_and_says_the_model_was_overruled():
     assert retimed.chosen.layout == second and retimed.chosen.expected_step_s == 0.20
     assert retimed.chosen.step_s == next(p.step_s for p, _ in decision.ranked if p.layout == second)
     verdicts = dict((p.layout, verdict) for p, verdict in retimed.ranked)
-    assert verdicts[second] == "chosen" and verdicts[first] == "timed at 0.3 s/step, 50% slower"
+    assert verdicts[second] == "chosen"
+    # The trial's whole step, and where the model puts its time (a timed verdict names its cause too).
+    said = re.fullmatch(r"timed at 0\.3 s/step, 50% slower \((.+), by the model\)", verdicts[first])
+    assert said and said[1] == _cause(next(p for p, _ in decision.ranked if p.layout == first)), verdicts[first]
     # What did not fit still does not, whatever was timed.
     tight = decide(PROFILE, _resources(1_300), 64)
     pipe = tight.chosen.layout
