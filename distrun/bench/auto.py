@@ -101,8 +101,8 @@ def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str]
                                  "-b", str(scenario.batch), "--", *scenario.args], env, cgroup)
     summary = next((line for line in reversed(lines) if line.get("type") == "summary"), {})
     rate = float(summary.get("samples_per_s") or 0.0) if code == 0 else 0.0
-    peaks = summary.get("peak_mem_mb") or {}
-    return {"samples_per_s": rate, "peak_mb": max(peaks.values()) if peaks else None,
+    peaks = summary.get("peak_mem_mb") or {}  # MiB, as the ranks count: the planner's MB (10**6) here
+    return {"samples_per_s": rate, "peak_mb": max(peaks.values()) * 2**20 / 10**6 if peaks else None,
             "step_s": scenario.batch / rate if rate > 0 else None, "exit": code, "plan": summary.get("plan"),
             "error": None if code == 0 else summary.get("error") or (err.strip().splitlines() or [""])[-1]}
 

@@ -24,7 +24,8 @@ SAMPLE_EVERY_S = 30.0
 #: An answer closer than this to the host's last sample is not recorded again (two open pages, or a
 #: page and the sampler, would double the points without adding news).
 MIN_GAP_S = 1.0
-#: At most this many samples a host (an hour at the page's 5 s).
+#: At most this many samples a host: an hour at one page's 5 s (several pages open fill it sooner,
+#: down to MIN_GAP_S apart).
 KEEP_SAMPLES = 720
 
 

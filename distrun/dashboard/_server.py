@@ -92,10 +92,10 @@ class Dashboard:
         finally:
             self.stopping.set()
             self.httpd.shutdown()
+            sampler.join(1)  # before the sources close; a host slow to answer is given up (a daemon)
             self.source.close()
             self.httpd.server_close()
             thread.join(5)
-            sampler.join(1)  # a host slow to answer is given up: the thread is a daemon
 
     def stop(self) -> None:
         self.stopping.set()

@@ -122,13 +122,15 @@ def _why_slower(prediction: Prediction, best: Prediction) -> str:
 
 def _cause(prediction: Prediction) -> str:
     """What costs a layout its time, by the cost model's parts of its step."""
-    if prediction.fixed_s >= 0.5 * prediction.step_s and prediction.comm_share < 0.5:
+    if prediction.comm_share >= 0.5:
+        return f"{prediction.comm_share:.0%} waiting on the links"
+    if prediction.fixed_s >= 0.5 * prediction.step_s:
         return f"{prediction.fixed_s / prediction.step_s:.0%} the layout's own fixed costs"
-    if prediction.comm_share < 0.5 and prediction.layout.pp > 1:
+    if prediction.layout.pp > 1:
         return "the pipeline's bubble and activation hops"
-    if prediction.comm_share < 0.5 and prediction.layout.activation_checkpointing != "none":
+    if prediction.layout.activation_checkpointing != "none":
         return "recomputes the forward"
-    if prediction.comm_share < 0.5 and prediction.layout.accumulate > 1:
+    if prediction.layout.accumulate > 1:
         return f"{prediction.layout.accumulate} forwards a step"
     return f"{prediction.comm_share:.0%} waiting on the links"
 

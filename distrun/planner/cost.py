@@ -406,8 +406,9 @@ def _offloaded(profile: ModelProfile, resources: Resources, layout: Layout, micr
     parts["gathered"] = 3 * profile.largest_unit_bytes
     parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
     # The rank's gradient shard stays on the GPU through the backward: measured on an H200 (torch
-    # 2.11, one rank), the peak was the rest plus the whole gradient (+802 MB for 16 blocks of width
-    # 1024, +421 MB for 8, the same at batch 4 and 16); without it auto predicted 728 MB for 1,530.
+    # 2.11, one rank), the peak was the rest plus about the whole gradient (+876 MB for 16 blocks of
+    # width 1024, whose gradient is 809 MB; +471 MB for 8, 406 MB; the same at batch 4 and 16);
+    # without it auto predicted 728 MB for 1,604. Over n ranks, 1/n of it: extrapolated, unmeasured.
     parts["gradients"] = profile.gradient_bytes / n
     link = resources.slowest(n)
     gathers = 2 * layout.accumulate

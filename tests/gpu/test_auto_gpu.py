@@ -17,11 +17,11 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]  # a probe, trials and a run of a 200M model
 
 #: About 200M parameters (16 blocks of width 1024): Adam's state alone is 2.4 GB on the device.
 GPT = ("recipes/gpt.py", "--device", "cuda", "-b", "16", "--", "--width", "1024", "--layers", "16", "--context", "256")
-MB = 2**20
+MB = 10**6  # the plan's unit (client/planning.py)
 BUDGET_SHARE = 0.9  # planner/cost.py: a layout's predicted peak must be within this share of the budget
 
 HOG = """
@@ -42,7 +42,9 @@ def hog() -> Iterator[object]:
         procs.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()
+        proc.stdout.close()
         assert line.strip().isdigit(), f"the memory hog did not start: {line!r}"
+        assert int(line) <= free_bytes + 64 * 2**20, f"the GPU had only {int(line) / MB:,.0f} MB free to start with"
         return int(line)
 
     yield leave
@@ -88,5 +90,5 @@ def test_a_gpu_too_small_for_the_whole_model_chooses_offload_and_trains_within_i
           f"predicted step {plan['predicted_step_s']:.3f} s, measured {plan['measured_step_s']:.3f} s")
     assert plan["measured_peak_mb"] <= plan["budget_mb"], plan
     # Honest: the offloaded peak within 25% of what the rank measured (the gradient shard it keeps on
-    # the GPU through the backward left it 52% under before it was counted).
+    # the GPU through the backward left it 55% under before it was counted).
     assert abs(plan["measured_peak_mb"] - plan["predicted_peak_mb"]) <= 0.25 * plan["measured_peak_mb"], plan

@@ -52,22 +52,25 @@ def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_u
     recipe = tmp_path / "slow.py"
     recipe.write_text(SLOW)
     env = {**os.environ, **home}
-    job = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "--device", "cuda", "--steps",
-                            "100000", "--json", "--log-interval-s", "0.2"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    out, err = tmp_path / "job.jsonl", tmp_path / "job.err"  # files: a pipe nobody reads would stall the job
+    with out.open("w") as out_file, err.open("w") as err_file:
+        job = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "--device", "cuda", "--steps",
+                                "100000", "--json", "--log-interval-s", "0.2"],
+                               stdout=out_file, stderr=err_file, text=True, cwd=REPO, env=env)
     dashboard = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--port", "0", "--no-browser"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env)
     try:
-        assert job.stdout is not None and dashboard.stdout is not None
-        job_id, steps = "", 0
-        while steps < 5:  # a few steps in: the ranks have sampled the GPU
-            line = job.stdout.readline()
-            assert line, job.stderr.read()[-2000:] if job.stderr else "no output"
-            event = json.loads(line)
-            job_id = event["job"] if event["type"] == "job" else job_id
-            steps += event["type"] == "step"
+        assert dashboard.stdout is not None
+        deadline = time.monotonic() + 120
+        while True:  # a few steps in: the ranks have sampled the GPU
+            events = [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
+            if sum(event["type"] == "step" for event in events) >= 5:
+                break
+            assert job.poll() is None and time.monotonic() < deadline, err.read_text()[-2000:]
+            time.sleep(0.2)
+        job_id = next(event["job"] for event in events if event["type"] == "job")
         found = re.fullmatch(r"distrun dashboard: (http://\S+)\n", dashboard.stdout.readline())
-        assert found, dashboard.stderr.read()[-2000:] if dashboard.stderr else "no URL"
+        assert found, "no URL from the dashboard"
         url = found.group(1)
 
         hosts = _get(url, "/api/hosts")["hosts"]
@@ -78,6 +81,8 @@ def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_u
             assert "NVIDIA" in gpu["name"] and 0 <= gpu["util_pct"] <= 100, gpu
             assert 0 < gpu["memory_used_bytes"] < gpu["memory_total_bytes"], gpu
         assert server["gpus"][0]["memory_used_bytes"] > 100 * 2**20, "the CUDA job's memory is not in NVML's reading"
+        latest = hosts[0]["history"][-1]  # the use-over-time charts' newest sample, GPUs averaged
+        assert latest["gpu_util_pct"] is not None and latest["gpu_memory_pct"] > 0, hosts[0]["history"]
 
         deadline = time.monotonic() + 30
         while True:  # the job's page: its rank rows, as the live table has them
@@ -97,3 +102,4 @@ def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_u
                 proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()

@@ -213,3 +213,17 @@ def test_a_race_keeps_the_exact_layout_where_nothing_gets_there_sooner_and_says_
     assert unjudged.decision.chosen == exact and unjudged.race["raced"] == []
     assert unjudged.race["said"][0].startswith("auto --auto-approximate: the exact layout's eval_loss did not fall "
                                                "by 2% in its race run (2 at step 2, 1.99 at step 12)"), unjudged.race
+
+
+def test_the_measured_peak_is_said_in_the_planners_megabytes():
+    """The ranks count MiB (CUDA's max allocated, VmHWM), the plan MB: beside the prediction the
+    measured peak is in the plan's unit (an H200's 1,530.1 MiB read as 1,530 MB against a 1,538
+    MB prediction, 4.9% off the truth)."""
+    from distrun.cli._auto import with_measured
+    from distrun.protocol import JobSummary
+
+    summary = JobSummary("succeeded", "r.py", "mirrored", 2, 10, 0.1, samples_per_s=32.0, time_to_first_step_s=1.0,
+                         wall_s=2.0, peak_mem_mb={"0": 1000.0, "1": 1530.1484375})
+    said = with_measured(_plan(_resources(10_000, SLOW)), summary).plan
+    assert said["measured_peak_mb"] == pytest.approx(1604.5, abs=0.1)  # the highest rank's, in 10**6 bytes
+    assert said["measured_step_s"] == pytest.approx(64 / 32.0)

@@ -64,7 +64,7 @@ def test_a_budget_below_mirroreds_need_chooses_a_layout_that_fits():
     assert decision.chosen.layout.strategy == "sharded" or decision.chosen.layout.pp > 1
     verdicts = dict((p.layout, v) for p, v in decision.ranked)
     assert verdicts[Layout("mirrored", 2)] == (f"needs {mirrored_need:,.0f} MB a rank, over the "
-                                                f"{0.9 * budget:,.0f} MB usable of a {budget:,.0f} MB budget")
+                                                f"{BUDGET_SHARE * budget:,.0f} MB usable of a {budget:,.0f} MB budget")
 
 
 def test_a_slow_link_chooses_the_pipeline_which_sends_activations_not_gradients():
@@ -303,6 +303,10 @@ def test_offload_keeps_the_state_in_host_memory_and_pays_the_copies_and_the_cpus
     # The host must hold the shards too: a host share below them rules offload out.
     tight_host = Resources(**{**resources.__dict__, "host_budget_bytes": 300 * MB})
     assert not fits(predict(gpu, tight_host, Layout("sharded", 2, offload=True), 64), tight_host)
+    # Said as the host's memory, not the GPU's, where the GPU would hold it.
+    verdicts = {p.layout: v for p, v in decide(gpu, tight_host, 64).ranked}
+    assert verdicts[Layout("sharded", 2, offload=True)] == (
+        f"needs {off.host_bytes / MB:,.0f} MB of its host's memory for the offloaded state, over its share of the host")
 
 
 def test_offload_is_a_gpus_candidate_one_gpu_included_and_chosen_only_on_a_trials_time():

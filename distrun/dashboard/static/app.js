@@ -279,7 +279,9 @@ function hostsView() {
       s.gpu_note ? el("li", { class: "error", text: s.gpu_note }) : null);
   }
   // CPU, memory and GPU use over the dashboard's samples of this host (the dashboard keeps the
-  // last hour, whether or not a page was open): small charts named "cpu % of HOST", ...
+  // last hour, whether or not a page was open): small charts named "cpu % of HOST", ... A line
+  // breaks where the host did not answer, or where no sample came for 90 s (3 of the sampler's
+  // periods: its cluster did not answer at all).
   const clock = (seconds) => new Date(seconds * 1000).toLocaleTimeString();
   function useCharts(row) {
     const history = row.history || [];
@@ -287,7 +289,7 @@ function hostsView() {
     const figures = [["cpu %", "cpu_pct"], ["memory %", "memory_pct"], ["GPU %", "gpu_util_pct"], ["GPU memory %", "gpu_memory_pct"]]
       .filter(([, key]) => history.some((sample) => sample[key] !== null))
       .map(([name, key]) => {
-        const chart = makeChart(`${name} of ${row.host}`, key, { x: "time", xText: clock, range: [0, 100], small: true });
+        const chart = makeChart(`${name} of ${row.host}`, key, { x: "time", xText: clock, range: [0, 100], small: true, gap: 90 });
         chart.draw(history);
         return chart.element;
       });

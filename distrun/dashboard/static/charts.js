@@ -20,11 +20,13 @@ function fmtNum(value) {
 
 // A chart: <figure> with an <svg role="img" aria-label=NAME>; draw(points) redraws it whole.
 // Options: x, the points' key along the axis ("step"); xText, how an x value reads ("step 40");
-// range, a fixed [low, high] for the values (percentages); small, a row's compact chart.
+// range, a fixed [low, high] for the values (percentages); small, a row's compact chart; gap, the
+// most x may move between two points of one line (a cluster that did not answer leaves none).
 function makeChart(name, key, options) {
   const x = (options && options.x) || "step";
   const xText = (options && options.xText) || ((value) => `step ${value}`);
   const range = options && options.range;
+  const gap = (options && options.gap) || Infinity;
   const height = options && options.small ? 100 : 200;
   const figure = document.createElement("figure");
   const caption = document.createElement("figcaption");
@@ -58,6 +60,8 @@ function makeChart(name, key, options) {
     // gap; one without the key at all (an eval that did not report this metric) is skipped.
     const runs = [[]];
     for (const p of points) {
+      const run = runs[runs.length - 1];
+      if (run.length && p[x] - run[run.length - 1][x] > gap) runs.push([]);
       if (typeof p[key] === "number" && Number.isFinite(p[key])) runs[runs.length - 1].push(p);
       else if (p[key] === null && runs[runs.length - 1].length) runs.push([]);
     }
