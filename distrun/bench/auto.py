@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from distrun.bench._runs import HERE
+from distrun.client.planning import measured_peak_mb
 from distrun.errors import DistrunError
 
 __all__ = ["SCENARIOS", "Scenario", "run_auto"]
@@ -101,8 +102,7 @@ def _train(scenario: Scenario, flags: list[str], steps: int, env: dict[str, str]
                                  "-b", str(scenario.batch), "--", *scenario.args], env, cgroup)
     summary = next((line for line in reversed(lines) if line.get("type") == "summary"), {})
     rate = float(summary.get("samples_per_s") or 0.0) if code == 0 else 0.0
-    peaks = summary.get("peak_mem_mb") or {}  # MiB, as the ranks count: the planner's MB (10**6) here
-    return {"samples_per_s": rate, "peak_mb": max(peaks.values()) * 2**20 / 10**6 if peaks else None,
+    return {"samples_per_s": rate, "peak_mb": measured_peak_mb(summary.get("peak_mem_mb")),
             "step_s": scenario.batch / rate if rate > 0 else None, "exit": code, "plan": summary.get("plan"),
             "error": None if code == 0 else summary.get("error") or (err.strip().splitlines() or [""])[-1]}
 

@@ -21,7 +21,7 @@ from distrun.cli.cluster import distrun_home
 from distrun.client import ClusterJob, JobEnvironment, pack
 from distrun.client._cluster_plan import plan_on_cluster
 from distrun.client._link_cache import cluster_key, keep_links, kept_links
-from distrun.client.planning import MB, Plan, plan_local
+from distrun.client.planning import Plan, measured_peak_mb, plan_local
 from distrun.config import ClusterSpec, JobSpec, PlanProbeSpec, RecipeInfo, RecipeKind, StrategyName, inspect_recipe
 from distrun.errors import ConfigError, UsageError
 from distrun.launch import visible_gpu_count
@@ -31,8 +31,6 @@ from distrun.protocol import JobSummary
 __all__ = ["AUTO", "Choice", "choose", "choose_on_cluster", "with_measured"]
 
 AUTO = "auto"
-#: The ranks' unit of memory (``peak_mem_mb``, ``mem_mb``).
-MIB = 2**20
 #: The flags auto sets, with the value each has when nobody gave it.
 _CHOSEN = {"tp": ("--tp", 1), "pp": ("--pp", 1), "microbatches": ("--microbatches", None),
            "pp_schedule": ("--pp-schedule", "1f1b"), "offload": ("--offload", "none"),
@@ -137,10 +135,7 @@ def _job_limits(info: RecipeInfo, base: dict[str, Any], keep: dict[str, Any] | N
 def with_measured(plan: Plan, summary: JobSummary) -> JobSummary:
     """The summary with its ``plan``: the prediction, and beside it the run's own figures (the highest
     rank's peak, and the global batch over samples/s as the step time)."""
-    peaks = summary.peak_mem_mb or {}
-    # The ranks count MiB (2**20 bytes: CUDA's max allocated, VmHWM), the planner MB (10**6): said
-    # beside each other, the measured peak is the planner's unit (it read 4.9% low before).
-    peak = max(peaks.values()) * MIB / MB if peaks else None
+    peak = measured_peak_mb(summary.peak_mem_mb)
     step_s = plan.global_batch / summary.samples_per_s if summary.samples_per_s > 0 else None
     return dataclasses.replace(summary, plan=plan.summary_object(peak, step_s))
 

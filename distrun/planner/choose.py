@@ -164,14 +164,14 @@ def _ranked(chosen: Prediction, predictions: list[Prediction], fitting: list[boo
     rest = sorted((pair for pair in zip(predictions, fitting) if pair[0] is not chosen),
                   key=lambda pair: (not pair[1], pair[0].timed_step_s is None, pair[0].expected_step_s))
     for prediction, fit in rest:
-        if not fit:
+        if not fit and prediction.host_bytes and prediction.peak_bytes <= BUDGET_SHARE * budget_mb * MB:
+            verdict = (f"needs {prediction.host_bytes / MB:,.0f} MB of its host's memory for the offloaded "
+                       f"state, over its share of the host")
+        elif not fit:
             # Said against what is usable, not the whole budget: "needs 1,093 MB, the budget is 1,117 MB"
             # read as if it fitted.
             verdict = (f"needs {prediction.peak_bytes / MB:,.0f} MB a rank, over the {BUDGET_SHARE * budget_mb:,.0f} MB "
                        f"usable of a {budget_mb:,.0f} MB budget")
-            if prediction.host_bytes and prediction.peak_bytes <= BUDGET_SHARE * budget_mb * MB:
-                verdict = (f"needs {prediction.host_bytes / MB:,.0f} MB of its host's memory for the offloaded "
-                           f"state, over its share of the host")
         else:
             verdict = _why_slower(prediction, chosen)
         ranked.append((prediction, verdict))

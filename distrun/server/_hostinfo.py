@@ -48,6 +48,10 @@ def host_facts() -> dict[str, object]:
     }
 
 
+#: Callers of ``status`` closer together than this share one CPU reading.
+_CPU_MIN_INTERVAL_S = 0.5
+
+
 class _CpuUse:
     """The host's CPU use over every core since the server's last ``status`` (psutil's
     ``interval=None``: no sleep in the answer); None on the first, which has no interval yet.
@@ -68,9 +72,6 @@ class _CpuUse:
             self._last = value if self._read_at is not None else None
             self._read_at = now
             return self._last
-
-
-_CPU_MIN_INTERVAL_S = 0.5
 
 
 _CPU = _CpuUse()
