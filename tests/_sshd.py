@@ -65,6 +65,9 @@ class Sshd:
     netns: str | None = None
     extra_config: str = ""
     sftp: bool = True  # False: no Subsystem line, as some hardened hosts have
+    #: A folder this host alone sees (its sshd's mount namespace has a tmpfs there, and so every
+    #: session and server it starts): a host's own disk, with no shared storage. Needs ``netns``.
+    private: Path | None = None
     process: subprocess.Popen | None = None
     host_key: Path = field(init=False)
 
@@ -94,6 +97,10 @@ class Sshd:
             + ("Subsystem sftp internal-sftp\n" if self.sftp else "") + "LogLevel VERBOSE\n" + self.extra_config
         )
         argv = [SSHD, "-D", "-e", "-f", str(config)]
+        if self.private is not None:  # `ip netns exec` unshares the mount namespace: the tmpfs stays in it
+            self.private.mkdir(parents=True, exist_ok=True)
+            argv = ["sh", "-c", 'mount -t tmpfs -o size=512m,mode=1777 distrun-private "$0" && exec "$@"',
+                    str(self.private), *argv]
         if self.netns:
             argv = ["ip", "netns", "exec", self.netns, *argv]
         log = open(self.root / "sshd.log", "ab")

@@ -9,10 +9,11 @@ client's exists on the hosts (shared storage is not assumed):
   it already holds, as ``distrun pull`` copies a checkpoint. The copy is part of the outcome: a
   job whose file did not come home has not succeeded;
 * the checkpoint: ``--checkpoint-dir`` names a folder on the hosts (the path a cluster training
-  job was given, read as its ``--resume`` reads it: every training host must see it); a
-  ``--checkpoint`` that exists on the client is shipped first into every training host's job
-  folder (a sharded one file by file), each host's ranks read their own copy, and the copies are
-  removed when the job ends.
+  job was given, read as its ``--resume`` reads it: rank 0's newest, which a rank whose host lacks
+  a plain one receives from rank 0); a ``--checkpoint`` that exists on the client is shipped first
+  into rank 0's host's job folder (a plain file: the other ranks receive it from rank 0) or every
+  training host's (a sharded one, file by file: each rank reads its host's shards), and the copies
+  are removed when the job ends.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ class PredictJob(ClusterJob):
         super()._submit_to(link, placement, attempt_id, spec, join=join)
 
     def _ship_checkpoint(self, checkpoint: Path) -> None:
-        """Copy a checkpoint here (a ``ckpt-<step>.pt`` file, or a sharded ``ckpt-<step>/`` folder's
-        files) into every training host's job folder, all hosts at once."""
+        """Copy a checkpoint here into the job folder of rank 0's host (a ``ckpt-<step>.pt`` file) or
+        of every training host, all at once (a sharded ``ckpt-<step>/`` folder's files)."""
         name = checkpoint.name
         if not CHECKPOINT_NAME.match(name):
             raise CheckpointError(f"--checkpoint {checkpoint}: not a checkpoint distrun writes (expected "
@@ -95,8 +96,14 @@ class PredictJob(ClusterJob):
                 link.remote.write_file(f"{target}/{part}" if part else target, data)
             self._on_hosts[link.label] = target
 
-        with ThreadPoolExecutor(max_workers=min(32, len(self._links))) as pool:
-            list(pool.map(send, self._links))
+        # A plain file goes to rank 0's host alone: the other ranks receive it from rank 0 over the
+        # job's process group (strategies/checkpoint/agreed.py), not each over the client's uplink.
+        # A sharded one's shards are read by each rank from its own host, so every host gets them.
+        to = self._links if checkpoint.is_dir() else self._links[:1]
+        with ThreadPoolExecutor(max_workers=min(32, len(to))) as pool:
+            list(pool.map(send, to))
+        if not checkpoint.is_dir():
+            self._on_hosts = dict.fromkeys(self._on_hosts, self._on_hosts[self._links[0].label])
 
     @staticmethod
     def _state_dir(link: HostLink) -> str:

@@ -105,19 +105,20 @@ def _load(strategy: Any, checkpoint: str | None, directory: str | None) -> Path:
     """The checkpoint (``--checkpoint``, else the newest in ``directory``) loaded through the
     strategy's restore hooks, so that every format reaches every layout."""
     if checkpoint is not None:
-        path = Path(checkpoint)
-        if not path.exists():
-            raise CheckpointError(f"--checkpoint {checkpoint}: no such file or folder")
+        mine = Path(checkpoint) if Path(checkpoint).exists() else None
+        missing = f"--checkpoint {checkpoint}: no such file or folder"
     else:
-        found = latest_checkpoint(directory) if directory else None
-        if found is None:
-            raise CheckpointError(f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/; "
-                                  "on a cluster every training host must see the folder, or pass a checkpoint on "
-                                  "the client with --checkpoint: it is shipped)")
-        path = found
+        mine = latest_checkpoint(directory) if directory else None
+        missing = (f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/ on rank 0's "
+                   "host; or pass a checkpoint on the client with --checkpoint: it is shipped)")
+    # Rank 0's checkpoint for every rank: a host without it receives a plain one from rank 0.
+    path, received = strategy.agreed_checkpoint(mine)
+    if path is None:
+        raise CheckpointError(missing)
     if shards.is_sharded(path):
         _same_shapes(strategy, path)
-    data = strategy._read_checkpoint(path)  # noqa: SLF001 - restore's own hooks (see the module's docstring)
+    # restore's own hooks (see the module's docstring)
+    data = received if received is not None else strategy._read_checkpoint(path)  # noqa: SLF001
     try:
         strategy._load_checkpoint(path, data)  # noqa: SLF001
     except RuntimeError as exc:  # another model's checkpoint: say which keys and shapes differ

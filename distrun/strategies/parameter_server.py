@@ -351,6 +351,9 @@ class ParameterServerStrategy(Strategy):
             return None  # the chief writes; the others keep training
         return super().save(directory, keep=keep, wait=wait, extra=extra)
 
+    #: The chief restores alone (the workers wait on the ps tasks): no agreement among the ranks.
+    _agrees_on_checkpoints = False
+
     def restore(self, directory: Any) -> dict[str, Any]:
         if not self.is_chief:  # the ps tasks hold every worker until the chief has loaded them
             if self.lr_schedule is not None:  # each worker goes on from the chief's schedule

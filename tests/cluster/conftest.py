@@ -111,6 +111,12 @@ class Lab:
     workdir: Path
     root: Path
 
+    @property
+    def private(self) -> Path:
+        """A folder each host sees as its own, empty at first (a tmpfs in its sshd's mount
+        namespace), and the client as another, outside every host: no shared storage."""
+        return self.root / "private"
+
 
 @contextlib.contextmanager
 def shaped_lab(tmp_path: Path, names: tuple[str, ...], rate_mbit: float | None = None) -> Iterator[Lab]:
@@ -126,7 +132,7 @@ def shaped_lab(tmp_path: Path, names: tuple[str, ...], rate_mbit: float | None =
         lines = []
         for index, name in enumerate(names):
             ns, address = netns.add_node(name, 11 + index, rate_mbit=rate_mbit)
-            sshd = Sshd(tmp_path / f"sshd-{name}", address=address, port=22, netns=ns)
+            sshd = Sshd(tmp_path / f"sshd-{name}", address=address, port=22, netns=ns, private=tmp_path / "private")
             sshd.start(keys.authorized_keys)
             sshds.append(sshd)
             hosts[name] = (ns, address)

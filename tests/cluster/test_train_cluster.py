@@ -524,6 +524,47 @@ def test_predict_on_the_cluster_brings_the_outputs_home(lab: Lab, cluster: Path,
     assert list(lab.workdir.glob(f"*/*/jobs/{job}/shipped")) == [], "the shipped copies outlived the job"
 
 
+def test_without_shared_storage_a_resume_and_a_predict_read_the_chiefs_checkpoint(lab: Lab, cluster: Path,
+                                                                                     tmp_path: Path) -> None:
+    """--checkpoint-dir in a folder each host sees as its own (``lab.private``): rank 0 writes the
+    plain checkpoint on h1 alone. A resume and a predict read it on both hosts, h2's rank receiving
+    it from rank 0 over the job's process group; the resumed run ends where one device's does."""
+    recipe = tmp_path / "code" / "predicts.py"
+    recipe.parent.mkdir()
+    recipe.write_text(_PREDICTS)
+    ck, data = lab.private / "ck", ("--", "--samples", "99")
+    first = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--steps", "3", "--checkpoint-every", "3",
+                    "--checkpoint-dir", str(ck), "--no-fetch", "--json", *data)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert not ck.exists(), "the client sees the hosts' private folder: the test shares storage after all"
+
+    resumed = lab_cli(lab, "train", str(recipe), "--cluster", str(cluster), "--steps", "6", "--checkpoint-every", "3",
+                      "--checkpoint-dir", str(ck), "--resume", "--json", *data)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    lines = json_lines(resumed)
+    assert [(line["step"], Path(line["path"]).name) for line in lines if line["type"] == "resumed"] == [
+        (3, "ckpt-000000003.pt")], lines
+    relayed = [line for line in lines if line["type"] == "output" and "is not on this host" in line["line"]]
+    assert [line["rank"] for line in relayed] == [1], relayed  # h2's rank, and only it
+    assert "read from rank 0 over the job's process group" in relayed[0]["line"]
+    home = Path(next(line for line in lines if line["type"] == "results")["checkpoint"])
+    local = run_cli("train", str(recipe), "--steps", "6", "--checkpoint-dir", str(tmp_path / "one"), "--json", *data)
+    assert local.returncode == 0, local.stderr[-2000:]
+    want, got = (torch.load(path, weights_only=True) for path in (latest_checkpoint(tmp_path / "one"), home))
+    assert got["step"] == want["step"] == 6
+    for key, tensor in want["model"].items():
+        torch.testing.assert_close(got["model"][key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+    out = tmp_path / "predicted.pt"
+    run = lab_cli(lab, "predict", str(recipe), "--cluster", str(cluster), "--checkpoint-dir", str(ck), "-o", str(out),
+                  "--json", *data)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [line["rank"] for line in json_lines(run) if line["type"] == "output"
+            and "is not on this host" in line["line"]] == [1]
+    torch.testing.assert_close(torch.load(out, weights_only=True)["outputs"], _applied_here(recipe, home),
+                               rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("flags, says", [
     (("-s", "parameter-server"), "distrun predict --strategy parameter-server: predict runs on a cluster with "),
     (("--replicas", "2"), "--replicas: on a cluster each host runs its `slots:`"),

@@ -23,6 +23,7 @@ removes its own temporary file.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -34,7 +35,7 @@ import torch
 from distrun.errors import CheckpointError
 from distrun.strategies.checkpoint.write_failure import RecordingFile, write_failed
 
-__all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file", "fsync_dir"]
+__all__ = ["FORMAT", "checkpoint_path", "list_files", "save_checkpoint", "load_file", "load_bytes", "fsync_dir"]
 
 FORMAT = "distrun.checkpoint.v1"
 _NAME = re.compile(r"^ckpt-(\d+)\.pt$")
@@ -85,8 +86,17 @@ def save_checkpoint(directory: str | os.PathLike[str], step: int, state: dict[st
 
 
 def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    return _loaded(path, path)
+
+
+def load_bytes(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A plain checkpoint's bytes, read from another host (``agreed.py``); ``path``: where it is there."""
+    return _loaded(io.BytesIO(data), path)
+
+
+def _loaded(source: str | os.PathLike[str] | io.BytesIO, path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: checkpoint not found") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad file

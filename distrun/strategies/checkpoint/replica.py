@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from distrun.errors import CheckpointError, RecipeError
+from distrun.strategies.checkpoint.agreed import agreed_checkpoint
 from distrun.strategies.checkpoint.catalog import latest_checkpoint, load_checkpoint, newest_complete, prune
 from distrun.strategies.checkpoint.files import save_checkpoint
 from distrun.strategies.checkpoint.mismatch import describe_mismatch
@@ -49,6 +50,10 @@ class CheckpointReplica:
     #: Told ``(step, path)`` after ``restore`` read a checkpoint: the runtime says "resumed from ...
     #: at step N" for a custom loop, which calls ``restore`` itself (the fit loop says it on its own).
     on_restored: Callable[[int, str], None] | None = None
+    #: Whether every rank of the default group restores at once, so that they can agree on rank 0's
+    #: checkpoint (``agreed.py``); the parameter-server chief restores alone.
+    _agrees_on_checkpoints = True
+    _collective_device: torch.device
 
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
@@ -177,10 +182,10 @@ class CheckpointReplica:
         prepared model and optimizer. Restores step, data position and RNG too; returns the
         checkpoint's entries (a sharded one's without its tensors), among them ``extra``: what
         ``save(extra=...)`` kept (``{}`` where it kept nothing)."""
-        path = latest_checkpoint(directory)
+        path, received = self.agreed_checkpoint(latest_checkpoint(directory))
         if path is None:
             raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt or ckpt-<step>/)")
-        data = self._read_checkpoint(path)
+        data = received if received is not None else self._read_checkpoint(path)
         saved_gbs = data.get("global_batch_size")
         if saved_gbs and self._global_batch_size and saved_gbs != self._global_batch_size:
             raise CheckpointError(
@@ -209,6 +214,13 @@ class CheckpointReplica:
         if self.on_restored is not None:
             self.on_restored(self.step, str(path))
         return data
+
+    def agreed_checkpoint(self, mine: Path | None) -> tuple[Path | None, dict[str, Any] | None]:
+        """Rank 0's checkpoint for every rank (``mine``: the one this rank would read on its own),
+        and its entries where this rank's host does not hold it (None: read the path)."""
+        if not self._agrees_on_checkpoints:
+            return mine, None
+        return agreed_checkpoint(mine, self._collective_device)
 
     def _read_checkpoint(self, path: Path) -> dict[str, Any]:
         """The checkpoint as the plain format's dict: whole tensors, whichever format it is in."""
