@@ -44,7 +44,7 @@ _SCALING = ("resnet50", "resnet18", "mlp")
 @app.command()
 def bench(
     workload: str = typer.Argument(..., help="overhead | ttfs | straggler | allreduce | compression | elastic | memory | pipeline | layouts | embeddings | auto | slowlinks | resnet50 | resnet18 | mlp"),
-    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline, slowlinks: the (running) cluster to measure (none: this machine).", rich_help_panel="Where"),
+    cluster_file: Path | None = typer.Option(None, "--cluster", help="ttfs, scaling, allreduce, compression, elastic, pipeline, slowlinks, auto: the (running) cluster to measure (none: this machine).", rich_help_panel="Where"),
     replicas: int | None = typer.Option(None, "--replicas", "-n", help="overhead: processes (2); scaling on CPU, memory: up to N (2; memory 4); straggler: workers (3); local ttfs: ranks (one per GPU, else 2).", rich_help_panel="Where"),
     gpus: int | None = typer.Option(None, "--gpus", help="scaling: 1, 2, 4, ... N GPUs (one process each, NCCL).", rich_help_panel="Where"),
     device: str = typer.Option("auto", "--device", help="scaling, local ttfs: auto | cpu | cuda", rich_help_panel="Where"),
@@ -132,10 +132,8 @@ def bench(
                                    progress=say)
             _show(report, json_output, render_slowlinks)
         elif workload == "auto":
-            if cluster_file is not None:
-                raise UsageError("bench auto --cluster: the planner probes and budgets this machine only, for now")
             _positive(steps=steps or 5)
-            report = run_auto(steps=steps or 5, progress=say)
+            report = run_auto(steps=steps or 5, cluster=cluster_file, progress=say)
             _show(report, json_output, render_auto)
         elif workload == "layouts":
             _positive(steps=steps or 3)

@@ -187,18 +187,25 @@ def render_auto(report: Mapping[str, Any]) -> Table:
                         "predicted/measured peak: the highest rank (VmHWM); step: the global batch over samples/s; "
                         "0 samples/s: the run failed (killed over its cgroup's limit). auto's ratio to the best "
                         f"contender: geometric mean {num(report['geomean_vs_best'], '.2f')}x, worst "
-                        f"{num(report.get('worst_vs_best'), '.2f')}x; geometric means against always-mirrored "
-                        f"{policy('mirrored')}, always-sharded {policy('sharded')} (a failure counts 0)",
+                        f"{num(report.get('worst_vs_best'), '.2f')}x; against the best within the 90% rule "
+                        f"(a cgroup peak over 90% of the limit is not counted best: marked *) "
+                        f"{num(report.get('geomean_vs_best_within_rule'), '.2f')}x, worst "
+                        f"{num(report.get('worst_vs_best_within_rule'), '.2f')}x; geometric means against "
+                        f"always-mirrored {policy('mirrored')}, always-sharded {policy('sharded')} (a failure counts 0)"
+                        + (f"; on the cluster {report['cluster']}" if report.get("cluster") else ""),
                         ("scenario / layout", "samples/s", "peak MB pred/meas", "step s pred/meas", "auto vs it"))
     for row in report["rows"]:
         table.add_section()
-        table.add_row(f"[bold]{row['scenario']}[/bold] (budget {num(row['budget_mb'], ',.0f')} MB a rank)", "", "", "",
-                      "")
+        limit = row.get("cgroup_limit_mb")
+        table.add_row(f"[bold]{row['scenario']}[/bold] (budget {num(row['budget_mb'], ',.0f')} MB a rank"
+                      + (f"; cgroup {limit:,.0f} MB" if limit else "") + ")", "", "", "", "")
         if row.get("plan_error"):
             table.add_row(f"  [red]auto could not plan:[/red] {row['plan_error']}", "", "", "", "")
         rate = row["contenders"][-1]["samples_per_s"]
         for c in row["contenders"]:
-            table.add_row(f"  {c['layout']}", f"{c['samples_per_s']:.1f}",
+            edge = f" (cgroup peak {c['cgroup_peak_mb']:,.0f} MB)" if limit and c.get("cgroup_peak_mb") else ""
+            mark = "*" if limit and c["samples_per_s"] and not c.get("within_rule", True) else ""
+            table.add_row(f"  {c['layout']}{edge}{mark}", f"{c['samples_per_s']:.1f}",
                           f"{num(c['predicted_peak_mb'], '.0f')}/{num(c['peak_mb'], '.0f')}",
                           f"{num(c['predicted_step_s'], '.3g')}/{num(c['step_s'], '.3g')}",
                           "-" if c["layout"].startswith("auto") else

@@ -31,6 +31,18 @@ function cell(value, numeric, cls) {
             value instanceof Node ? value : document.createTextNode(value === null || value === undefined ? "—" : String(value)));
 }
 
+// Writes only what changed: a page following a job is updated every second, and rewriting equal
+// text still costs the browser a style, layout and paint pass.
+function setText(node, text) {
+  if (node.textContent !== text) node.textContent = text;
+}
+
+function setCell(td, value, numeric, cls) {
+  setText(td, value === null || value === undefined ? "—" : String(value));
+  const name = [numeric ? "num" : "", cls || ""].join(" ").trim();
+  if (td.className !== name) td.className = name;
+}
+
 function when(seconds) {
   return seconds ? new Date(seconds * 1000).toLocaleString() : "—";
 }
@@ -127,6 +139,9 @@ function jobView(jobId) {
   let points = [];
   let lines = [];
   const knownRanks = new Set();
+  const rowNodes = new Map();  // rank -> { tr, cells }: the rank table's rows, updated in place
+  const factNodes = new Map();  // name -> its <dd>
+  let factNames = "";
 
   function shown(line) {
     if (rankFilter.value !== "" && String(line.rank) !== rankFilter.value) return false;
@@ -155,44 +170,70 @@ function jobView(jobId) {
   }
 
   function showHead(head) {
-    title.textContent = head.recipe ? `${head.recipe} · ${head.strategy}` : jobId;
-    document.title = `${head.recipe || jobId} · distrun`;
+    setText(title, head.recipe ? `${head.recipe} · ${head.strategy}` : jobId);
+    const named = `${head.recipe || jobId} · distrun`;
+    if (document.title !== named) document.title = named;
     const ended = head.ended;
     const attempt = head.attempts > 1 ? ` (attempt ${head.attempts})` : "";
-    state.textContent = `${head.state}${attempt}${head.reason ? ": " + head.reason : ""}`;
-    state.className = `state-${head.state}`;
+    setText(state, `${head.state}${attempt}${head.reason ? ": " + head.reason : ""}`);
+    if (state.className !== `state-${head.state}`) state.className = `state-${head.state}`;
     cancelButton.disabled = ended;
     stacksButton.disabled = ended;
-    if (head.cluster) document.getElementById("where").textContent = head.cluster;
+    if (head.cluster) setText(document.getElementById("where"), head.cluster);
     const items = [["cluster", head.cluster || "—"], ["job", jobId], ["step", stepOf(head)], ["loss", fmtNum(head.loss)],
                    ["samples/s", fmtNum(head.samples_per_s)], ["elapsed", duration(head.elapsed_s)],
                    ["hosts", (head.hosts || []).join(", ") || "—"]];
     for (const [name, value] of Object.entries(head.eval_metrics || {})) items.push([`eval ${name}`, fmtNum(value)]);
-    facts.replaceChildren(...items.map(([name, value]) => el("div", {}, el("dt", { text: name }), el("dd", { text: value }))));
+    const names = items.map(([name]) => name).join("\n");
+    if (names !== factNames) {  // a new eval metric: the list is made again, else only its values change
+      factNames = names;
+      factNodes.clear();
+      facts.replaceChildren(...items.map(([name]) => {
+        const value = el("dd");
+        factNodes.set(name, value);
+        return el("div", {}, el("dt", { text: name }), value);
+      }));
+    }
+    for (const [name, value] of items) setText(factNodes.get(name), value);
   }
 
   function showRows(rows) {
-    ranks.body.replaceChildren(...rows.map((row) => {
+    const now = new Set();
+    rows.forEach((row, index) => {
       addRank(row.rank);
-      return el("tr", { "data-rank": row.rank },
-        cell(row.rank, true), cell(row.host), cell(row.device), cell(row.step, true), cell(fmtNum(row.loss), true),
-        cell(fmtNum(row.samples_per_s), true), cell(row.mem_mb, true), cell(row.peak_mem_mb, true),
-        cell(row.compute_ms === null ? "—" : fmtNum(row.compute_ms), true),
-        cell(row.wait_pct === null || row.wait_pct === undefined ? "—" : `${row.wait_pct.toFixed(0)}%`, true),
-        cell(row.slow ? `${row.status}, slow ${row.slow.toFixed(2)}x` : row.status, false, row.slow ? "slow" : null));
-    }));
+      now.add(row.rank);
+      let known = rowNodes.get(row.rank);
+      if (!known) {
+        const cells = Array.from({ length: 11 }, () => el("td"));
+        known = { tr: el("tr", { "data-rank": row.rank }, ...cells), cells };
+        rowNodes.set(row.rank, known);
+      }
+      [[row.rank, true], [row.host], [row.device], [row.step, true], [fmtNum(row.loss), true],
+       [fmtNum(row.samples_per_s), true], [row.mem_mb, true], [row.peak_mem_mb, true],
+       [row.compute_ms === null ? "—" : fmtNum(row.compute_ms), true],
+       [row.wait_pct === null || row.wait_pct === undefined ? "—" : `${row.wait_pct.toFixed(0)}%`, true],
+       [row.slow ? `${row.status}, slow ${row.slow.toFixed(2)}x` : row.status, false, row.slow ? "slow" : null]]
+        .forEach(([value, numeric, cls], i) => setCell(known.cells[i], value, numeric, cls));
+      if (ranks.body.children[index] !== known.tr) ranks.body.insertBefore(known.tr, ranks.body.children[index] || null);
+    });
+    for (const [rank, known] of rowNodes) {
+      if (!now.has(rank)) {
+        known.tr.remove();
+        rowNodes.delete(rank);
+      }
+    }
   }
 
-  const source = new EventSource(`/api/jobs/${encodeURIComponent(jobId)}/events`);
-  source.onmessage = (message) => {
-    const update = JSON.parse(message.data);
-    if (update.reset) { points = []; lines = []; }
-    points = points.concat(update.points);
-    if (update.reset || update.points.length) charts.forEach((chart) => chart.draw(points));
-    if (update.rows) showRows(update.rows);
-    if (update.reset) evals = [];
-    if (update.evals.length) {
-      evals = evals.concat(update.evals);
+  // What the events brought since the page was last drawn. The page is drawn in an animation
+  // frame: updates that arrive together are drawn once, and a hidden tab (no frames) draws
+  // nothing until it is shown again, then draws the latest.
+  const dirty = { charts: false, evals: false, rows: null, head: null, events: [], lines: [], reset: false };
+  let frame = 0;
+
+  function draw() {
+    frame = 0;
+    if (dirty.charts) charts.forEach((chart) => chart.draw(points));
+    if (dirty.evals) {
       for (const name of new Set(evals.flatMap((point) => Object.keys(point).filter((key) => key !== "step")))) {
         if (!evalCharts.has(name)) {
           const chart = makeChart(`eval ${name}`, name);
@@ -202,23 +243,47 @@ function jobView(jobId) {
       }
       evalCharts.forEach((chart) => chart.draw(evals));
     }
-    if (update.reset) timeline.replaceChildren();
-    for (const event of update.events) {
+    if (dirty.rows) showRows(dirty.rows);
+    if (dirty.reset) timeline.replaceChildren();
+    for (const event of dirty.events) {
       const at = new Date(event.time * 1000).toLocaleTimeString();
       timeline.append(el("li", { class: `event-${event.kind}` }, el("span", { class: "dim", text: `${at} ` }),
                          document.createTextNode(event.text)));
     }
+    if (dirty.reset) redrawLogs();
+    else if (dirty.lines.length) {
+      for (const line of dirty.lines.filter(shown).slice(-MAX_SHOWN_LINES)) logs.append(lineNode(line));
+      while (logs.childElementCount > MAX_SHOWN_LINES) logs.firstChild.remove();
+      if (follow.checked) logs.scrollTop = logs.scrollHeight;
+    }
+    if (dirty.head) showHead(dirty.head);
+    Object.assign(dirty, { charts: false, evals: false, rows: null, head: null, events: [], lines: [], reset: false });
+  }
+
+  const source = new EventSource(`/api/jobs/${encodeURIComponent(jobId)}/events`);
+  source.onmessage = (message) => {
+    const update = JSON.parse(message.data);
+    if (update.reset) {
+      points = [];
+      lines = [];
+      evals = [];
+      Object.assign(dirty, { charts: true, evals: true, events: [], lines: [], reset: true });
+    }
+    points = points.concat(update.points);
+    dirty.charts = dirty.charts || update.points.length > 0;
+    if (update.rows) dirty.rows = update.rows;
+    if (update.evals.length) {
+      evals = evals.concat(update.evals);
+      dirty.evals = true;
+    }
+    dirty.events.push(...update.events);
     if (update.lines.length) {
       lines = lines.concat(update.lines);
       update.lines.forEach((line) => addRank(line.rank));
-      if (update.reset) redrawLogs();
-      else {
-        for (const line of update.lines.filter(shown)) logs.append(lineNode(line));
-        while (logs.childElementCount > MAX_SHOWN_LINES) logs.firstChild.remove();
-        if (follow.checked) logs.scrollTop = logs.scrollHeight;
-      }
+      if (!dirty.reset) dirty.lines.push(...update.lines);
     }
-    showHead(update.head);
+    dirty.head = update.head;
+    if (!frame) frame = requestAnimationFrame(draw);
     if (update.head.ended) source.close();  // a finished job's page stays as it is
   };
   source.onerror = () => { if (source.readyState !== EventSource.CLOSED) state.textContent = "reconnecting…"; };

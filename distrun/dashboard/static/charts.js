@@ -18,6 +18,34 @@ function fmtNum(value) {
   return abs >= 100 ? value.toFixed(1) : value.toPrecision(4).replace(/\.?0+$/, "");
 }
 
+// A line's points, at most two to a unit of the chart's width: in each column the lowest and the
+// highest, in their order, so a spike stays drawn. A long run's thousands of points cost the
+// browser a redraw each update and add nothing a 400-unit-wide line can show.
+function thin(run, key, column, width) {
+  if (run.length <= 2 * width) return run;
+  const out = [];
+  let at = null, low = -1, high = -1;
+  const flush = () => {
+    if (low < 0) return;
+    if (low === high) out.push(run[low]);
+    else if (low < high) out.push(run[low], run[high]);
+    else out.push(run[high], run[low]);
+  };
+  run.forEach((p, i) => {
+    const here = Math.floor(column(p));
+    if (here !== at) {
+      flush();
+      at = here;
+      low = high = i;
+    } else {
+      if (p[key] < run[low][key]) low = i;
+      if (p[key] > run[high][key]) high = i;
+    }
+  });
+  flush();
+  return out;
+}
+
 // A chart: <figure> with an <svg role="img" aria-label=NAME>; draw(points) redraws it whole.
 // Options: x, the points' key along the axis ("step"); xText, how an x value reads ("step 40");
 // range, a fixed [low, high] for the values (percentages); small, a row's compact chart; gap, the
@@ -50,8 +78,8 @@ function makeChart(name, key, options) {
       return;
     }
     let x0 = data[0][x], x1 = data[data.length - 1][x];
-    let y0 = range ? range[0] : Math.min(...data.map((p) => p[key]));
-    let y1 = range ? range[1] : Math.max(...data.map((p) => p[key]));
+    let y0 = range ? range[0] : Infinity, y1 = range ? range[1] : -Infinity;
+    if (!range) for (const p of data) { y0 = Math.min(y0, p[key]); y1 = Math.max(y1, p[key]); }
     if (x1 === x0) x1 = x0 + 1;
     if (y1 === y0) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
     const sx = (x) => left + (x - x0) / (x1 - x0) * (right - left);
@@ -66,7 +94,7 @@ function makeChart(name, key, options) {
       else if (p[key] === null && runs[runs.length - 1].length) runs.push([]);
     }
     for (const run of runs.filter((r) => r.length)) {
-      const path = run.map((p) => `${sx(p[x]).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
+      const path = thin(run, key, (p) => sx(p[x]), right - left).map((p) => `${sx(p[x]).toFixed(1)},${sy(p[key]).toFixed(1)}`).join(" ");
       svg.appendChild(svgEl("polyline", { class: "series", points: path, "vector-effect": "non-scaling-stroke" }));
     }
     const last = data[data.length - 1];

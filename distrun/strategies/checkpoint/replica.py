@@ -54,6 +54,7 @@ class CheckpointReplica:
     #: checkpoint (``agreed.py``); the parameter-server chief restores alone.
     _agrees_on_checkpoints = True
     _collective_device: torch.device
+    _distributed: bool
 
     def _optimizer_state(self) -> dict[str, Any]:
         return self._optimizer.state_dict() if self._optimizer is not None else {}
@@ -218,7 +219,7 @@ class CheckpointReplica:
     def agreed_checkpoint(self, mine: Path | None) -> tuple[Path | None, dict[str, Any] | None]:
         """Rank 0's checkpoint for every rank (``mine``: the one this rank would read on its own),
         and its entries where this rank's host does not hold it (None: read the path)."""
-        if not self._agrees_on_checkpoints:
+        if not self._agrees_on_checkpoints or not self._distributed:  # one process: its own
             return mine, None
         return agreed_checkpoint(mine, self._collective_device)
 
