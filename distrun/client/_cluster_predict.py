@@ -9,8 +9,8 @@ client's exists on the hosts (shared storage is not assumed):
   it already holds, as ``distrun pull`` copies a checkpoint. The copy is part of the outcome: a
   job whose file did not come home has not succeeded;
 * the checkpoint: ``--checkpoint-dir`` names a folder on the hosts (the path a cluster training
-  job was given, read as its ``--resume`` reads it: rank 0's newest, which a rank whose host lacks
-  a plain one receives from rank 0); a ``--checkpoint`` that exists on the client is shipped first
+  job was given, read as its ``--resume`` reads it: the newest any host holds, which a rank whose
+  host lacks a plain one receives over the process group); a ``--checkpoint`` that exists on the client is shipped first
   into rank 0's host's job folder (a plain file: the other ranks receive it from rank 0) or every
   training host's (a sharded one, file by file: each rank reads its host's shards), and the copies
   are removed when the job ends.
@@ -47,7 +47,7 @@ class PredictJob(ClusterJob):
 
     def place(self, output: Path, checkpoint: str | None, ship: Path | None) -> None:
         """``output``: the client's file; ``checkpoint``: a path on the hosts (or None: the newest in
-        the spec's ``--checkpoint-dir``); ``ship``: a checkpoint here, copied to every training host."""
+        the spec's ``--checkpoint-dir``); ``ship``: a checkpoint here, copied to the hosts first."""
         self._home = output
         self._shipped_to = []
         self._on_hosts = {link.label: checkpoint for link in self._links}

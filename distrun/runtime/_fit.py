@@ -112,7 +112,12 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     if spec.checkpoint.dir:
         reporter.during = "checking --checkpoint-dir"
         strategy.check_checkpoint_dir(spec.checkpoint.dir)
-    if spec.checkpoint.resume and spec.checkpoint.dir and not strategy.joined:  # a joiner was healed by a peer
+    resume = spec.checkpoint.resume
+    if spec.checkpoint.dir and not strategy.joined:  # a joiner was healed by a peer
+        # --resume-if-any is decided per node (Slurm, Kubernetes): on storage a node's own, some would
+        # restore and some not. Every rank resumes where any asked to, from the checkpoint they agree on.
+        resume = strategy._any_true(resume)  # noqa: SLF001 - the strategy's own collective
+    if resume and spec.checkpoint.dir and not strategy.joined:
         reporter.during = "restoring the checkpoint"
         restored = strategy.restore(spec.checkpoint.dir)
         if callbacks is not None:  # EarlyStopping's count goes on where it left (Lightning's choice)
@@ -172,7 +177,7 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
     last_loss: torch.Tensor | None = None
     checkpoint_every = spec.checkpoint.every
     ckpt_dir = spec.checkpoint.dir
-    last_saved = strategy.step if spec.checkpoint.resume else -1
+    last_saved = strategy.step if resume else -1
     # Steps may advance by more than one (asynchronous workers see every update), so a
     # checkpoint is due when the step crosses a multiple of checkpoint_every.
     last_mark = strategy.step // checkpoint_every if checkpoint_every else 0

@@ -105,14 +105,16 @@ def _load(strategy: Any, checkpoint: str | None, directory: str | None) -> Path:
     """The checkpoint (``--checkpoint``, else the newest in ``directory``) loaded through the
     strategy's restore hooks, so that every format reaches every layout."""
     if checkpoint is not None:
-        mine = Path(checkpoint) if Path(checkpoint).exists() else None
+        def find() -> Path | None:
+            return Path(checkpoint) if Path(checkpoint).exists() else None
         missing = f"--checkpoint {checkpoint}: no such file or folder"
     else:
-        mine = latest_checkpoint(directory) if directory else None
-        missing = (f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/ on rank 0's "
-                   "host; or pass a checkpoint on the client with --checkpoint: it is shipped)")
-    # Rank 0's checkpoint for every rank: a host without it receives a plain one from rank 0.
-    path, received = strategy.agreed_checkpoint(mine)
+        def find() -> Path | None:
+            return latest_checkpoint(directory) if directory else None
+        missing = (f"{directory}: no checkpoint to predict with (expected ckpt-<step>.pt or ckpt-<step>/ on the "
+                   "chief's host; or pass a checkpoint on the client with --checkpoint: it is shipped)")
+    # One checkpoint for every rank: a host without it receives a plain one from the rank that has it.
+    path, received = strategy.agreed_checkpoint(find)
     if path is None:
         raise CheckpointError(missing)
     if shards.is_sharded(path):

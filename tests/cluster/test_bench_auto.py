@@ -17,7 +17,7 @@ import pytest
 
 from tests.cluster.conftest import bench_on_two_hosts
 
-pytestmark = pytest.mark.bench
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(2400)]
 
 
 def test_bench_auto_runs_every_contender_and_auto_on_the_cluster(tmp_path: Path) -> None:

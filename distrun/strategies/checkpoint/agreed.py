@@ -1,27 +1,33 @@
-"""The chief's checkpoint, for every rank: a resume or a predict without shared storage.
+"""One checkpoint for every rank: a resume or a predict without shared storage.
 
-A cluster's ``--checkpoint-dir`` is a folder on rank 0's host (docs/standalone-client.md: shared
-storage is not assumed), and a plain checkpoint is one file rank 0 writes there. A resume
+A cluster's ``--checkpoint-dir`` is a folder on the chief's host (docs/standalone-client.md: shared
+storage is not assumed), and a plain checkpoint is one file the chief writes there. A resume
 (``--resume``, a ``--max-restarts`` attempt) or a predict has every rank read "the newest
-checkpoint": each on its own host, where the folder holds an older one or none. A rank then
-failed, or, worse, resumed from another step than the chief's.
+checkpoint": each on its own host, where the folder holds an older one, another run's, or none.
+A rank then failed, or, worse, loaded other weights than its peers.
 
-So the ranks agree first. Rank 0's checkpoint is the one: its path, kind and size are broadcast,
-and each rank says whether it sees that same file (the same path and size). The ranks that do
-not receive the file's bytes from rank 0 over the job's own process group, in chunks (a GPU
-rank's buffer stays small under NCCL), and read them in memory: nothing is written on their
-host. A sharded checkpoint cannot be sent so (each rank wrote its shards on its own host): a
-rank that does not see it is one line, naming the ranks and the folder, on every rank alike.
+So the ranks agree first, in one all-gather of what each found (its step, kind and size, or that
+it could not look): the checkpoint is the newest step any rank found, from the lowest rank that
+holds it (the source: rank 0 unless an elastic job's chief moved to another host). The source
+broadcasts its file's name and, for a plain one, its SHA-256. A rank whose own checkpoint has the
+same name, size and digest reads it (shared storage, or a copy); every other rank receives the
+source's bytes over the job's own process group, in chunks (a GPU rank's buffer stays small under
+NCCL), into one buffer it reads in memory: nothing is written on its host. A sharded checkpoint
+cannot be sent so (each rank wrote its shards on its own host): a rank that does not see it is
+one error, the same on every rank. So is a rank that could not look in its folder.
 
-Every rank of the default group calls it at once (the parameter-server chief restores alone and
-does not).
+Every rank of the default group calls it at once: ``restore`` and predict's load do (the
+parameter-server chief restores alone and does not).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import hashlib
+import os
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,89 +39,138 @@ from distrun.strategies.checkpoint import files, shards
 
 __all__ = ["agreed_checkpoint", "CHUNK_BYTES"]
 
-#: The most bytes one broadcast carries: a received file's buffer on a rank's collective device.
+#: The most bytes one broadcast carries: a received file's chunk on a rank's collective device.
 CHUNK_BYTES = 64 * 2**20
-_NONE, _PLAIN, _SHARDED = 0, 1, 2
+_NONE, _PLAIN, _SHARDED, _FAILED = 0, 1, 2, 3
+_STEP = re.compile(r"^ckpt-(\d+)(\.pt)?$")
+_DIGEST_BYTES = 32
 
 
-def agreed_checkpoint(mine: Path | None, device: torch.device) -> tuple[Path | None, dict[str, Any] | None]:
-    """(rank 0's checkpoint, its entries where this rank received them from rank 0, else None:
-    read the path). ``mine``: the checkpoint this rank would read on its own (its newest, or the
-    path it was given); ``device``: where the default group's tensors live."""
+def agreed_checkpoint(find: Callable[[], Path | None], device: torch.device) -> tuple[Path | None, dict[str, Any] | None]:
+    """(the checkpoint, its entries where this rank received them, else None: read the path).
+    ``find``: the checkpoint this rank would read on its own (its newest, or the path it was
+    given; called here, so that a folder it cannot list is everyone's one error); ``device``:
+    where the default group's tensors live."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return mine, None
-    kind, size, name = _describe(mine) if dist.get_rank() == 0 else (_NONE, 0, b"")
-    head = torch.tensor([kind, size, len(name)], dtype=torch.int64, device=device)
-    dist.broadcast(head, src=0)
-    kind, size, length = (int(value) for value in head.tolist())
-    if kind == _NONE:
+        return find(), None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine, kind, size, step, problem = _look(find)
+    table = torch.zeros(world, 4, dtype=torch.int64, device=device)
+    table[rank] = torch.tensor([kind, size, step, 0], dtype=torch.int64, device=device)
+    dist.all_reduce(table)  # each rank's row at its own index
+    rows = table.cpu().tolist()
+    failed = [r for r, row in enumerate(rows) if row[0] == _FAILED]
+    if failed:
+        raise CheckpointError(problem if rank in failed else
+                              f"rank(s) {', '.join(map(str, failed))} could not look for the checkpoint (their own "
+                              "errors say why)")
+    found = [(row[2], -r) for r, row in enumerate(rows) if row[0] != _NONE]
+    if not found:
         return None, None
-    named = torch.zeros(length, dtype=torch.uint8, device=device)
-    if dist.get_rank() == 0:
-        named.copy_(torch.frombuffer(bytearray(name), dtype=torch.uint8))
-    dist.broadcast(named, src=0)
-    path = Path(bytes(named.cpu().tolist()).decode())
-    sees = _sees(mine, path, kind, size)
-    seen = torch.zeros(dist.get_world_size(), dtype=torch.int64, device=device)
-    seen[dist.get_rank()] = int(sees)
-    dist.all_reduce(seen)  # each rank's flag at its own index
-    lacking = [rank for rank, flag in enumerate(seen.tolist()) if not flag]
+    source = -max(found)[1]  # the newest step; of the ranks holding it, the lowest
+    kind, size = rows[source][0], rows[source][1]
+    name, digest = _announce(mine if rank == source else None, kind, source, device)
+    sees = rank == source or _same(mine, name, kind, size, digest)
+    seen = torch.zeros(world, dtype=torch.int64, device=device)
+    seen[rank] = int(sees)
+    dist.all_reduce(seen)
+    lacking = [r for r, flag in enumerate(seen.cpu().tolist()) if not flag]
     if lacking and kind == _SHARDED:  # on every rank alike: none goes on to load it
-        raise CheckpointError(f"{path}: a sharded checkpoint rank 0 sees but rank(s) "
-                              f"{', '.join(map(str, lacking))} do not; its shards are on the hosts that wrote "
+        raise CheckpointError(f"{name}: a sharded checkpoint rank {source} holds but rank(s) "
+                              f"{', '.join(map(str, lacking))} do not see; its shards are on the hosts that wrote "
                               "them: put --checkpoint-dir on storage every host sees, or use the plain checkpoint "
                               "`distrun checkpoint export` writes")
-    data = _send(path, size, lacking, device) if lacking else None
-    if sees:  # its own copy: the same file rank 0's is (a shipped one's path differs by host)
+    data = _send(mine if rank == source else None, size, source, lacking, device) if lacking else None
+    if sees:
         return mine, None
     assert data is not None, "a rank that does not see the checkpoint is sent it"
-    print(f"distrun: rank {dist.get_rank()}: {path} is not on this host; read from rank 0 over the job's "
-          f"process group ({size / 1e6:,.1f} MB)", file=sys.stderr, flush=True)
-    return path, files.load_bytes(data, path)
+    print(f"distrun: rank {rank}: {name} is not on this host; read from rank {source} over the job's process "
+          f"group ({size / 1e6:,.1f} MB)", file=sys.stderr, flush=True)
+    loaded = files.load_bytes(data, name)
+    return Path(name), loaded
 
 
-def _describe(path: Path | None) -> tuple[int, int, bytes]:
-    if path is None:
-        return _NONE, 0, b""
-    if shards.is_sharded(path):
-        return _SHARDED, 0, str(path).encode()
+def _look(find: Callable[[], Path | None]) -> tuple[Path | None, int, int, int, str]:
+    """(this rank's checkpoint, its kind, size, step, and what went wrong looking for it)."""
     try:
-        return _PLAIN, path.stat().st_size, str(path).encode()
+        mine = find()
+        if mine is None:
+            return None, _NONE, 0, -1, ""
+        match = _STEP.match(mine.name)
+        step = int(match.group(1)) if match else -1  # a --checkpoint of any name: every rank's is the same
+        if shards.is_sharded(mine):
+            return mine, _SHARDED, 0, step, ""
+        return mine, _PLAIN, mine.stat().st_size, step, ""
+    except CheckpointError as exc:
+        return None, _FAILED, 0, -1, exc.message
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read the checkpoint: {exc.strerror}") from None
+        return None, _FAILED, 0, -1, f"{exc.filename or 'the checkpoint folder'}: cannot look for a checkpoint: {exc.strerror}"
 
 
-def _sees(mine: Path | None, chiefs: Path, kind: int, size: int) -> bool:
-    """Whether this rank's own checkpoint is rank 0's: the same name, kind and (plain) size."""
-    if mine is None or mine.name != chiefs.name:
+def _announce(mine: Path | None, kind: int, source: int, device: torch.device) -> tuple[str, bytes]:
+    """The source's checkpoint name (its path there) and, for a plain file, its SHA-256, to every rank."""
+    named = b""
+    if mine is not None:
+        try:
+            digest = _digest(mine) if kind == _PLAIN else bytes(_DIGEST_BYTES)
+        except OSError:
+            digest = bytes(_DIGEST_BYTES)  # unreadable now: its bytes' broadcast will say so
+        named = digest + os.fsencode(mine)
+    length = torch.tensor([len(named)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=source)
+    buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if mine is not None:
+        buffer.copy_(torch.frombuffer(bytearray(named), dtype=torch.uint8))
+    dist.broadcast(buffer, src=source)
+    raw = buffer.cpu().numpy().tobytes()
+    return os.fsdecode(raw[_DIGEST_BYTES:]), raw[:_DIGEST_BYTES]
+
+
+def _same(mine: Path | None, name: str, kind: int, size: int, digest: bytes) -> bool:
+    """Whether this rank's own checkpoint is the source's: the same name and kind, and for a plain
+    file the same size and SHA-256 (another run's step N has the same name and nearly the size)."""
+    if mine is None or mine.name != Path(name).name:
         return False
     try:
         if kind == _SHARDED:
             return shards.is_sharded(mine)
-        return mine.is_file() and mine.stat().st_size == size
+        return mine.is_file() and mine.stat().st_size == size and _digest(mine) == digest
     except OSError:
         return False
 
 
-def _send(path: Path, size: int, lacking: list[int], device: torch.device) -> bytes | None:
-    """Rank 0's file, chunk by chunk, to the ``lacking`` ranks (a group of them and rank 0, made by
-    every rank as new_group asks); the bytes on a lacking rank, None elsewhere."""
-    members = [0, *lacking]
+def _digest(path: Path) -> bytes:
+    sha = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(8 * 2**20), b""):
+            sha.update(block)
+    return sha.digest()
+
+
+def _send(mine: Path | None, size: int, source: int, lacking: list[int], device: torch.device) -> bytearray | None:
+    """The source's file, chunk by chunk, to the ``lacking`` ranks (a group of them and the source,
+    made by every rank as new_group asks); the bytes on a lacking rank, None elsewhere."""
+    members = sorted({source, *lacking})
     group = dist.new_group(ranks=members)
     rank = dist.get_rank()
     if rank not in members:
         return None
-    received = io.BytesIO()
+    received = bytearray(size) if rank != source else None
     try:
-        with open(path, "rb") if rank == 0 else contextlib.nullcontext() as source:
+        with open(mine, "rb") if mine is not None else contextlib.nullcontext() as fh:
             for start in range(0, size, CHUNK_BYTES):
                 count = min(CHUNK_BYTES, size - start)
-                chunk = torch.empty(count, dtype=torch.uint8, device=device)
-                if rank == 0:
-                    chunk.copy_(torch.frombuffer(bytearray(source.read(count)), dtype=torch.uint8))
-                dist.broadcast(chunk, src=0, group=group)
-                if rank != 0:
-                    received.write(chunk.cpu().numpy().tobytes())
+                if received is not None and device.type == "cpu":  # straight into the buffer
+                    chunk = torch.frombuffer(memoryview(received)[start:start + count], dtype=torch.uint8)
+                else:
+                    chunk = torch.empty(count, dtype=torch.uint8, device=device)
+                if fh is not None:
+                    chunk.copy_(torch.frombuffer(bytearray(fh.read(count)), dtype=torch.uint8))
+                dist.broadcast(chunk, src=source, group=group)
+                if received is not None and device.type != "cpu":
+                    received[start:start + count] = chunk.cpu().numpy().tobytes()
+        if device.type == "cuda":  # the last chunk is on the wire before its group goes
+            torch.cuda.current_stream(device).synchronize()
     finally:
         dist.destroy_process_group(group)
-    return received.getvalue() if rank != 0 else None
+    return received

@@ -89,12 +89,42 @@ def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _loaded(path, path)
 
 
-def load_bytes(data: bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A plain checkpoint's bytes, read from another host (``agreed.py``); ``path``: where it is there."""
-    return _loaded(io.BytesIO(data), path)
+def load_bytes(data: bytearray, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A plain checkpoint's bytes, received from another host (``agreed.py``); ``path``: where it
+    is there."""
+    return _loaded(_Buffer(data), path)
 
 
-def _loaded(source: str | os.PathLike[str] | io.BytesIO, path: str | os.PathLike[str]) -> dict[str, Any]:
+class _Buffer(io.RawIOBase):
+    """A read-only file over a buffer: torch.load reads it piece by piece, where ``io.BytesIO``
+    would first copy a bytearray whole (a checkpoint's size again)."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__()
+        self._view, self._at = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def readinto(self, target: Any) -> int:
+        part = self._view[self._at:self._at + len(target)]
+        target[:len(part)] = part
+        self._at += len(part)
+        return len(part)
+
+
+def _loaded(source: str | os.PathLike[str] | io.RawIOBase, path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = torch.load(source, map_location="cpu", weights_only=True)
     except FileNotFoundError:

@@ -183,7 +183,7 @@ class CheckpointReplica:
         prepared model and optimizer. Restores step, data position and RNG too; returns the
         checkpoint's entries (a sharded one's without its tensors), among them ``extra``: what
         ``save(extra=...)`` kept (``{}`` where it kept nothing)."""
-        path, received = self.agreed_checkpoint(latest_checkpoint(directory))
+        path, received = self.agreed_checkpoint(lambda: latest_checkpoint(directory))
         if path is None:
             raise CheckpointError(f"{directory}: no checkpoint to resume from (expected ckpt-<step>.pt or ckpt-<step>/)")
         data = received if received is not None else self._read_checkpoint(path)
@@ -216,12 +216,12 @@ class CheckpointReplica:
             self.on_restored(self.step, str(path))
         return data
 
-    def agreed_checkpoint(self, mine: Path | None) -> tuple[Path | None, dict[str, Any] | None]:
-        """Rank 0's checkpoint for every rank (``mine``: the one this rank would read on its own),
-        and its entries where this rank's host does not hold it (None: read the path)."""
+    def agreed_checkpoint(self, find: Callable[[], Path | None]) -> tuple[Path | None, dict[str, Any] | None]:
+        """One checkpoint for every rank (``find``: the one this rank would read on its own), and
+        its entries where this rank's host does not hold it (None: read the path): ``agreed.py``."""
         if not self._agrees_on_checkpoints or not self._distributed:  # one process: its own
-            return mine, None
-        return agreed_checkpoint(mine, self._collective_device)
+            return find(), None
+        return agreed_checkpoint(find, self._collective_device)
 
     def _read_checkpoint(self, path: Path) -> dict[str, Any]:
         """The checkpoint as the plain format's dict: whole tensors, whichever format it is in."""
