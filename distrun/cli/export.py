@@ -49,6 +49,8 @@ def k8s(
     checkpoint_every: int | None = typer.Option(None, "--checkpoint-every", help="Write a checkpoint every N steps.", rich_help_panel="Checkpoints and restarts"),
     grace_s: int = typer.Option(60, "--grace-s", help="With --checkpoint-dir: terminationGracePeriodSeconds, the time a pod has from SIGTERM (a drain, a preemption) to checkpoint at one agreed step and stop.", rich_help_panel="Checkpoints and restarts"),
     ps_sync: bool = typer.Option(False, "--ps-sync", help="parameter-server: synchronous rounds (one update per step from every worker).", rich_help_panel="Job"),
+    embeddings: str = typer.Option("dense", "--embeddings", help="multi-worker: dense (the tables in the model) | ps (the large tables on a ps pod per ps host, split by rows; the rest DDP).", rich_help_panel="Job"),
+    ps_partition_mb: float | None = typer.Option(None, "--ps-partition-mb", help="--embeddings ps: tables larger than this go to the ps pods.", rich_help_panel="Job"),
     steps: int | None = _STEPS,
     epochs: int | None = _EPOCHS,
     global_batch_size: int | None = _GLOBAL_BATCH,
@@ -56,14 +58,16 @@ def k8s(
     debug: bool = _DEBUG,
 ) -> None:
     """Write Kubernetes manifests for RECIPE on CLUSTER's hosts: Secret, ConfigMap, headless Service,
-    NetworkPolicy and an Indexed Job (and an Indexed Job of ps pods under parameter-server)."""
+    NetworkPolicy and an Indexed Job (and an Indexed Job of ps pods under parameter-server and
+    --embeddings ps)."""
     cluster = load_cluster(cluster_file)
     name = StrategyName.parse(strategy)
     hosts = tuple(host for host in training_hosts(cluster, name) if Role.WORKER in host.roles)
-    ps = ps_hosts(cluster) if name is StrategyName.PARAMETER_SERVER else ()
-    if name is StrategyName.PARAMETER_SERVER and not ps:
-        raise UsageError(f"export k8s: {cluster_file}: --strategy parameter-server needs hosts with the ps role "
-                         "(one ps pod each)")
+    takes_ps = name is StrategyName.PARAMETER_SERVER or embeddings == "ps"
+    ps = ps_hosts(cluster) if takes_ps else ()
+    if takes_ps and not ps:
+        needs = "--strategy parameter-server" if name is StrategyName.PARAMETER_SERVER else "--embeddings ps"
+        raise UsageError(f"export k8s: {cluster_file}: {needs} needs hosts with the ps role (one ps pod each)")
     gpus = pod_gpus(hosts, gpus_per_pod, str(cluster_file))
     slots = {host.slots or gpus or 1 for host in hosts}
     if len(slots) != 1:
@@ -83,13 +87,13 @@ def k8s(
                       replicas=len(hosts) * per_pod, gpus=len(hosts) * per_pod if gpus else 0, steps=steps,
                       epochs=epochs, global_batch_size=global_batch_size, seed=None,
                       checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir else None,
-                      checkpoint_every=checkpoint_every, ps_tasks=len(ps), ps_sync=ps_sync)
+                      checkpoint_every=checkpoint_every, ps_tasks=len(ps), ps_sync=ps_sync, embeddings=embeddings,
+                      **({"ps_partition_mb": ps_partition_mb} if ps_partition_mb is not None else {}))
     if checkpoint_dir is not None:  # a path in the pods, not here
         spec = spec.replace(checkpoint_dir=checkpoint_dir)
     # A drained pod's SIGTERM: every rank checkpoints at one agreed step (as at Slurm's warning)
     # where distrun runs the loop and the replicas can agree (not parameter-server's workers).
-    drain = bool(checkpoint_dir) and name is not StrategyName.PARAMETER_SERVER \
-        and inspect_recipe(spec.recipe).kind is RecipeKind.FIT
+    drain = bool(checkpoint_dir) and not takes_ps and inspect_recipe(spec.recipe).kind is RecipeKind.FIT
     if drain:
         spec = spec.replace(preemptible=True)
     if not 1 <= grace_s <= 3600:

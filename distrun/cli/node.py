@@ -193,11 +193,13 @@ def _spec_for(spec: JobSpec, tf: TfConfig, trainers: int) -> JobSpec:
     """The job spec with TF_CONFIG's shape: its training ranks the replicas, its ps entries the ps tasks
     (TensorFlow's rule: the cluster, not the program, says how many workers there are)."""
     parameter_server = spec.strategy.name is StrategyName.PARAMETER_SERVER
-    if tf.ps_hosts and not parameter_server:
+    hybrid = spec.strategy.embeddings == "ps"  # the tables on the ps tasks, the dense layers DDP's
+    if tf.ps_hosts and not (parameter_server or hybrid):
         raise ConfigError(f"{TF_CONFIG_VAR}: cluster.ps has {len(tf.ps_hosts)} entries, but the job's strategy is "
-                          f"{spec.strategy.name.value} (ps tasks run under parameter-server)")
-    if parameter_server and not tf.ps_hosts:
-        raise ConfigError(f"{TF_CONFIG_VAR}: cluster.ps: parameter-server needs at least one ps entry")
+                          f"{spec.strategy.name.value} (ps tasks run under parameter-server and --embeddings ps)")
+    if (parameter_server or hybrid) and not tf.ps_hosts:
+        needs = "parameter-server" if parameter_server else "--embeddings ps"
+        raise ConfigError(f"{TF_CONFIG_VAR}: cluster.ps: {needs} needs at least one ps entry")
     per_replica = spec.parallel.ranks_per_replica
     if trainers % per_replica:
         raise ConfigError(f"{TF_CONFIG_VAR}: cluster has {trainers} training ranks (chief and workers x "

@@ -130,7 +130,10 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     request = {"global_batch_size": batch, "rows": max(1, batch // world), "seed": spec.training.seed,
                "memory_cap_bytes": budget if device.type != "cuda" else None,
                "tp_up_to": probe.ranks_per_host}  # a tensor-parallel group stays in one host
-    measured = measure_recipe(recipe, request, rank, world, device, time_links=False)
+    # A sharded step is timed on one host's ranks only: over several hosts the cost model takes
+    # sharded's collectives from the links' rates (planner/cost.py), and the step over a slow link
+    # took most of the decision's 30 s.
+    measured = measure_recipe(recipe, request, rank, world, device, time_links=False, time_sharded=probe.hosts == 1)
     nbytes = min(int(measured["profile"]["gradient_bytes"]), MAX_COLLECTIVE_BYTES)
     holds, why = _check_kept(probe.kept_links, nbytes, probe, device) if probe.kept_links else (False, "")
     links = probe.kept_links if holds else _time_links(nbytes, probe, device)

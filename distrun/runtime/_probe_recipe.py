@@ -60,12 +60,14 @@ def _batches(recipe: ModuleType, batch_size: int, seed: int) -> Any:
 
 
 def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group_size: int,
-                   device: torch.device, *, time_links: bool = True) -> dict[str, Any]:
+                   device: torch.device, *, time_links: bool = True, time_sharded: bool = True) -> dict[str, Any]:
     """The profile of ``recipe``'s model (``request``: ``global_batch_size``, ``rows`` a forward sees,
     ``seed``, ``memory_cap_bytes``), the default group's all-reduce link (None for a group of one)
     and the fixed costs; every process of the default group calls it at once. ``time_links=False``:
     the collectives' rates are not timed (a cluster's kept ones hold), so ``link`` is None and the
-    overheads carry no gather or scatter rate."""
+    overheads carry no gather or scatter rate. ``time_sharded=False``: no sharded step is timed over
+    the group (the cost model uses one only for sharding inside a host: a cluster's hosts' group
+    spans links whose step over 200 Mbit/s took 7-14 s, six times, past the decision's 30 s)."""
     # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
     # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
     # the free memory the budget reads).
@@ -85,7 +87,7 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
                       # A rank's budget (the client's, on CPU) or the GPU's free memory.
                       memory_cap_bytes=request.get("memory_cap_bytes") or (
                           int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
-                      time_sharded=together, tp_plan_from=getattr(recipe, "tp_plan", None),
+                      time_sharded=together and time_sharded, tp_plan_from=getattr(recipe, "tp_plan", None),
                       # --tp is a candidate on GPUs only (planner/choose.py): measured there alone.
                       tp_up_to=int(request.get("tp_up_to", group_size)) if device.type == "cuda" else 1)
     del model

@@ -156,6 +156,7 @@ def callbacks():
     result = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "2", "--steps", "6")
     assert result.returncode == 3, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and result.stderr.count("error:") == 1, result.stderr[-3000:]
     assert "callback Boom raised in on_step_end: RuntimeError: no more" in last, last
     assert "boom.py:" in last and "step 3" in last, last
 

@@ -321,3 +321,24 @@ def test_parameter_server_exports_ps_pods_placed_by_tf_config_and_trains(tmp_pat
     assert max(event["updates"] for event in events if event.get("type") == "ps") == 12
     assert sorted(event["rank"] for event in events if event.get("type") == "done") == [0, 1, 2]
     _assert_one_devices(ckpt, _one_device(tmp_path), "parameter-server")
+
+
+def test_the_hybrid_exports_a_ps_pod_for_its_tables_and_trains_to_one_device(tmp_path):
+    """--embeddings ps: the worker pods are the dense replicas, the ps pod holds the large table
+    (TF_CONFIG places it); the pods, run as local processes, end with one-device's parameters."""
+    recipe = (REPO / "recipes" / "recommender.py").read_text()
+    objects = _export(tmp_path, TWO_CPU_HOSTS + "  - {address: 10.0.0.3, roles: [ps]}\n", "--embeddings", "ps",
+                      "--ps-partition-mb", "1", "--gpus-per-pod", "0", "--checkpoint-dir", "/ckpt",
+                      "--checkpoint-pvc", "c", source=recipe)
+    jobs = {job["metadata"]["name"]: job for job in objects if job["kind"] == "Job"}
+    assert sorted(jobs) == ["lab-equiv", "lab-equiv-ps"] and jobs["lab-equiv-ps"]["spec"]["completions"] == 1
+    ckpt = tmp_path / "ckpt"
+    events = _finish(Pods(objects, tmp_path, ckpt).start())
+    placement = [event["line"] for event in events if event.get("type") == "output" and "[placement]" in event["line"]]
+    assert any("ps0:" in line and "users.weight" in line for line in placement), placement
+    assert max(event["updates"] for event in events if event.get("type") == "ps") == 12  # one update a step
+    alone = run_cli("train", str(tmp_path / "job" / "equiv.py"), "--strategy", "one-device", "--steps", "12",
+                    "--json", "--checkpoint-dir", str(tmp_path / "one-device"))
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    _assert_one_devices(ckpt, torch.load(latest_checkpoint(tmp_path / "one-device"), weights_only=True)["model"],
+                        "multi-worker")

@@ -168,6 +168,7 @@ def test_reduce_on_plateau_steps_with_each_evaluation_and_bad_input_is_one_line(
     refused = run_cli("train", str(not_one), "--steps", "2")
     assert refused.returncode == 3, refused.stderr[-2000:]
     last = refused.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in refused.stderr and refused.stderr.count("error:") == 1, refused.stderr[-2000:]
     assert "scheduler() returned AdamW; it must return a torch.optim.lr_scheduler.LRScheduler" in last, last
     assert "not_one.py" in last, last
 

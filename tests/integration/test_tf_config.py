@@ -106,6 +106,33 @@ def test_a_ps_task_from_tf_config_serves_parameter_server_workers(tmp_path):
     _assert_same(data["model"], _one_device(tmp_path, 16))  # synchronous rounds: one-device's update
 
 
+def test_a_ps_task_from_tf_config_holds_the_hybrids_tables(tmp_path):
+    """--embeddings ps from TF_CONFIG: the chief and a worker are the dense replicas, the ps entry
+    the task holding the large table; they train to one-device's parameters."""
+    recipe = REPO / "recipes" / "recommender.py"
+    spec = build_spec(recipe=recipe, device="cpu", strategy="multi-worker", replicas=1, steps=8, epochs=None,
+                      global_batch_size=None, seed=None, checkpoint_dir=None, checkpoint_every=None,
+                      embeddings="ps", ps_tasks=1, ps_partition_mb=1.0)
+    bundle = pack(recipe)
+    (tmp_path / "bundle.tar.gz").write_bytes(bundle.data)
+    (tmp_path / "job-spec.json").write_text(spec.to_json())
+    port = free_port()
+    cluster = {"chief": [f"127.0.0.1:{port}"], "worker": ["127.0.0.1:2223"], "ps": ["127.0.0.1:2224"]}
+    outs = _run_tasks(_node_argv(tmp_path / "bundle.tar.gz", tmp_path / "job-spec.json", bundle.recipe,
+                                 tmp_path / "ckpt"), cluster, [("ps", 0), ("worker", 0), ("chief", 0)])
+    events = [json.loads(line) for out in outs for line in out.splitlines() if line.startswith("{")]
+    placement = [event["line"] for event in events if event.get("type") == "output" and "[placement]" in event["line"]]
+    assert any("ps0:" in line and "users.weight" in line for line in placement), placement
+    served = [event for event in events if event.get("type") == "ps"]
+    assert served and max(event["updates"] for event in served) == 8, served[-1:]  # one update a step
+    one = run_cli("train", str(recipe), "--strategy", "one-device", "--steps", "8", "--json",
+                  "--checkpoint-dir", str(tmp_path / "one-device"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    data = torch.load(latest_checkpoint(tmp_path / "ckpt"), weights_only=True)
+    assert data["step"] == 8
+    _assert_same(data["model"], torch.load(latest_checkpoint(tmp_path / "one-device"), weights_only=True)["model"])
+
+
 def _node_error(tmp_path: Path, tf_config: str, *flags: str) -> str:
     result = run_cli("node", "--bundle", str(tmp_path / "b.tar.gz"), "--spec", str(tmp_path / "s.json"),
                      "--recipe", "r.py", *flags, env={"TF_CONFIG": tf_config})
