@@ -47,6 +47,31 @@ def test_an_epochs_uneven_last_batch_weighs_each_sample_as_one_device_does(recip
         torch.testing.assert_close(data["model"][key], tensor, rtol=0, atol=TOLERANCE, msg=key)
 
 
+@pytest.mark.parametrize(("flags", "atol"), [
+    # A bound that bites: clipping a micro-batch's gradient, not the step's, ends elsewhere.
+    (("--clip-grad-norm", "0.05"), TOLERANCE),
+    # bf16 autocast: a micro-batch's rows compute as the whole batch's do; the weight gradient's sum
+    # over rows is split in two, in bf16, so the bound is bf16's.
+    (("--precision", "bf16"), 2e-2),
+    # Compiled: each micro-batch's shapes are the whole batch's halves, compiled once for all.
+    (("--compile",), TOLERANCE),
+], ids=["clip-grad-norm", "precision-bf16", "compile"])
+def test_accumulation_composes_with_clipping_precision_and_compile(recipe, tmp_path, flags, atol):
+    # SGD: Adam's update hardly moves when every gradient is scaled alike, so a clip would not show.
+    sgd = tmp_path / "sgd.py"
+    sgd.write_text(recipe.read_text().replace("torch.optim.AdamW(params, lr=0.01)", "torch.optim.SGD(params, lr=0.5)"))
+    assert sgd.read_text() != recipe.read_text()
+    recipe = sgd
+    _, one = _train(recipe, tmp_path / "one", "-b", "16", *flags)
+    _, data = _train(recipe, tmp_path / "acc", "-b", "16", "-s", "mirrored", "--replicas", "2", "--accumulate", "2",
+                     *flags)
+    _, unclipped = _train(recipe, tmp_path / "plain", "-b", "16") if flags[0] == "--clip-grad-norm" else (None, None)
+    for key, tensor in one["model"].items():
+        torch.testing.assert_close(data["model"][key], tensor, rtol=0, atol=atol, msg=key)
+    if unclipped is not None:  # the bound bit: without it the run ends elsewhere
+        assert any((unclipped["model"][key] - tensor).abs().max() > 10 * TOLERANCE for key, tensor in one["model"].items())
+
+
 def test_bad_accumulation_is_one_line_with_exit_2(recipe):
     for flags, expected in [
         (("--accumulate", "0"), "--accumulate: expected a positive whole number. Received: 0"),
