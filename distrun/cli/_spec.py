@@ -55,9 +55,12 @@ def build_spec(*, recipe: Path, device: str, strategy: str, replicas: int | None
             raise UsageError(f"{recipe}: {step_flags[0]} applies to recipes distrun steps (fit-style or main(strategy)); "
                              "a plain script owns its model and loop: call torch.compile / torch.autocast / "
                              "DDP's register_comm_hook in it")
-    if rest.get("eval_every") and (info.kind is not RecipeKind.FIT or "eval_data" not in info.functions):
-        what = "has no eval_data(ctx)" if info.kind is RecipeKind.FIT else f"is a {info.kind.value}, which evaluates in its own loop"
-        raise UsageError(f"{recipe}: --eval-every evaluates a fit-style recipe's eval_data; this one {what}")
+    # A custom loop gets it in strategy.options and evaluates when it says; a plain script has no options.
+    if rest.get("eval_every") and (info.kind is RecipeKind.SCRIPT or (
+            info.kind is RecipeKind.FIT and "eval_data" not in info.functions)):
+        what = "has no eval_data(ctx)" if info.kind is RecipeKind.FIT else "is a plain script, which evaluates in its own loop"
+        raise UsageError(f"{recipe}: --eval-every evaluates a fit-style recipe's eval_data, or is a custom loop's "
+                         f"strategy.options.eval_every; this one {what}")
     if replicas is None and not name.distributed:
         replicas = 1
     tp, pp = rest.get("tp", 1), rest.get("pp", 1)

@@ -121,6 +121,29 @@ def test_early_stopping_stops_every_rank_after_the_patience_th_evaluation_withou
                                          f"(best {evals[2]:.4g} at step 2)"), resumed.summary["reason"]
 
 
+def test_a_stop_on_a_step_with_no_evaluation_evaluates_and_checkpoints_that_step(write_recipe, tmp_path):
+    """A callback stops the run in on_step_end at step 3 (evaluations every 2): every rank stops
+    after step 3, the run evaluates there (as at any run's end) and writes step 3's checkpoint."""
+    recipe = write_recipe(RISING.replace("RESTORE", "restore_best_weights=False").replace(
+        "return [Seen(), EarlyStopping(monitor=\"eval_loss\", patience=2, restore_best_weights=False)]",
+        "return [StopAt3()]") + '''
+
+class StopAt3(Callback):
+    def on_step_end(self, state):
+        if state.step == 3:
+            state.stop, state.reason = True, "enough at step 3"
+''', "stop3.py")
+    assert "return [StopAt3()]" in recipe.read_text()
+    result = run_cli("train", str(recipe), "--json", "-s", "mirrored", "--replicas", "2", "--steps", "12",
+                     "--eval-every", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = result.json_lines()
+    assert sorted({e["step"] for e in events if e["type"] == "eval"}) == [2, 3]  # step 3's: the run's end
+    assert {e["rank"]: e["steps"] for e in events if e["type"] == "done"} == {0: 3, 1: 3}
+    assert (result.summary["steps"], result.summary["reason"]) == (3, "StopAt3: enough at step 3"), result.summary
+    assert load_checkpoint(latest_checkpoint(tmp_path / "ck"))["step"] == 3
+
+
 @pytest.mark.parametrize("flags", [(), ("-s", "sharded", "--replicas", "2")], ids=["one-device", "sharded"])
 def test_early_stopping_on_each_epochs_evaluation_restores_the_best_weights(write_recipe, tmp_path, flags):
     """No --eval-every: each epoch (2 steps of 32) ends with an evaluation, at steps 2, 4, 6; the run

@@ -41,6 +41,8 @@ def main(strategy):
     with strategy.scope():
         model = nn.Linear(4, 1)
     print(f"init {float(model.weight[0, 0].detach())!r}", flush=True)
+    print(f"options epochs={options.epochs} eval_every={options.eval_every} clip={options.clip_grad_norm} "
+          f"keep={options.keep}", flush=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = strategy.prepare(model, optimizer)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _factor)
@@ -64,7 +66,7 @@ def main(strategy):
         return loss.detach()
 
     batches = iter(())
-    while strategy.step < options.steps:
+    while strategy.step < (options.steps if options.steps is not None else 2):  # --epochs alone: 2, its own choice
         group = []
         while len(group) < per_step:
             batch = next(batches, None)
@@ -129,7 +131,8 @@ def test_extra_state_comes_back_on_resume_on_another_replica_count(loop, tmp_pat
 def test_the_seed_is_set_and_options_reach_the_loop(loop, tmp_path):
     """``--seed 5``: the model the loop builds is the one ``torch.manual_seed(5)`` gives, on every
     replica; ``--steps`` is the live view's total."""
-    result = _train(loop, "-s", "mirrored", "--replicas", "2", "-b", "8", "--steps", "3", "--seed", "5")
+    result = _train(loop, "-s", "mirrored", "--replicas", "2", "-b", "8", "--steps", "3", "--seed", "5",
+                    "--eval-every", "2", "--clip-grad-norm", "1.5", "--keep-checkpoints", "2")
     torch.manual_seed(5)
     expected = float(nn.Linear(4, 1).weight[0, 0].detach())
     inits = {e["rank"]: float(e["line"].split()[1]) for e in result.json_lines()
@@ -137,6 +140,11 @@ def test_the_seed_is_set_and_options_reach_the_loop(loop, tmp_path):
     assert inits == {0: expected, 1: expected}, inits
     totals = {e["total_steps"] for e in result.json_lines() if e["type"] == "step"}
     assert totals == {3}, totals
+    said = {e["line"] for e in result.json_lines() if e["type"] == "output" and e["line"].startswith("options ")}
+    assert said == {"options epochs=None eval_every=2 clip=1.5 keep=2"}, said  # every replica, the job's own
+    epochs = _train(loop, "-b", "8", "--epochs", "1")
+    said = {e["line"] for e in epochs.json_lines() if e["type"] == "output" and e["line"].startswith("options ")}
+    assert said == {"options epochs=1 eval_every=None clip=None keep=3"}, said
 
 
 def test_reported_samples_make_the_samples_per_second(loop):

@@ -93,6 +93,22 @@ def one_device(recipes, tmp_path_factory):
 
 
 @pytest.mark.parametrize("flags", [
+    ("-s", "multi-worker", "--replicas", "2"),
+    # DiLoCo: the recipe's optimizer is the inner one, stepped (and scheduled) every step; the outer
+    # one, at each sync, is not scheduled. Its parameters are not one device's (it averages every 4).
+    ("-s", "diloco", "--replicas", "2", "--sync-every", "4"),
+], ids=["multi-worker", "diloco-inner"])
+def test_the_schedule_steps_once_a_step_under_multi_worker_and_diloco(recipes, one_device, tmp_path, flags):
+    reference, one = one_device
+    result, data = _train(recipes / "scheduled.py", tmp_path / "ck", *flags)
+    lrs = _step_lrs(result)
+    assert all(lr == pytest.approx(LR * _factor(step - 1)) for step, lr in lrs.items()), lrs
+    assert lrs[STEPS] == pytest.approx(LR * _factor(STEPS - 1)) and data["lr_scheduler"]["last_epoch"] == STEPS
+    if "multi-worker" in flags:
+        _close(data["model"], one["model"], "multi-worker vs one-device")
+
+
+@pytest.mark.parametrize("flags", [
     ("-s", "mirrored", "--replicas", "2", "--accumulate", "2"),
     ("-s", "sharded", "--replicas", "2", "--accumulate", "2"),
     ("-s", "central-storage", "--replicas", "2", "--accumulate", "4"),
