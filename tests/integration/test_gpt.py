@@ -55,3 +55,46 @@ def test_its_learning_rate_warms_up_then_follows_a_cosine(one_device):
     for step, lr in said.items():
         assert lr == pytest.approx(expected(step)), (step, lr, expected(step))
     assert max(said) == 16 and said[16] < 3e-3, said  # past the warm-up: decaying
+
+
+@pytest.mark.parametrize("strategy", ["mirrored", "central-storage", "sharded"])
+def test_every_synchronous_strategy_trains_it_as_one_device_does(one_device, strategy):
+    result = _train(strategy)
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-4)
+
+
+def test_it_trains_under_tensor_and_sequence_parallel_as_one_device_does(one_device):
+    """Its tp_plan splits attention by heads and the MLP, its norms are marked "sequence", and its
+    forward reads the length off q's output: under `--tp 2 --sequence-parallel` (4 ranks) the loss
+    is one-device's."""
+    result = _train("mirrored", "--tp", "2", "--sequence-parallel")
+    assert result.summary["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-3)
+
+
+def test_data_workers_read_the_same_batches(one_device):
+    result = _train("one-device", "--data-workers", "2")
+    assert result.summary["final_loss"] == pytest.approx(one_device.summary["final_loss"], rel=1e-6)
+
+
+def test_data_workers_for_an_iterable_train_data_is_refused_in_one_line(write_recipe):
+    recipe = write_recipe("""
+import torch
+from torch import nn
+
+def model():
+    return nn.Linear(2, 1)
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+def loss(outputs, batch):
+    return (outputs - batch[1]).pow(2).mean()
+
+def train_data(ctx):
+    return [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(3)]
+""")
+    result = run_cli("train", str(recipe), "--data-workers", "2")
+    assert result.returncode == 3, result.stderr[-2000:]  # RecipeError: the recipe breaks the contract
+    assert "--data-workers 2:" in result.stderr and "train_data is an iterable" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
