@@ -9,8 +9,10 @@ A rank then failed, or, worse, loaded other weights than its peers.
 So the ranks agree first, in one all-gather of what each found (its step, kind and size, or that
 it could not look): the checkpoint is the newest step any rank found, from the lowest rank that
 holds it (the source: rank 0 unless an elastic job's chief moved to another host). The source
-broadcasts its file's name and, for a plain one, its SHA-256. A rank whose own checkpoint has the
-same name, size and digest reads it (shared storage, or a copy); every other rank receives the
+broadcasts its file's name. A rank whose own checkpoint is the source's file (the same name,
+size, inode and mtime: shared storage) reads it without more; one whose file only has the same
+name and size (a copy, or another run's step N) compares SHA-256s with the source, which hashes
+its file only where some rank needs that. Every other rank receives the
 source's bytes over the job's own process group, in chunks (a GPU rank's buffer stays small under
 NCCL), into one buffer it reads in memory: nothing is written on its host. A sharded checkpoint
 cannot be sent so (each rank wrote its shards on its own host): a rank that does not see it is
@@ -54,23 +56,28 @@ def agreed_checkpoint(find: Callable[[], Path | None], device: torch.device) -> 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return find(), None
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine, kind, size, step, problem = _look(find)
-    table = torch.zeros(world, 4, dtype=torch.int64, device=device)
-    table[rank] = torch.tensor([kind, size, step, 0], dtype=torch.int64, device=device)
+    mine, row, problem = _look(find)
+    table = torch.zeros(world, len(row), dtype=torch.int64, device=device)
+    table[rank] = torch.tensor(row, dtype=torch.int64, device=device)
     dist.all_reduce(table)  # each rank's row at its own index
     rows = table.cpu().tolist()
-    failed = [r for r, row in enumerate(rows) if row[0] == _FAILED]
+    failed = [r for r, each in enumerate(rows) if each[0] == _FAILED]
     if failed:
         raise CheckpointError(problem if rank in failed else
                               f"rank(s) {', '.join(map(str, failed))} could not look for the checkpoint (their own "
                               "errors say why)")
-    found = [(row[2], -r) for r, row in enumerate(rows) if row[0] != _NONE]
+    found = [(each[2], -r) for r, each in enumerate(rows) if each[0] != _NONE]
     if not found:
         return None, None
     source = -max(found)[1]  # the newest step; of the ranks holding it, the lowest
     kind, size = rows[source][0], rows[source][1]
-    name, digest = _announce(mine if rank == source else None, kind, source, device)
-    sees = rank == source or _same(mine, name, kind, size, digest)
+    # Kind, size and step as the source's: the same file where inode and mtime agree too; else its
+    # content decides, and only then does anyone hash (every rank reads the same table).
+    alike = {r for r, each in enumerate(rows) if r != source and each[:3] == rows[source][:3]}
+    hashing = {r for r in alike if rows[r][3:] != rows[source][3:]}
+    name, digest = _announce(mine if rank == source else None, bool(hashing), source, device)
+    sees = rank == source or (rank in alike and mine is not None and mine.name == Path(name).name
+                              and (rank not in hashing or _digest_is(mine, digest)))
     seen = torch.zeros(world, dtype=torch.int64, device=device)
     seen[rank] = int(sees)
     dist.all_reduce(seen)
@@ -90,29 +97,32 @@ def agreed_checkpoint(find: Callable[[], Path | None], device: torch.device) -> 
     return Path(name), loaded
 
 
-def _look(find: Callable[[], Path | None]) -> tuple[Path | None, int, int, int, str]:
-    """(this rank's checkpoint, its kind, size, step, and what went wrong looking for it)."""
+def _look(find: Callable[[], Path | None]) -> tuple[Path | None, list[int], str]:
+    """(this rank's checkpoint, its row: kind, size, step, inode, mtime; what went wrong looking)."""
     try:
         mine = find()
         if mine is None:
-            return None, _NONE, 0, -1, ""
+            return None, [_NONE, 0, -1, 0, 0], ""
         match = _STEP.match(mine.name)
         step = int(match.group(1)) if match else -1  # a --checkpoint of any name: every rank's is the same
         if shards.is_sharded(mine):
-            return mine, _SHARDED, 0, step, ""
-        return mine, _PLAIN, mine.stat().st_size, step, ""
+            return mine, [_SHARDED, 0, step, 0, 0], ""
+        stat = mine.stat()
+        return mine, [_PLAIN, stat.st_size, step, stat.st_ino, stat.st_mtime_ns], ""
     except CheckpointError as exc:
-        return None, _FAILED, 0, -1, exc.message
+        return None, [_FAILED, 0, -1, 0, 0], exc.message
     except OSError as exc:
-        return None, _FAILED, 0, -1, f"{exc.filename or 'the checkpoint folder'}: cannot look for a checkpoint: {exc.strerror}"
+        return None, [_FAILED, 0, -1, 0, 0], \
+            f"{exc.filename or 'the checkpoint folder'}: cannot look for a checkpoint: {exc.strerror}"
 
 
-def _announce(mine: Path | None, kind: int, source: int, device: torch.device) -> tuple[str, bytes]:
-    """The source's checkpoint name (its path there) and, for a plain file, its SHA-256, to every rank."""
+def _announce(mine: Path | None, with_digest: bool, source: int, device: torch.device) -> tuple[str, bytes]:
+    """The source's checkpoint name (its path there) and, where a rank must compare contents, its
+    SHA-256, to every rank."""
     named = b""
     if mine is not None:
         try:
-            digest = _digest(mine) if kind == _PLAIN else bytes(_DIGEST_BYTES)
+            digest = _digest(mine) if with_digest else bytes(_DIGEST_BYTES)
         except OSError:
             digest = bytes(_DIGEST_BYTES)  # unreadable now: its bytes' broadcast will say so
         named = digest + os.fsencode(mine)
@@ -126,15 +136,11 @@ def _announce(mine: Path | None, kind: int, source: int, device: torch.device) -
     return os.fsdecode(raw[_DIGEST_BYTES:]), raw[:_DIGEST_BYTES]
 
 
-def _same(mine: Path | None, name: str, kind: int, size: int, digest: bytes) -> bool:
-    """Whether this rank's own checkpoint is the source's: the same name and kind, and for a plain
-    file the same size and SHA-256 (another run's step N has the same name and nearly the size)."""
-    if mine is None or mine.name != Path(name).name:
-        return False
+def _digest_is(path: Path, digest: bytes) -> bool:
+    """Whether this rank's copy has the source's content (another run's step N has its name and
+    nearly its size)."""
     try:
-        if kind == _SHARDED:
-            return shards.is_sharded(mine)
-        return mine.is_file() and mine.stat().st_size == size and _digest(mine) == digest
+        return _digest(path) == digest
     except OSError:
         return False
 
