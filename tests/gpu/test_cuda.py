@@ -181,7 +181,9 @@ def test_a_profile_on_cuda_records_kernels_and_sends_compute_time(write_recipe, 
     trace = next((tmp_path / "profile").glob("rank0.*.pt.trace.json"))
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(event.get("cat") == "kernel" for event in events)  # CUDA kernels, not only CPU ops
-    assert sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")) == [
+    # Each step once on the CPU (user_annotation); torch 2.11's CUDA traces repeat it on the GPU's
+    # timeline (gpu_user_annotation), so the names are compared as a set.
+    assert sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}) == [
         "ProfilerStep#2", "ProfilerStep#3"]
     steps = [line for line in result.json_lines() if line["type"] == "step" and line["step"] > 1]
     assert steps and all(line["compute_ms"] is not None for line in steps)  # on CUDA before: None

@@ -4,6 +4,10 @@ the page itself in chromium; a GPU machine here has no browser).
 
 A CUDA job holds memory on the device while the dashboard is asked, so "memory used" is not
 the idle driver's few MB, and the job's rows carry the utilisation its ranks sampled.
+
+With ``DISTRUN_GPU_RECORD=DIR`` the test also writes the answers it read (``hosts.json``, and
+the job page's first event, ``job_event.json``): tests/integration/data/ keeps one such
+recording, which tests/integration/test_dashboard.py draws in chromium on a machine with no GPU.
 """
 
 from __future__ import annotations
@@ -48,6 +52,24 @@ def _get(url: str, path: str) -> object:
         conn.close()
 
 
+def _first_event(url: str, path: str) -> dict:
+    """The first server-sent event of ``path``: a job page's whole state (its ``reset`` update)."""
+    parts = urlsplit(url)
+    token = parts.query.removeprefix("token=")
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("GET", path, headers={"Host": parts.netloc, "Authorization": f"Bearer {token}"})
+        answer = conn.getresponse()
+        assert answer.status == 200, (path, answer.status)
+        while True:
+            line = answer.fp.readline().decode()
+            assert line, f"{path} ended before its first event"
+            if line.startswith("data: "):
+                return json.loads(line.removeprefix("data: "))
+    finally:
+        conn.close()
+
+
 def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_utilisation(home, tmp_path):
     recipe = tmp_path / "slow.py"
     recipe.write_text(SLOW)
@@ -73,7 +95,10 @@ def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_u
         assert found, "no URL from the dashboard"
         url = found.group(1)
 
-        hosts = _get(url, "/api/hosts")["hosts"]
+        _get(url, "/api/hosts")
+        time.sleep(1.2)  # a second sample, apart by more than the history's MIN_GAP_S: the charts draw lines
+        report = _get(url, "/api/hosts")
+        hosts = report["hosts"]
         print("hosts:", json.dumps(hosts)[:2000])
         server = hosts[0]["server"]
         assert server["gpu_note"] is None and server["gpus"], server
@@ -93,6 +118,13 @@ def test_the_hosts_page_reads_the_gpu_through_nvml_and_a_cuda_jobs_ranks_their_u
             time.sleep(0.5)
         print("rows:", json.dumps(rows))
         assert rows[0]["device"].startswith("cuda") and 0 <= rows[0]["gpu_util"] <= 100 and rows[0]["mem_mb"] > 0, rows
+        event = _first_event(url, f"/api/jobs/{job_id}/events")
+        assert event["reset"] and event["rows"][0]["device"].startswith("cuda"), event["rows"]
+        if os.environ.get("DISTRUN_GPU_RECORD"):
+            folder = Path(os.environ["DISTRUN_GPU_RECORD"])
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "hosts.json").write_text(json.dumps(report, indent=1))
+            (folder / "job_event.json").write_text(json.dumps(event, indent=1))
     finally:
         for proc in (dashboard, job):
             if proc.poll() is None:

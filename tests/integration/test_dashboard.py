@@ -313,6 +313,56 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     assert not problems, problems
 
 
+#: What a dashboard answered on an NVIDIA H200 host while a CUDA job ran (tests/gpu/test_dashboard_gpu.py
+#: with DISTRUN_GPU_RECORD, 2026-11-27): the hosts API with NVML's readings and three samples, and
+#: the job page's first event, its rank on cuda:0 with the GPU utilisation it sampled.
+GPU_RECORDING = Path(__file__).parent / "data" / "gpu_h200"
+
+
+def test_a_gpu_hosts_recorded_answers_draw_its_gpu_panels(browser, served: Served) -> None:  # noqa: ANN001
+    """No GPU here: the page is given the GPU host's recorded answers in place of this machine's, through
+    the real dashboard's guard (the token's cookie is the real one). The page's code draws the GPU's
+    name, utilisation meter and memory, the GPU use charts, and the rank's device and GPU %."""
+    from playwright.sync_api import expect
+
+    hosts = json.loads((GPU_RECORDING / "hosts.json").read_text())
+    event = json.loads((GPU_RECORDING / "job_event.json").read_text())
+    gpu = hosts["hosts"][0]["server"]["gpus"][0]
+    job_id = event["head"]["job"]
+    context = browser.new_context()
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.route("**/api/hosts", lambda route: route.fulfill(status=200, content_type="application/json",
+                                                            body=json.dumps(hosts)))
+    page.route(f"**/api/jobs/{job_id}/events", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body="data: " + json.dumps(event) + "\n\n"))
+    page.goto(served.url)
+    page.goto(served.origin + "/hosts")
+    row = page.get_by_role("table", name="hosts").locator("tbody tr")
+    expect(row).to_have_count(1, timeout=15_000)
+    expect(row.get_by_role("cell").nth(4)).to_have_text("1 GPU: NVIDIA H200")
+    panel = row.get_by_role("list", name="GPUs of localhost")
+    used, total = gpu["memory_used_bytes"] / 2**30, gpu["memory_total_bytes"] / 2**30
+    expect(panel).to_have_text(re.compile(rf"^0 NVIDIA H200\s+0% · {used:.1f} / {total:.1f} GiB$"))
+    expect(panel.locator("meter[aria-label='GPU 0 utilisation']")).to_have_attribute("value", "0")
+    for figure in ("GPU %", "GPU memory %"):  # the host's three samples, 0-100
+        chart = row.get_by_role("img", name=f"{figure} of localhost", exact=True)
+        expect(chart).to_have_attribute("data-points", "3")
+    memory = row.get_by_role("img", name="GPU memory % of localhost", exact=True)
+    expect(memory.locator("title")).to_have_text(re.compile(r"^GPU memory % of localhost: 1(\.0)? at "))
+
+    page.goto(served.origin + f"/jobs/{job_id}")
+    rank = page.get_by_role("table", name="ranks").locator("tbody tr")
+    expect(rank).to_have_count(1, timeout=15_000)
+    header = page.get_by_role("table", name="ranks").get_by_role("columnheader")
+    gpu_column = header.all_inner_texts().index("GPU %")
+    expect(rank.get_by_role("cell").nth(2)).to_have_text("cuda:0")
+    expect(rank.get_by_role("cell").nth(gpu_column)).to_have_text("0%")
+    context.close()
+    assert not problems, problems
+
+
 def test_listening_beyond_loopback_warns_and_sigterm_ends_it(warm_start: None) -> None:
     """`--host` other than loopback says what it exposes; SIGTERM (as Ctrl-C) ends it with nothing left."""
     proc = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--host", "0.0.0.0", "--port", "0",

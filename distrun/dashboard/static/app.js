@@ -115,7 +115,7 @@ function jobView(jobId) {
   const facts = el("dl", { class: "summary" });
   const ranks = table("ranks", [["rank", true], ["host"], ["device"], ["step", true], ["loss", true], ["samples/s", true],
                                 ["memory MB", true], ["peak MB", true], ["compute ms", true], ["wait", true],
-                                ["status"]]);
+                                ["GPU %", true], ["status"]]);
   const charts = [makeChart("loss", "loss"), makeChart("samples/s", "samples_per_s"), makeChart("lr", "lr")];
   const chartGrid = el("div", { class: "charts" }, ...charts.map((chart) => chart.element));
   const evalCharts = new Map();  // metric -> chart, made when an evaluation first names it
@@ -204,7 +204,7 @@ function jobView(jobId) {
       now.add(row.rank);
       let known = rowNodes.get(row.rank);
       if (!known) {
-        const cells = Array.from({ length: 11 }, () => el("td"));
+        const cells = Array.from({ length: 12 }, () => el("td"));
         known = { tr: el("tr", { "data-rank": row.rank }, ...cells), cells };
         rowNodes.set(row.rank, known);
       }
@@ -212,6 +212,7 @@ function jobView(jobId) {
        [fmtNum(row.samples_per_s), true], [row.mem_mb, true], [row.peak_mem_mb, true],
        [row.compute_ms === null ? "—" : fmtNum(row.compute_ms), true],
        [row.wait_pct === null || row.wait_pct === undefined ? "—" : `${row.wait_pct.toFixed(0)}%`, true],
+       [row.gpu_util === null || row.gpu_util === undefined ? "—" : `${row.gpu_util.toFixed(0)}%`, true],
        [row.slow ? `${row.status}, slow ${row.slow.toFixed(2)}x` : row.status, false, row.slow ? "slow" : null]]
         .forEach(([value, numeric, cls], i) => setCell(known.cells[i], value, numeric, cls));
       if (ranks.body.children[index] !== known.tr) ranks.body.insertBefore(known.tr, ranks.body.children[index] || null);
