@@ -76,6 +76,9 @@ class ServerInfo:
     gpu_note: str | None = None
     #: CPU use over every core since the server's previous ``status`` (percent); None on its first.
     cpu_pct: float | None = None
+    #: The Python environment `up` built that the server runs in (``workdir/.envs/<name>``, issue
+    #: 49): its name; None: the host's python as it is (or an older server, which does not say).
+    environment: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -96,7 +99,7 @@ class ServerInfo:
 
 
 #: ServerInfo's fields an older server does not send.
-_OPTIONAL = frozenset({"gpus", "gpu_note", "cpu_pct"})
+_OPTIONAL = frozenset({"gpus", "gpu_note", "cpu_pct", "environment"})
 
 
 class HostStatus(str, Enum):

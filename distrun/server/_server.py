@@ -16,6 +16,7 @@ import platform
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from typing import Any
 from distrun._version import __version__
 from distrun.protocol.cluster import ServerInfo
 from distrun.protocol.wire import PROTOCOL_VERSION, WireError, recv_frame, send_frame, server_handshake
-from distrun.server._doctor import ProbeListener, doctor_facts
+from distrun.server._doctor import ProbeListener, doctor_facts, environment_name
 from distrun.server._hostinfo import gpu_names, gpu_readings, host_facts
 from distrun.server._jobs import JobError, JobManager
 from distrun.server._net import address_to_bind
@@ -217,7 +218,7 @@ class WorkerServer:
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
             gpu_names=self._gpu_names, jobs_running=self.jobs.running(), config_sha256=self.config_sha256,
-            warm=self.warm.ready, gpus=gpus, gpu_note=gpu_note,
+            warm=self.warm.ready, gpus=gpus, gpu_note=gpu_note, environment=environment_name(sys.executable),
             **host_facts(),  # type: ignore[arg-type]
         )
         return info.to_dict()

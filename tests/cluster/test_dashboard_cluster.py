@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import signal
 import subprocess
@@ -31,6 +32,7 @@ CHROMIUM = "/usr/bin/chromium"
 
 RECIPE = """
 import os
+import platform
 import time
 import torch
 from torch import nn
@@ -104,8 +106,8 @@ BROWSER = textwrap.dedent("""
         page.goto(f"{origin}/hosts")
         host_rows = page.get_by_role("table", name="hosts").locator("tbody tr")
         expect(host_rows).to_have_count(3, timeout=30_000)  # this machine's (no server here) and the lab's two
-        expect(host_rows.nth(2).get_by_role("cell").nth(13)).not_to_have_text("—", timeout=30_000)
-        seen_hosts = [[host_rows.nth(i).get_by_role("cell").nth(n).inner_text() for n in (0, 2, 12, 13)]
+        expect(host_rows.nth(2).get_by_role("cell").nth(14)).not_to_have_text("—", timeout=30_000)
+        seen_hosts = [[host_rows.nth(i).get_by_role("cell").nth(n).inner_text() for n in (0, 2, 13, 14, 4)]
                       for i in range(3)]
         print(json.dumps({"running": running, "after": after, "points": points, "evals": evals,
                           "listed_hosts": listed_hosts, "waits": waits, "job_cluster": job_cluster,
@@ -163,8 +165,11 @@ def test_a_two_host_job_on_the_dashboard_survives_its_end_and_a_reload(lab: Lab,
         local, *lab_rows = found["hosts_page"]
         assert local[2] == "local" and local[1] == "not running", found
         assert all(any(address in row[0] for row in lab_rows) for address in addresses), found
-        for host, state, cluster_name, gpus in lab_rows:  # each lab host's server probed for GPUs, and said why none
+        # Each lab host's server runs the lab's python as it is (the cluster file has no requirements;
+        # an environment `up` built is named: test_environment.py), and was probed for GPUs and said why none.
+        for host, state, cluster_name, gpus, environment in lab_rows:
             assert state == "up" and cluster_name == "lab", found
+            assert environment == f"host python · Python {platform.python_version()}", found
             assert re.fullmatch(r"no GPU \(NVML not found: .+\)", gpus), found
     finally:
         for proc in (train, page):

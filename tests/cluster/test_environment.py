@@ -180,6 +180,8 @@ def test_a_second_up_reuses_the_environment(lab: Lab) -> None:
     up, rows, wall_s = _up(lab, cluster)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     assert [(row["status"], row["message"]) for row in rows.values()] == [("up", f"environment {name} reused")] * 2
+    # Each server says the environment it runs in (the dashboard's hosts page shows it).
+    assert [row["server"]["environment"] for row in rows.values()] == [name] * 2, rows
     # Nothing was installed: the marker and pip's log are the first build's, no folder is new.
     assert (env_dir / ".distrun-ready").stat().st_mtime_ns == marker.st_mtime_ns
     assert (env_dir / "install.log").stat().st_mtime_ns == log.st_mtime_ns

@@ -302,8 +302,10 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     hosts = page.get_by_role("table", name="hosts").locator("tbody tr")
     expect(hosts).to_have_count(1, timeout=15_000)
     expect(hosts.get_by_role("cell").nth(2)).to_have_text("up")
-    expect(hosts.get_by_role("cell").nth(12)).to_have_text("local")
-    expect(hosts.get_by_role("cell").nth(13)).to_have_text(re.compile(r"^no GPU \(NVML not found: .+\)$"))
+    # This machine's server runs in the host's python as it is (no `up` built it an environment).
+    expect(hosts.get_by_role("cell").nth(4)).to_have_text(re.compile(r"^host python · Python 3\.\d+\.\d+$"))
+    expect(hosts.get_by_role("cell").nth(13)).to_have_text("local")
+    expect(hosts.get_by_role("cell").nth(14)).to_have_text(re.compile(r"^no GPU \(NVML not found: .+\)$"))
     for figure in ("cpu %", "memory %"):  # over time, 0-100, from the dashboard's samples of the host
         chart = hosts.get_by_role("img", name=re.compile(f"^{figure} of "))
         expect(chart).to_have_attribute("data-points", re.compile(r"^([2-9]|\d\d+)$"), timeout=15_000)
@@ -341,7 +343,7 @@ def test_a_gpu_hosts_recorded_answers_draw_its_gpu_panels(browser, served: Serve
     page.goto(served.origin + "/hosts")
     row = page.get_by_role("table", name="hosts").locator("tbody tr")
     expect(row).to_have_count(1, timeout=15_000)
-    expect(row.get_by_role("cell").nth(4)).to_have_text("1 GPU: NVIDIA H200")
+    expect(row.get_by_role("cell").nth(5)).to_have_text("1 GPU: NVIDIA H200")
     panel = row.get_by_role("list", name="GPUs of localhost")
     used, total = gpu["memory_used_bytes"] / 2**30, gpu["memory_total_bytes"] / 2**30
     expect(panel).to_have_text(re.compile(rf"^0 NVIDIA H200\s+0% · {used:.1f} / {total:.1f} GiB$"))

@@ -327,7 +327,7 @@ function jobView(jobId) {
 function hostsView() {
   document.title = "hosts · distrun";
   const status = el("p", { class: "dim", role: "status", text: "asking every server…" });
-  const hosts = table("hosts", [["host"], ["roles"], ["status"], ["version"], ["devices"], ["cpus", true], ["load", true],
+  const hosts = table("hosts", [["host"], ["roles"], ["status"], ["version"], ["environment"], ["devices"], ["cpus", true], ["load", true],
                                 ["memory free"], ["jobs", true], ["uptime", true], ["round trip ms", true], ["message"],
                                 ["cluster"], ["GPUs"], ["use over time"]]);
   main.replaceChildren(el("h1", { text: "Hosts" }), status, hosts.element);
@@ -371,7 +371,8 @@ function hostsView() {
       hosts.body.replaceChildren(...report.hosts.map((row) => {
         const s = row.server;
         return el("tr", {}, cell(row.host), cell(row.roles.join(", ")), cell(row.status, false, `state-${row.status}`),
-          cell(s ? s.version : null), cell(s ? (s.gpu_count ? `${s.gpu_count} GPU: ${s.gpu_names.join(", ")}` : "CPU") : null),
+          cell(s ? s.version : null), cell(s ? `${s.environment ? "env " + s.environment : "host python"} · Python ${s.python}` : null),
+          cell(s ? (s.gpu_count ? `${s.gpu_count} GPU: ${s.gpu_names.join(", ")}` : "CPU") : null),
           cell(s ? s.cpu_count : null, true), cell(s ? s.load_1m.toFixed(2) : null, true),
           cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
           cell(s ? s.jobs_running : null, true), cell(s ? duration(s.uptime_s) : null, true),
