@@ -78,7 +78,9 @@ class JobTracker:
                       for r in range(replicas + ps_tasks)}
         self._rates: dict[int, tuple[float, int]] = {}  # rank -> (time, pushes or updates) of the last figure
         self._seen: dict[int, float] = {}
-        self._total_steps: int | None = None
+        #: Each rank's newest total: a training job's ranks agree on it; a predict job's replicas
+        #: each have their share's batches, and the job is done at the largest.
+        self._totals: dict[int, int] = {}
         self._lr: float | None = None  # the chief's newest step's learning rate (a fit recipe's)
         self._eval: dict[str, float] = {}
         self._checkpoint: str | None = None
@@ -127,7 +129,7 @@ class JobTracker:
                 row = dataclasses.replace(row, staleness=event.staleness,
                                           steps_per_s=self._rate(event.rank, event.time, event.pushes, row.steps_per_s))
             if event.total_steps is not None:
-                self._total_steps = event.total_steps
+                self._totals[event.rank] = event.total_steps
             if event.rank == 0 and event.lr is not None:
                 self._lr = event.lr
             self._syncs.add_step(event)  # --embeddings ps: its bytes a step
@@ -246,7 +248,7 @@ class JobTracker:
             strategy=self._strategy,
             rows=rows,
             step=max((r.step for r in rows), default=0),
-            total_steps=self._total_steps,
+            total_steps=max(self._totals.values(), default=None),
             elapsed_s=now - self._t0,
             eval_metrics=dict(self._eval),
             last_checkpoint=self._checkpoint,

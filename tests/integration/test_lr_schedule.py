@@ -14,6 +14,7 @@ import torch
 
 from distrun.strategies import latest_checkpoint, load_checkpoint
 from tests.conftest import run_cli
+from tests.integration._recipes import EQUIV
 from tests.integration.test_model_parallel import TRANSFORMER
 from tests.integration.test_nonfinite import NAN_AT_5
 
@@ -162,6 +163,20 @@ def test_an_optimizers_step_hook_survives_the_rebuild(recipes, one_device, tmp_p
     assert _step_lrs(result)[STEPS] == pytest.approx(LR * _factor(STEPS - 1))
 
 
+def test_under_parameter_server_each_worker_schedules_its_own_pushes(recipes, tmp_path):
+    """Two asynchronous workers: each one's schedule moves once per push of its own, so the lr a
+    push carries is the schedule at that worker's push count, whatever the global step."""
+    result, _ = _train(recipes / "scheduled.py", tmp_path / "ck", "-s", "parameter-server", "--replicas", "2",
+                       "--log-interval-s", "0")
+    steps = [line for line in result.json_lines() if line["type"] == "step"]
+    by_worker = {rank: [line["pushes"] for line in steps if line["rank"] == rank] for rank in (0, 1)}
+    assert all(by_worker.values()) and sum(max(p) for p in by_worker.values()) >= STEPS, by_worker
+    for line in steps:
+        assert line["lr"] == pytest.approx(LR * _factor(line["pushes"] - 1)), line
+    # Interleaved: some step's lr is not the one the global step count would give.
+    assert any(line["lr"] != pytest.approx(LR * _factor(line["step"] - 1)) for line in steps), steps
+
+
 PLATEAU = TRANSFORMER + '''
 
 def scheduler(optimizer):
@@ -187,6 +202,41 @@ def test_reduce_on_plateau_steps_with_each_evaluation_and_bad_input_is_one_line(
     assert "Traceback" not in refused.stderr and refused.stderr.count("error:") == 1, refused.stderr[-2000:]
     assert "scheduler() returned AdamW; it must return a torch.optim.lr_scheduler.LRScheduler" in last, last
     assert "not_one.py" in last, last
+
+
+#: The plateau watches accuracy (growing is better), not the loss: a strict rise of accuracy keeps
+#: the lr, anything else halves it.
+ON_ACCURACY = EQUIV + """
+
+scheduler_monitor = "eval_accuracy"
+
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0,
+                                                      threshold=0.0, threshold_mode="abs")
+"""
+
+
+def _replayed_lr(values: list[float]) -> float:
+    """The lr ReduceLROnPlateau(mode="max", patience=0) ends at after these evaluations, from EQUIV's 0.01."""
+    param = torch.nn.Parameter(torch.zeros(1))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(torch.optim.Adam([param], lr=0.01), mode="max", factor=0.5,
+                                                         patience=0, threshold=0.0, threshold_mode="abs")
+    for value in values:
+        plateau.step(value)
+    return plateau.get_last_lr()[0]
+
+
+def test_reduce_on_plateau_watches_the_recipes_scheduler_monitor(write_recipe, tmp_path):
+    """`scheduler_monitor = "eval_accuracy"`: each evaluation's accuracy, as every rank reduced it,
+    steps the plateau; the same evaluations' losses would end at another lr."""
+    result, data = _train(write_recipe(ON_ACCURACY), tmp_path / "ck", "-s", "mirrored", "--replicas", "2",
+                          "--eval-every", "2", "--", "--samples", "160", steps=20)
+    evals = [e["metrics"] for e in result.json_lines() if e["type"] == "eval"]
+    assert len(evals) == 10, evals
+    on_accuracy = _replayed_lr([e["accuracy"] for e in evals])
+    assert on_accuracy != pytest.approx(_replayed_lr([e["loss"] for e in evals])), evals  # the test can tell
+    assert data["optimizer"]["param_groups"][0]["lr"] == pytest.approx(on_accuracy), (evals, data["lr_scheduler"])
 
 
 def test_a_skipped_update_does_not_move_the_schedule(write_recipe, tmp_path):

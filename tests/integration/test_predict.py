@@ -112,6 +112,23 @@ def test_a_replica_split_over_ranks_predicts_each_row_once(checkpoints, write_re
     torch.testing.assert_close(got["outputs"], want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", [("--tp", "2"), ("--pp", "2")], ids=["tp", "pp"])
+def test_a_checkpoint_a_split_replica_wrote_predicts_whole_and_split(write_recipe, tmp_path, split):
+    """--tp and --pp write sharded checkpoints of their pieces: predict reads one on one device and
+    on the same split, each the checkpoint's model applied in one process."""
+    recipe = write_recipe(recipe_of(13))
+    trained = run_cli("train", str(recipe), "-s", "mirrored", "--replicas", "1", *split, "--steps", "3", "--json",
+                      "--checkpoint-dir", str(tmp_path / "ck"))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    newest = latest_checkpoint(tmp_path / "ck")
+    assert newest.is_dir(), f"{split[0]} wrote a plain file: this test needs its sharded folder"
+    want = expected(recipe, newest)
+    for flags in ((), ("-s", "mirrored", "--replicas", "1", *split)):
+        got = predict(recipe, tmp_path / "out.pt", "--checkpoint-dir", str(tmp_path / "ck"), *flags)
+        assert got["checkpoint"] == str(newest)
+        torch.testing.assert_close(got["outputs"], want, rtol=1e-5, atol=1e-6, msg=f"predict {' '.join(flags)}")
+
+
 def test_a_recipe_without_predict_data_is_one_line_before_any_rank_starts(checkpoints, tmp_path):
     result = run_cli("predict", str(checkpoints / ".." / "nothing.py"), "--checkpoint-dir", str(checkpoints / "plain"),
                      "--output", str(tmp_path / "out.pt"))

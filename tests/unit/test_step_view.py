@@ -120,3 +120,32 @@ def test_at_80_columns_rank_step_loss_rate_and_status_are_whole():
             cells = [cell.strip() for cell in line.split("│")[1:-1]]
             assert [str(rank), "230", "0.01355", "6762.0", "running"] == [
                 cell for cell in cells if cell in (str(rank), "230", "0.01355", "6762.0", "running")], text
+
+
+def test_accumulation_names_the_micro_batch_in_the_live_view_and_the_summary():
+    """--accumulate 2 at a global batch of 16 over 2 replicas: 4 samples a micro-batch, 2 a step."""
+    tracker = JobTracker("r.py", "mirrored", replicas=2, started_at=1000.0, micro_batch=(4, 2))
+    tracker.update(_step(0, None))
+    assert "r.py · mirrored · micro-batch 4 × 2" in _text(render_progress(tracker.snapshot()))
+    summary = tracker.summary("succeeded")
+    assert (summary.micro_batch_size, summary.accumulate) == (4, 2)
+    assert "4 samples a replica, 2 a step" in _text(render_summary(summary))
+    plain = JobTracker("r.py", "mirrored", replicas=2, started_at=1000.0)
+    plain.update(_step(0, None))
+    assert "micro-batch" not in _text(render_progress(plain.snapshot()))
+    assert "micro-batch" not in _text(render_summary(plain.summary("succeeded")))
+
+
+def test_a_predict_jobs_bar_runs_to_the_largest_replicas_share():
+    """`distrun predict` over 13 rows on 2 replicas at 2 rows a batch: rank 0 has 4 batches, rank 1 has
+    3. The bar's total is the job's end (4), whichever rank reported last; a row has no loss."""
+    tracker = JobTracker("r.py", "mirrored", replicas=2, started_at=1000.0)
+    for rank, step, total in ((0, 2, 4), (1, 1, 3)):
+        tracker.update(Step(rank=rank, time=1001.0, step=step, epoch=0, loss=None, samples_per_s=10.0, mem_mb=300.0,
+                            total_steps=total))
+    snapshot = tracker.snapshot()
+    assert (snapshot.step, snapshot.total_steps) == (2, 4)
+    text = _text(render_progress(snapshot))
+    assert " step 2/4 " in text, text
+    rows = {line.split("│")[1].strip(): line.split("│")[4].strip() for line in text.splitlines() if "│" in line}
+    assert rows == {"0": "-", "1": "-"}, text  # the loss column
