@@ -37,6 +37,7 @@ class JobRow:
     world_now: int | None = None  # --elastic: replicas in the group now, where it changed
     reason: str | None = None  # stopped: why ("cancelled by alice from laptop")
     failure: str | None = None  # failed: the root cause, its host, rank and recipe line
+    layout: str = ""  # JobSpec.layout: "dp 2 x tp 2 · accumulate 2" ("" from an older server)
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.__dict__, "hosts": list(self.hosts)}
@@ -90,7 +91,8 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
                            bool(meta.get("detached")),
                            int(meta["world_now"][0]) if meta.get("world_now") else None,
                            reason=reason if state in ("stopped", "running", "pending") else None,
-                           failure=blame(zip(hosts, parts)) if state in ("failed", "lost") else None))
+                           failure=blame(zip(hosts, parts)) if state in ("failed", "lost") else None,
+                           layout=str(meta.get("layout") or "")))
     return sorted(rows, key=lambda row: row.started_at, reverse=True)
 
 

@@ -107,7 +107,8 @@ class LocalJob:
         self._launcher = LocalLauncher(worker, self._sink, starter=starter)
         if list_on is not None:  # last: nothing after it can fail and leave the listing open
             self.listing = list_on_local_server(list_on, run_id, {
-                "recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value, "world_size": spec.world_size,
+                "recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value, "layout": spec.layout,
+                "world_size": spec.world_size,
                 "ps_tasks": spec.ps.tasks, "warm": starter is not None})
         self._result: RunResult | None = None
         self._error: BaseException | None = None

@@ -101,6 +101,25 @@ class JobSpec:
         return {"dp": self.strategy.replicas, "tp": self.parallel.tp, "pp": self.parallel.pp}
 
     @property
+    def layout(self) -> str:
+        """The layout in one line, as the jobs list shows it: ``dp 2 x tp 2``, then what else shapes a
+        step (``pp 2 (1f1b, 4 microbatches)``, ``accumulate 2``, ``activation checkpointing full``,
+        ``offload cpu``, ``embeddings on 2 ps``; a parameter-server job's ``2 ps``)."""
+        parallel = self.parallel
+        parts = [" x ".join(f"{name} {size}" for name, size in self.mesh.items() if name == "dp" or size > 1)]
+        if parallel.pp > 1:
+            parts[0] += f" ({parallel.pp_schedule}, {parallel.microbatches or 2 * parallel.pp} microbatches)"
+        if self.training.accumulate > 1:
+            parts.append(f"accumulate {self.training.accumulate}")
+        if parallel.activation_checkpointing != "none":
+            parts.append(f"activation checkpointing {parallel.activation_checkpointing}")
+        if self.sharding.offload != "none":
+            parts.append(f"offload {self.sharding.offload}")
+        if self.ps.tasks:
+            parts.append(f"embeddings on {self.ps.tasks} ps" if self.strategy.embeddings == "ps" else f"{self.ps.tasks} ps")
+        return " · ".join(parts)
+
+    @property
     def world_size(self) -> int:
         """Processes in the job: the training ranks (workers), then the ps tasks."""
         return self.trainer_ranks + self.ps.tasks

@@ -147,6 +147,6 @@ def fold_attempts(rows: list[JobRow]) -> list[tuple[JobRow, list[JobRow]]]:
 
 
 def _row(row: JobRow) -> dict[str, Any]:
-    return {"job": row.job, "state": row.state, "recipe": row.recipe, "strategy": row.strategy,
+    return {"job": row.job, "state": row.state, "recipe": row.recipe, "strategy": row.strategy, "layout": row.layout,
             "world_size": row.world_size, "world_now": row.world_now, "hosts": list(row.hosts),
             "started_at": row.started_at, "why": row.reason or row.failure}

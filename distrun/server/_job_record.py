@@ -2,14 +2,16 @@
 
 The log is both in memory (``lines``: followers read from any offset) and on disk
 (``events.ndjson``, unbuffered, so a line lands at once and survives the server);
-``finish`` writes ``result.json`` beside it, which is how a job the server no longer
-keeps in memory is read back.
+``finish`` writes ``result.json`` beside it, and ``job.json`` (when it started, its recipe and
+strategy), which is how a job the server no longer keeps in memory is read back, and listed
+after the server restarts (``past_jobs``: the jobs page's history outlives the server).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
 import threading
 import time
@@ -21,7 +23,10 @@ from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, enco
 from distrun.server._job_args import files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
-__all__ = ["JobRecord"]
+__all__ = ["JobRecord", "past_jobs"]
+
+#: Finished jobs listed from disk beside those a server keeps in memory: the newest, by when they ended.
+LISTED_FROM_DISK = 200
 
 
 @dataclasses.dataclass
@@ -65,6 +70,7 @@ class JobRecord:
         with self.changed:
             self.state, self.result = state, result
             self.finished_at = time.monotonic()
+            (self.folder / "job.json").write_text(json.dumps({"started_at": self.started_at, "meta": self.meta}))
             (self.folder / "result.json").write_text(json.dumps(result))
             if self.log is not None:
                 self.log.close()
@@ -105,7 +111,7 @@ class JobRecord:
             except ValueError:
                 continue
         job = cls(job_id, folder, lines=lines, state=str(result.get("state", "finished")), result=result,
-                  reason=result.get("reason"))
+                  reason=result.get("reason"), **_started(folder))
         job.finished_at = time.monotonic()
         return job
 
@@ -132,3 +138,54 @@ class JobRecord:
         return {"job": self.id, "state": self.state, "started_at": self.started_at, "events": len(self.lines),
                 "detached": self.detached, "followers": self.followers, "reason": reason,
                 "failure": result.get("failure"), "error": result.get("error"), **self.meta}
+
+
+def _started(folder: Path) -> dict[str, Any]:
+    """``job.json``'s start time and meta (none from a job that ended before it was written)."""
+    try:
+        data = json.loads((folder / "job.json").read_text())
+        return {"started_at": float(data["started_at"]), "meta": dict(data["meta"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
+    """The summaries of finished jobs in ``jobs_dir`` that the server does not keep (``kept``), the
+    newest ``limit`` by when they ended: their result and ``job.json``, and the log's line count,
+    without reading the log into memory."""
+    ended = []
+    try:
+        entries = list(os.scandir(jobs_dir))
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name in kept or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            ended.append((os.stat(os.path.join(entry.path, "result.json")).st_mtime, entry.name))
+        except OSError:
+            continue  # running elsewhere, or never submitted here: nothing to list
+    listed = []
+    for _mtime, name in sorted(ended, reverse=True)[:limit]:
+        folder = jobs_dir / name
+        try:
+            result = json.loads((folder / "result.json").read_text())
+        except (OSError, ValueError):
+            continue
+        record = JobRecord(name, folder, state=str(result.get("state", "finished")), result=result,
+                           reason=result.get("reason"), **_started(folder))
+        summary = record.summary()
+        summary["events"] = _count_lines(folder / "events.ndjson")
+        listed.append(summary)
+    return listed
+
+
+def _count_lines(path: Path) -> int:
+    count = 0
+    try:
+        with path.open("rb") as file:
+            while chunk := file.read(1 << 20):
+                count += chunk.count(b"\n")
+    except OSError:
+        return 0
+    return count

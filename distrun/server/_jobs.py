@@ -15,8 +15,9 @@ interface; the job's secret comes with ``rendezvous`` and ``submit`` (the contro
 and reaches the launcher and the ranks, nowhere else (``launch/_store_relay``).
 
 A server lives for weeks: it keeps the newest ``KEEP_FINISHED`` finished jobs in memory,
-for ``KEEP_FINISHED_S`` at most. An older job's log stays on disk, and ``follow`` (``distrun
-logs``, ``attach``) reads it from there. A rendezvous that no ``submit`` follows within
+for ``KEEP_FINISHED_S`` at most. An older job's log stays on disk: ``follow`` (``distrun
+logs``, ``attach``) reads it from there, and ``list`` lists it (the newest ``LISTED_FROM_DISK``),
+so the history outlives the server too. A rendezvous that no ``submit`` follows within
 ``RENDEZVOUS_LEASE_S`` (its client died) is closed.
 """
 
@@ -46,7 +47,7 @@ from distrun.server._job_args import (
     sha_of,
     torchelastic_ids,
 )
-from distrun.server._job_record import JobRecord
+from distrun.server._job_record import JobRecord, past_jobs
 from distrun.server._local_job import LocalJobChannel
 from distrun.protocol.wire import Stream, send_frame
 from distrun.server._net import address_to_bind, interface_towards
@@ -218,7 +219,7 @@ class JobManager:
             job.rendezvous_lease.cancel()
             job.rendezvous_lease = None
         job.detached = bool(args.get("detach", False))
-        job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value,
+        job.meta = {"recipe": Path(spec.recipe).name, "strategy": spec.strategy.name.value, "layout": spec.layout,
                     "world_size": worker.world_size, "ps_tasks": worker.num_ps,
                     "ranks": [worker.rank_offset, worker.rank_offset + worker.local_world_size - 1]}
         threading.Thread(target=self._run, args=(job,), name=f"job-{job_id}", daemon=True).start()
@@ -237,6 +238,7 @@ class JobManager:
             return
         channel = LocalJobChannel(conn, job.record, warm=bool(args.get("warm")))
         job.meta = {"recipe": str(args.get("recipe", "?"))[:200], "strategy": str(args.get("strategy", "?"))[:64],
+                    "layout": str(args.get("layout", ""))[:200],
                     "world_size": world_size, "ps_tasks": ps_tasks, "ranks": [0, world_size - 1], "pid": pid,
                     "local": True}
         with job.changed:
@@ -386,8 +388,10 @@ class JobManager:
         return self._get(args).artifacts()
 
     def list(self, _args: dict[str, Any]) -> dict[str, Any]:
+        """The jobs kept in memory, then finished ones read from disk (a restarted server's history)."""
         with self._lock:
-            return {"jobs": [job.summary() for job in self._jobs.values()]}
+            kept = [job.summary() for job in self._jobs.values()]
+        return {"jobs": [*kept, *past_jobs(self.jobs_dir, {row["job"] for row in kept})]}
 
     # -- server life
 

@@ -101,8 +101,8 @@ BROWSER = textwrap.dedent("""
         page.goto(f"{origin}/")
         listed = page.locator(f"tr[data-job='{job}']")
         expect(listed.get_by_role("cell").nth(2)).to_have_text("succeeded", timeout=30_000)
-        listed_hosts = listed.get_by_role("cell").nth(8).inner_text()
-        listed_cluster = listed.get_by_role("cell").nth(12).inner_text()
+        listed_hosts = listed.get_by_role("cell").nth(9).inner_text()
+        listed_cluster = listed.get_by_role("cell").nth(13).inner_text()
         page.goto(f"{origin}/hosts")
         host_rows = page.get_by_role("table", name="hosts").locator("tbody tr")
         expect(host_rows).to_have_count(3, timeout=30_000)  # this machine's (no server here) and the lab's two
@@ -182,3 +182,49 @@ def test_a_two_host_job_on_the_dashboard_survives_its_end_and_a_reload(lab: Lab,
             except subprocess.TimeoutExpired:
                 proc.kill()
     assert page.returncode == 0 and "dashboard stopped" in ended.get(page.pid, ""), ended.get(page.pid)
+
+
+#: Asks a dashboard (in the client's namespace) for its hosts and jobs with its token: plain HTTP.
+ASK = """
+import http.client, json, sys
+from urllib.parse import urlsplit
+url = urlsplit(sys.argv[1])
+answers = {}
+for path in ("/api/hosts", "/api/jobs"):
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request("GET", path, headers={"Host": url.netloc, "Authorization": "Bearer " + url.query[len("token="):]})
+    answer = conn.getresponse()
+    answers[path] = [answer.status, json.loads(answer.read())]
+print(json.dumps(answers))
+"""
+
+
+def test_a_cluster_file_named_shows_that_cluster_alone(lab: Lab, cluster: Path, tmp_path: Path) -> None:
+    """`distrun dashboard CLUSTER`: that file's hosts and jobs, without this machine's local server
+    and without the clusters `up` recorded."""
+    home = {**os.environ, "DISTRUN_HOME": str(tmp_path / "home")}  # records nothing: only the file counts
+    page = subprocess.Popen(_in_client(lab, sys.executable, "-m", "distrun", "dashboard", str(cluster), "--port", "0",
+                                       "--no-browser"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=lab.root, env=home)
+    try:
+        assert page.stdout is not None
+        url = page.stdout.readline().split(": ", 1)[-1].strip()
+        assert url.startswith("http://127.0.0.1:"), page.stderr.read() if page.stderr else url
+        asked = subprocess.run(_in_client(lab, sys.executable, "-c", ASK, url), capture_output=True, text=True,
+                               timeout=120)
+        assert asked.returncode == 0, asked.stderr[-2000:]
+        answers = json.loads(asked.stdout)
+        (hosts_status, hosts), (jobs_status, jobs) = answers["/api/hosts"], answers["/api/jobs"]
+        assert hosts_status == jobs_status == 200, answers
+        addresses = sorted(address for _ns, address in lab.hosts.values())
+        assert sorted(row["host"] for row in hosts["hosts"]) == addresses, hosts  # no local row
+        assert {(row["status"], row["cluster"]) for row in hosts["hosts"]} == {("up", hosts["cluster"])}, hosts
+        assert jobs["cluster"] == hosts["cluster"] and all(job["cluster"] == hosts["cluster"] for job in jobs["jobs"])
+    finally:
+        page.send_signal(signal.SIGINT)
+        try:
+            _out, err = page.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            page.kill()
+            raise AssertionError("the dashboard did not end within 20 s of Ctrl-C") from None
+    assert page.returncode == 0 and "dashboard stopped" in err, err[-2000:]

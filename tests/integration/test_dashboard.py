@@ -24,7 +24,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from distrun import __version__
 from tests.conftest import REPO
+from tests.integration._recipes import SLOW_RANK_RECIPE
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
 
@@ -53,8 +55,14 @@ def dashboard_marker_pause():
     time.sleep(0.04)
 
 
+_calls = [0]
+
+
 def loss(outputs, batch):
     dashboard_marker_pause()
+    _calls[0] += 1
+    if RANK == 0 and _calls[0] % 5 == 0:
+        print(f"tick {_calls[0]}", flush=True)
     return nn.functional.mse_loss(outputs, batch[1])
 
 
@@ -224,8 +232,16 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     # The jobs page lists the job, newest first, as a link named by its recipe file.
     row = page.locator(f"tr[data-job='{job.id}']")
     expect(row).to_be_visible(timeout=15_000)
-    expect(row.get_by_role("cell").nth(2)).to_have_text("running")
-    expect(row.get_by_role("cell").nth(12)).to_have_text("local")  # no CLUSTER: this machine's server, labelled
+    cells = row.get_by_role("cell")
+    expect(cells.nth(2)).to_have_text("running")
+    expect(cells.nth(13)).to_have_text("local")  # no CLUSTER: this machine's server, labelled
+    # Its figures, from its event log: step/total, loss, samples/s; its layout, ranks, hosts and times.
+    expect(cells.nth(3)).to_have_text(re.compile(r"^[1-9]\d*/100000$"), timeout=15_000)
+    for i in (4, 5):  # loss and samples/s: numbers
+        expect(cells.nth(i)).to_have_text(re.compile(r"^\d[\d.,e+-]*$"))
+    assert [cells.nth(i).inner_text() for i in (6, 7, 8, 9)] == ["mirrored", "dp 2", "2", "1: localhost"]
+    expect(cells.nth(10)).to_have_text(re.compile(r"\d\d:\d\d"))  # started, as a time of day
+    expect(cells.nth(11)).to_have_text(re.compile(r"^(\d+m )?\d+s$"))  # wall time
     row.get_by_role("link", name=job.recipe).click()
     page.wait_for_url(f"**/jobs/{job.id}")
 
@@ -236,6 +252,9 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     expect(body_rows).to_have_count(2, timeout=15_000)
     loss_chart = page.get_by_role("img", name="loss", exact=True)
     expect(page.get_by_role("img", name="samples/s", exact=True)).to_be_visible()
+    for figure in ("samples/s", "lr"):  # every chart draws the steps, not only the loss
+        expect(page.get_by_role("img", name=figure, exact=True)).to_have_attribute(
+            "data-points", re.compile(r"^[1-9]\d*$"), timeout=15_000)
     first_steps = [int(body_rows.nth(i).get_by_role("cell").nth(3).inner_text()) for i in range(2)]
     first_points = int(loss_chart.get_attribute("data-points") or 0)
     deadline = time.monotonic() + 20
@@ -259,6 +278,18 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     # The logs, under the rank filter and the text filter.
     logs = page.get_by_role("log", name="logs")
     expect(logs).to_contain_text("hello from rank 1")
+    # Live: lines printed while the page is open arrive, and the follow switch keeps the newest in view.
+    seen = max(int(n) for n in re.findall(r"tick (\d+)", logs.inner_text()) or ["0"])
+    expect(logs).to_contain_text(f"tick {seen + 10}", timeout=15_000)
+    expect(page.locator("#follow")).to_be_checked()
+    at_end = "(e) => e.scrollHeight > e.clientHeight && e.scrollTop + e.clientHeight >= e.scrollHeight - 2"
+    page.wait_for_function(f"() => ({at_end})(document.querySelector('pre.logs'))", timeout=15_000)
+    page.locator("#follow").uncheck()
+    logs.evaluate("(e) => { e.scrollTop = 0; }")
+    seen = max(int(n) for n in re.findall(r"tick (\d+)", logs.inner_text()))
+    expect(logs).to_contain_text(f"tick {seen + 10}", timeout=15_000)  # lines still come, the view stays put
+    assert logs.evaluate("(e) => e.scrollTop") == 0
+    page.locator("#follow").check()
     page.get_by_label("rank filter").select_option("0")
     expect(logs).to_contain_text("hello from rank 0")
     expect(logs).not_to_contain_text("hello from rank 1")
@@ -302,6 +333,7 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     hosts = page.get_by_role("table", name="hosts").locator("tbody tr")
     expect(hosts).to_have_count(1, timeout=15_000)
     expect(hosts.get_by_role("cell").nth(2)).to_have_text("up")
+    expect(hosts.get_by_role("cell").nth(3)).to_have_text(__version__)  # the server's distrun
     # This machine's server runs in the host's python as it is (no `up` built it an environment).
     expect(hosts.get_by_role("cell").nth(4)).to_have_text(re.compile(r"^host python · Python 3\.\d+\.\d+$"))
     expect(hosts.get_by_role("cell").nth(13)).to_have_text("local")
@@ -313,6 +345,54 @@ def test_a_local_job_live_in_the_browser_then_stacked_and_cancelled(browser, ser
     expect(hosts.get_by_role("img", name=re.compile("^GPU"))).to_have_count(0)  # no GPU, no GPU chart
     context.close()
     assert not problems, problems
+
+
+def test_a_slow_rank_is_flagged_in_its_row_the_header_and_the_events(browser, served: Served,  # noqa: ANN001
+                                                                     tmp_path: Path) -> None:
+    """Rank 1 of 3 sleeps 120 ms a step against the others' 30 ms: the page flags it as the live view
+    does (the same judgement: docs/debugging.md#slow-ranks)."""
+    from playwright.sync_api import expect
+
+    recipe = tmp_path / "slowone.py"
+    recipe.write_text(SLOW_RANK_RECIPE)
+    out = tmp_path / "job.jsonl"
+    with out.open("w") as out_file:
+        proc = subprocess.Popen([sys.executable, "-m", "distrun", "train", str(recipe), "-s", "mirrored", "--replicas",
+                                 "3", "--steps", "100000", "--json", "--log-interval-s", "0.1", "--", "--slow-rank",
+                                 "1"], stdout=out_file, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                                env=dict(os.environ))
+    context = browser.new_context()
+    try:
+        deadline = time.monotonic() + 60
+        while not (job_id := next((json.loads(line)["job"] for line in out.read_text().splitlines()
+                                   if line.startswith('{"type":"job"')), None)):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-2000:]
+            time.sleep(0.2)
+        page = context.new_page()
+        page.goto(served.url)
+        page.goto(served.origin + f"/jobs/{job_id}")
+        rows = page.get_by_role("table", name="ranks").locator("tbody tr")
+        expect(rows).to_have_count(3, timeout=30_000)
+        expect(rows.nth(1).get_by_role("cell").nth(11)).to_have_text(re.compile(r"^running, slow \d+\.\d\dx$"),
+                                                                     timeout=60_000)
+        for i in (0, 2):
+            expect(rows.nth(i).get_by_role("cell").nth(11)).to_have_text("running")
+        expect(page.locator("dl.summary dt:text-is('straggler') + dd")).to_have_text(
+            re.compile(r"^straggler: rank 1 \(localhost\) \d+\.\d\dx the other ranks' median compute time"))
+        expect(page.get_by_role("list", name="events")).to_contain_text("rank 1 on localhost is slow: ")
+        # The hosts page names the job running on this host, a link to its page.
+        page.goto(served.origin + "/hosts")
+        here = page.get_by_role("table", name="hosts").locator("tbody tr").get_by_role("cell").nth(9)
+        expect(here.get_by_role("link", name="slowone.py")).to_have_attribute("href", f"/jobs/{job_id}", timeout=15_000)
+        expect(here).to_have_text(re.compile(r"^\d+: .*slowone\.py"))
+    finally:
+        context.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 #: What a dashboard answered on an NVIDIA H200 host while a CUDA job ran (tests/gpu/test_dashboard_gpu.py

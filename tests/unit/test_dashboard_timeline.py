@@ -46,3 +46,20 @@ def test_a_restarted_jobs_attempts_are_one_row_in_the_newest_first_order():
     folded = [(first.job, [attempt.job for attempt in attempts]) for first, attempts in fold_attempts(rows)]
     # B's attempts oldest first, at B's place; A-r1 and D-r1 have no A or D listed: each a job of its own.
     assert folded == [("C", ["C"]), ("A-r1", ["A-r1"]), ("B", ["B", "B-r1", "B-r2"]), ("D-r1", ["D-r1"])]
+
+
+def test_checkpoints_resumes_failures_exits_and_hangs_are_lines_that_say_where():
+    from distrun.protocol import Checkpointed, Exited, Failed, Hung, Resumed
+
+    saved = Checkpointed(rank=0, time=1.0, step=40, path="/ck/ckpt-000000040.pt", blocked_ms=12.4)
+    assert timeline_entry(saved, "h1")["text"] == "checkpoint at step 40: /ck/ckpt-000000040.pt (training waited 12 ms)"
+    resumed = Resumed(rank=0, time=1.0, step=40, path="/ck/ckpt-000000040.pt")
+    assert timeline_entry(resumed, "h1")["text"] == "resumed from /ck/ckpt-000000040.pt at step 40"
+    failed = timeline_entry(Failed(rank=1, time=2.0, kind="exception", message="ValueError: bad row",
+                                   file="/r/rec.py", line=12, step=7), "h2")
+    assert failed["kind"] == "error" and failed["host"] == "h2", failed
+    assert all(part in failed["text"] for part in ("rank 1", "rec.py:12", "step 7", "ValueError: bad row")), failed
+    assert timeline_entry(Exited(rank=1, time=2.0, returncode=-9), "h2")["text"] == "rank 1 exited with -9"
+    assert timeline_entry(Exited(rank=1, time=2.0, returncode=0), "h2") is None  # a clean exit is the Done line's
+    hung = Hung(rank=0, time=3.0, stalled_s=61.0, where="rank 1 in all_reduce")
+    assert timeline_entry(hung, "h1")["text"] == "no rank has stepped for 61 s: rank 1 in all_reduce"

@@ -75,7 +75,7 @@ function jobsView() {
   document.title = "jobs · distrun";
   const status = el("p", { class: "dim", role: "status", text: "connecting…" });
   const jobs = table("jobs", [["recipe"], ["job"], ["state"], ["step", true], ["loss", true], ["samples/s", true],
-                              ["strategy"], ["replicas", true], ["hosts"], ["started"], ["wall", true], ["why"],
+                              ["strategy"], ["layout"], ["replicas", true], ["hosts"], ["started"], ["wall", true], ["why"],
                               ["cluster"]]);
   main.replaceChildren(el("h1", { text: "Jobs" }), status, jobs.element);
   const source = new EventSource("/api/jobs/events");
@@ -97,8 +97,8 @@ function jobsView() {
       cell(job.job, false, "dim"),
       cell(job.attempts > 1 ? `${job.state} (attempt ${job.attempts})` : job.state, false, `state-${job.state}`),
       cell(stepOf(job), true), cell(fmtNum(job.loss), true), cell(fmtNum(job.samples_per_s), true),
-      cell(job.strategy), cell(job.world_now ? `${job.world_now} of ${job.world_size}` : job.world_size, true),
-      cell(job.hosts.join(", ")), cell(when(job.started_at)), cell(duration(job.elapsed_s), true),
+      cell(job.strategy), cell(job.layout || "—"), cell(job.world_now ? `${job.world_now} of ${job.world_size}` : job.world_size, true),
+      cell(`${job.hosts.length}: ${job.hosts.join(", ")}`), cell(when(job.started_at)), cell(duration(job.elapsed_s), true),
       cell(job.why || "", false, "why"), cell(job.cluster, false, "cluster"))));
   };
   source.onerror = () => { status.textContent = "reconnecting…"; };
@@ -184,6 +184,7 @@ function jobView(jobId) {
                    ["samples/s", fmtNum(head.samples_per_s)], ["elapsed", duration(head.elapsed_s)],
                    ["hosts", (head.hosts || []).join(", ") || "—"]];
     for (const [name, value] of Object.entries(head.eval_metrics || {})) items.push([`eval ${name}`, fmtNum(value)]);
+    if (head.straggler) items.push(["straggler", head.straggler]);  // as the live view's line says it
     const names = items.map(([name]) => name).join("\n");
     if (names !== factNames) {  // a new eval metric: the list is made again, else only its values change
       factNames = names;
@@ -361,11 +362,22 @@ function hostsView() {
       });
     return el("div", { class: "use" }, ...figures);
   }
+  // The jobs running on a host, each a link to its page (from the jobs list: the job's hosts and
+  // cluster); the count is the server's own.
+  function jobsOn(row, s, listed) {
+    if (!s) return null;
+    const here = listed.filter((job) => job.state === "running" && job.cluster === row.cluster && job.hosts.includes(row.host));
+    if (!here.length) return String(s.jobs_running);
+    return el("span", { class: "jobs-here" }, `${s.jobs_running}: `, ...here.flatMap((job, i) => [
+      i ? ", " : null, el("a", { href: `/jobs/${encodeURIComponent(job.job)}`, text: job.recipe })]));
+  }
   async function refresh() {
     try {
-      const answer = await fetch("/api/hosts", { credentials: "same-origin" });
+      const [answer, jobsAnswer] = await Promise.all([fetch("/api/hosts", { credentials: "same-origin" }),
+                                                      fetch("/api/jobs", { credentials: "same-origin" })]);
       const report = await answer.json();
       if (!answer.ok) throw new Error(report.error || answer.statusText);
+      const listed = jobsAnswer.ok ? (await jobsAnswer.json()).jobs || [] : [];
       document.getElementById("where").textContent = report.cluster;
       status.textContent = `${report.hosts.length} host(s), as \`distrun status\` sees them`;
       hosts.body.replaceChildren(...report.hosts.map((row) => {
@@ -375,7 +387,7 @@ function hostsView() {
           cell(s ? (s.gpu_count ? `${s.gpu_count} GPU: ${s.gpu_names.join(", ")}` : "CPU") : null),
           cell(s ? s.cpu_count : null, true), cell(s ? s.load_1m.toFixed(2) : null, true),
           cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
-          cell(s ? s.jobs_running : null, true), cell(s ? duration(s.uptime_s) : null, true),
+          cell(jobsOn(row, s, listed), true), cell(s ? duration(s.uptime_s) : null, true),
           cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"),
           cell(row.cluster), cell(gpuPanel(row.host, s), false, "gpus"), cell(useCharts(row), false, "use"));
       }));
