@@ -85,11 +85,11 @@ BROWSER = textwrap.dedent("""
         if os.environ.get("DISTRUN_DASHBOARD_SCREENSHOT"):  # docs/dashboard.md's picture, on request
             page.set_viewport_size({"width": 1280, "height": 860})
             chart = page.get_by_role("img", name="eval loss", exact=True)  # polled: the CSP forbids eval'd waits
-            for _ in range(300):  # until the first evaluation (the first epoch's end) is drawn
-                if chart.count() and int(chart.get_attribute("data-points") or 0) >= 1:
+            for _ in range(300):  # until two evaluations are drawn: a line, not a dot
+                if chart.count() and int(chart.get_attribute("data-points") or 0) >= 2:
                     break
                 page.wait_for_timeout(100)
-            page.screenshot(path=os.environ["DISTRUN_DASHBOARD_SCREENSHOT"])
+            page.screenshot(path=os.environ["DISTRUN_DASHBOARD_SCREENSHOT"], full_page=True)
         expect(page.get_by_role("status")).to_have_text("succeeded", timeout=120_000)
         page.reload()
         expect(page.get_by_role("status")).to_have_text("succeeded", timeout=30_000)
