@@ -121,16 +121,21 @@ def test_early_stopping_stops_every_rank_after_the_patience_th_evaluation_withou
                                          f"(best {evals[2]:.4g} at step 2)"), resumed.summary["reason"]
 
 
-def test_a_stop_on_a_step_with_no_evaluation_evaluates_and_checkpoints_that_step(write_recipe, tmp_path):
+@pytest.mark.parametrize("who", ["True", "os.environ['RANK'] == '1'"], ids=["every-rank", "rank-1-alone"])
+def test_a_stop_on_a_step_with_no_evaluation_evaluates_and_checkpoints_that_step(write_recipe, tmp_path, who):
     """A callback stops the run in on_step_end at step 3 (evaluations every 2): every rank stops
-    after step 3, the run evaluates there (as at any run's end) and writes step 3's checkpoint."""
+    after step 3, the run evaluates there (as at any run's end) and writes step 3's checkpoint. Also
+    where only rank 1's callback says stop: the ranks agree on it (and on its reason)."""
     recipe = write_recipe(RISING.replace("RESTORE", "restore_best_weights=False").replace(
         "return [Seen(), EarlyStopping(monitor=\"eval_loss\", patience=2, restore_best_weights=False)]",
-        "return [StopAt3()]") + '''
+        "return [StopAt3()]") + f'''
+
+import os
+
 
 class StopAt3(Callback):
     def on_step_end(self, state):
-        if state.step == 3:
+        if state.step == 3 and {who}:
             state.stop, state.reason = True, "enough at step 3"
 ''', "stop3.py")
     assert "return [StopAt3()]" in recipe.read_text()

@@ -40,7 +40,8 @@ def main(strategy):
     per_step = int(options.args[options.args.index("--batches") + 1]) if "--batches" in options.args else 1
     with strategy.scope():
         model = nn.Linear(4, 1)
-    print(f"init {float(model.weight[0, 0].detach())!r}", flush=True)
+    if not model.weight.is_meta:  # sharded builds it on the meta device (rank 0's weights are broadcast)
+        print(f"init {float(model.weight[0, 0].detach())!r}", flush=True)
     print(f"options epochs={options.epochs} eval_every={options.eval_every} clip={options.clip_grad_norm} "
           f"keep={options.keep}", flush=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -56,6 +57,9 @@ def main(strategy):
     def step(batches):
         optimizer.zero_grad()
         for inputs, targets in batches:  # the loop's own accumulation: several batches a step
+            if "--forward-backward" in options.args:  # distrun's: --accumulate splits the batch
+                loss = strategy.forward_backward(model, (inputs, targets), lambda out, b: (out - b[1]).pow(2).mean())
+                continue
             loss = strategy.compute_average_loss((model(inputs) - targets).pow(2).mean(dim=1)) / len(batches)
             loss.backward()
             if "--report" in options.args:
@@ -165,3 +169,32 @@ def test_extra_state_that_a_checkpoint_cannot_keep_is_one_line_exit_3(loop, tmp_
     last = result.stderr.strip().splitlines()[-1]
     assert "strategy.save(extra=...): Object of type Tensor is not JSON serializable; a checkpoint keeps plain " \
            "values" in last and "loop.py:" in last, last
+
+
+@pytest.mark.parametrize("flags", [("-s", "mirrored", "--replicas", "2", "--accumulate", "2"),
+                                   ("-s", "sharded", "--replicas", "2", "--accumulate", "4")],
+                         ids=["mirrored-acc2", "sharded-acc4"])
+def test_a_loops_forward_backward_accumulates_to_one_devices_parameters(loop, tmp_path, flags):
+    """A custom loop that calls ``strategy.forward_backward`` gets --accumulate: each replica's batch
+    in N micro-batches, gradients synchronised once, one-device's parameters at the same global batch."""
+    common = ("-b", "16", "--steps", "6", "--checkpoint-every", "6")
+    _train(loop, *common, "--checkpoint-dir", str(tmp_path / "one"), "--", "--forward-backward")
+    result = _train(loop, *common, *flags, "--checkpoint-dir", str(tmp_path / "acc"), "--", "--forward-backward")
+    parts = int(flags[flags.index("--accumulate") + 1])
+    assert (result.summary["micro_batch_size"], result.summary["accumulate"]) == (16 // 2 // parts, parts)
+    one, acc = (load_checkpoint(latest_checkpoint(tmp_path / name)) for name in ("one", "acc"))
+    for key, tensor in one["model"].items():
+        torch.testing.assert_close(acc["model"][key], tensor, rtol=0, atol=TOLERANCE, msg=key)
+
+
+def test_extra_state_comes_back_from_a_sharded_checkpoint(loop, tmp_path):
+    """sharded x2 writes a folder of shards (the extra state in its JSON): a one-device resume gets
+    the same extra back, tensors and tuples as a plain checkpoint gives them."""
+    ckpt = tmp_path / "ck"
+    flags = ("-b", "8", "--checkpoint-every", "3", "--checkpoint-dir", str(ckpt))
+    _train(loop, "-s", "sharded", "--replicas", "2", "--steps", "6", *flags)
+    assert latest_checkpoint(ckpt).is_dir(), "sharded wrote a plain file: this test needs its folder"
+    resumed = _train(loop, "--steps", "9", "--resume", *flags)
+    extra = json.loads(_printed(resumed, "extra ")[0])
+    assert (extra["at"], extra["pair"], extra["schedule"]["last_epoch"]) == (6, [1, 2], 6), extra
+    assert load_checkpoint(latest_checkpoint(ckpt))["extra"]["schedule"]["last_epoch"] == 9

@@ -155,6 +155,26 @@ def test_a_resume_on_another_layout_goes_on_with_the_schedule(recipes, one_devic
     ("-s", "mirrored", "--tp", "2"),
     ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
 ], ids=["sharded", "tp", "pp"])
+def test_a_resume_into_a_split_layout_goes_on_with_the_schedule(recipes, one_device, tmp_path, flags):
+    """The other way: one device to step 6 (a plain checkpoint), resumed under sharded x2, --tp 2
+    or --pp 2, whose rebuilt optimizers (one per stage under --pp) take the schedule's lr, not the
+    one the loaded optimizer state carries."""
+    _, one = one_device
+    ckpt = tmp_path / "ck"
+    _train(recipes / "scheduled.py", ckpt, steps=6)
+    result, data = _train(recipes / "scheduled.py", ckpt, "--resume", *flags)
+    _close(data["model"], one["model"], f"one-device to step 6, {' '.join(flags)} to 12, vs one-device")
+    lrs = _step_lrs(result)
+    assert min(lrs) == 7 and lrs[7] == pytest.approx(LR * _factor(6)) and lrs[STEPS] == pytest.approx(
+        LR * _factor(STEPS - 1)), lrs
+    assert data["lr_scheduler"]["last_epoch"] == STEPS
+
+
+@pytest.mark.parametrize("flags", [
+    ("-s", "sharded", "--replicas", "2"),
+    ("-s", "mirrored", "--tp", "2"),
+    ("-s", "mirrored", "--pp", "2", "--pp-schedule", "1f1b"),
+], ids=["sharded", "tp", "pp"])
 def test_an_optimizers_step_hook_survives_the_rebuild(recipes, one_device, tmp_path, flags):
     """The hook sets the schedule's lr before each step: one-device's scheduled parameters."""
     _, one = one_device
