@@ -134,15 +134,15 @@ def _load(strategy: Any, checkpoint: str | None, directory: str | None) -> Path:
 
 def _same_shapes(strategy: Any, path: Path) -> None:
     """A sharded checkpoint of another model, said as a plain one's is (DCP's own error names no
-    key): its index's shapes against the model's whole ones. A pipeline stage holds only part
-    of the model, so under ``--pp`` DCP's load says it."""
-    if getattr(strategy, "pipelined", False):
-        return
+    key): its index's shapes against the model's whole ones. A pipeline stage holds only part of
+    the model, so ``--tp``/``--pp`` give the whole model's shapes from before the split (every rank
+    the same: each says it, none waits in DCP's load for one that stopped)."""
     from distrun.strategies.checkpoint.shard_reader import read_index  # DCP: only for a sharded checkpoint
 
     saved = {key[len(layout.MODEL):]: list(entry.size) for key, entry in read_index(path).state_dict_metadata.items()
              if key.startswith(layout.MODEL)}
-    model = {key: list(value.shape) for key, value in strategy.unwrap().state_dict().items()}
+    whole = getattr(strategy, "whole_shapes", None)
+    model = whole() if whole is not None else {key: list(value.shape) for key, value in strategy.unwrap().state_dict().items()}
     sizes = [f"{key} (checkpoint {saved[key]}, model {shape})".replace("'", "")
              for key, shape in model.items() if key in saved and saved[key] != shape]
     parts = [f"size mismatch for {', '.join(sizes[:3])}"] if sizes else []

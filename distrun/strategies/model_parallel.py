@@ -99,6 +99,7 @@ class ModelParallelStrategy(ShardedStrategy):
         self._parts: list[nn.Module] = []
         self._reference: tuple[nn.Module, Chain] | None = None  # rank 0, --pp: the whole model, until step 1
         self._full_order: list[str] = []  # the optimizer's parameter names over the whole model, in order
+        self._whole_shapes: dict[str, list[int]] = {}  # the whole model's state_dict shapes, before it is split
         self._chain_checked = False
 
     @property
@@ -113,12 +114,18 @@ class ModelParallelStrategy(ShardedStrategy):
     def pipelined(self) -> bool:
         return self.shape.pp > 1
 
+    def whole_shapes(self) -> dict[str, list[int]]:
+        """The whole model's state_dict shapes, as every rank built it before the split: what a
+        checkpoint of this model holds, whichever stages and slices this rank keeps."""
+        return dict(self._whole_shapes)
+
     # -- building ---------------------------------------------------------------
 
     def _wrap(self, model: nn.Module, optimizer: Any) -> tuple[nn.Module, Any]:
         # Rank 0's values for everyone: the state_dict and every buffer (non-persistent ones too: a
         # causal mask, RoPE's tables), taken before its model goes to the meta device.
         whole = _values(model)  # rank 0's real tensors; the others' on the meta device, for their shapes
+        self._whole_shapes = {key: list(value.shape) for key, value in model.state_dict().items()}
         if self.is_chief:
             whole = on_cpu(whole)
         names = parameter_names(model)

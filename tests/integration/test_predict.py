@@ -148,12 +148,16 @@ def test_a_recipe_without_predict_data_is_one_line_before_any_rank_starts(checkp
 WIDER = PREDICT.replace("nn.Linear(6, 16)", "nn.Linear(6, 8)").replace("nn.Linear(16, 3)", "nn.Linear(8, 3)")
 
 
-@pytest.mark.parametrize("strategy, folder", [("mirrored", "plain"), ("sharded", "sharded")])
+@pytest.mark.parametrize("strategy, folder, placement", [
+    ("mirrored", "plain", ("--replicas", "2")), ("sharded", "sharded", ("--replicas", "2")),
+    # Each stage holds part of the model: the whole one's shapes, from before the split, say it.
+    ("mirrored", "sharded", ("--replicas", "1", "--pp", "2")),
+], ids=["mirrored", "sharded", "pp"])
 def test_a_checkpoint_of_another_model_names_the_file_and_the_shapes(checkpoints, write_recipe, tmp_path, strategy,
-                                                                     folder):
+                                                                     folder, placement):
     assert WIDER != PREDICT, "the recipe's layers changed: update WIDER"
     recipe = write_recipe(recipe_of(5, WIDER))
-    result = run_cli("predict", str(recipe), "-s", strategy, "--replicas", "2", "--output", str(tmp_path / "out.pt"),
+    result = run_cli("predict", str(recipe), "-s", strategy, *placement, "--output", str(tmp_path / "out.pt"),
                      "--checkpoint-dir", str(checkpoints / folder))
     assert result.returncode == 5, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
