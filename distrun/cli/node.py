@@ -32,6 +32,7 @@ from pathlib import Path
 import typer
 
 from distrun.cli._app import app, stderr
+from distrun.cli._node_evaluator import evaluate_checkpoints
 from distrun.client._results import CHECKPOINT_NAME
 from distrun.client.local import failure_message, independent_ranks
 from distrun.config import JobSpec, StrategyName
@@ -61,6 +62,7 @@ def node(
     resume_if_any: bool = typer.Option(False, "--resume-if-any", help="Resume from the newest checkpoint in the checkpoint folder if it has one (a requeued job).", rich_help_panel="Checkpoints and requeue"),
     preempted_file: Path | None = typer.Option(None, "--preempted-file", help="Write this file when every rank checkpointed and stopped on SIGUSR1 (before exiting 75).", rich_help_panel="Checkpoints and requeue"),
     checkpoint_on_sigterm: bool = typer.Option(False, "--checkpoint-on-sigterm", help="SIGTERM (Kubernetes' drain, eviction, preemption) acts as SIGUSR1: every rank checkpoints at one agreed step and stops, exit 75.", rich_help_panel="Checkpoints and requeue"),
+    evaluator_idle_s: float = typer.Option(600.0, "--evaluator-idle-s", min=0.0, help="TF_CONFIG's evaluator task: end when no new checkpoint came for this long (it ends at once after the job's last --steps).", rich_help_panel="Checkpoints and requeue"),
     run_id: str = typer.Option("node", "--run-id", help="TORCHELASTIC_RUN_ID of the job.", rich_help_panel="Job"),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks.", rich_help_panel="Output"),
 ) -> None:
@@ -88,11 +90,19 @@ def node(
             spec = spec.replace(checkpoint_dir=str(checkpoint_dir.expanduser().resolve()))
         if resume_if_any and spec.checkpoint.dir and _has_checkpoint(Path(spec.checkpoint.dir)):
             spec = spec.replace(resume=True)
+        secret = os.environ.get(JOB_SECRET_VAR, "")
+        parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
+        if place.evaluator:  # TF_CONFIG's side-car evaluator: the shared checkpoint folder, each new checkpoint
+            if not spec.checkpoint.dir:
+                raise ConfigError(f"{TF_CONFIG_VAR}: task.type evaluator needs the job's checkpoint folder "
+                                  "(--checkpoint-dir, a volume the chief writes and this task reads)")
+            count = evaluate_checkpoints(spec, root, _emit, secret=secret, idle_s=evaluator_idle_s,
+                                         describe_failure=failure_message, work=work)
+            stderr.print(f"evaluator: {count} checkpoint(s) of {spec.checkpoint.dir} evaluated", markup=False)
+            return
         if place.tf_config is not None:
             spec = _spec_for(spec, place.tf_config, nnodes * nproc_per_node)
         hosts = tuple(host for host in place.node_hosts for _ in range(nproc_per_node)) + place.ps_hosts
-        secret = os.environ.get(JOB_SECRET_VAR, "")
-        parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
         listener = None
         if index == 0:  # node 0 hosts the rendezvous, as the chief's worker server does, on its own address
             address = address_to_bind(master_addr)
@@ -114,11 +124,7 @@ def node(
             debug_dir=str(work / "debug"),
         )
 
-        def emit(event: Event) -> None:
-            sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
-            sys.stdout.flush()
-
-        launcher = LocalLauncher(worker, emit, listener=listener)
+        launcher = LocalLauncher(worker, _emit, listener=listener)
         # Slurm's warning that the job will end (srun hands the batch script's SIGUSR1 on to us);
         # with --checkpoint-on-sigterm, the kubelet's SIGTERM before it kills a pod's container.
         for signum in told:
@@ -141,6 +147,12 @@ def node(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _emit(event: Event) -> None:
+    """The node's events, one JSON object a line on stdout (the pod's log)."""
+    sys.stdout.write(json.dumps(event_to_dict(event)) + "\n")
+    sys.stdout.flush()
+
+
 @dataclass(frozen=True)
 class _Placement:
     """Where this node sits in the job, from the flags or from TF_CONFIG."""
@@ -153,6 +165,7 @@ class _Placement:
     ps_hosts: tuple[str, ...] = ()
     evaluator_hosts: tuple[str, ...] = ()
     tf_config: TfConfig | None = None
+    evaluator: bool = False  # TF_CONFIG's evaluator task: no rank, the checkpoints of the folder
 
     @property
     def ps_task(self) -> bool:
@@ -182,11 +195,8 @@ def _from_tf_config(text: str, flags: dict[str, object]) -> _Placement:
         raise ConfigError(f"{TF_CONFIG_VAR}: set in the environment together with {given[0]}; give one or the "
                           f"other (unset {TF_CONFIG_VAR}, or drop {', '.join(given)})")
     tf = parse_tf_config(text)
-    if tf.task_type == "evaluator":
-        raise ConfigError(f"{TF_CONFIG_VAR}: task.type evaluator: distrun node runs training and ps tasks; the "
-                          "side-car evaluator runs beside `distrun train --cluster` (a host with the evaluator role)")
     return _Placement(tf.node_rank, tf.nnodes, tf.master_addr, tf.rendezvous_port, tf.training_hosts,
-                      tf.ps_hosts, tf.evaluator_hosts, tf)
+                      tf.ps_hosts, tf.evaluator_hosts, tf, evaluator=tf.task_type == "evaluator")
 
 
 def _spec_for(spec: JobSpec, tf: TfConfig, trainers: int) -> JobSpec:

@@ -122,6 +122,17 @@ def test_manifests_are_valid_and_say_the_cluster_files_job(tmp_path):
         assert "equiv.py" in tar.getnames()  # the laptop still ships the code: the image holds none
 
 
+def test_the_help_names_every_object_the_export_writes(tmp_path):
+    """Issue 51: the help named three objects where the export wrote five."""
+    kinds = {obj["kind"] for obj in _export(tmp_path, "  - {address: 10.0.0.1, roles: [chief, worker], gpus: 0}\n")}
+    assert kinds == {"ConfigMap", "Job", "NetworkPolicy", "Secret", "Service"}, kinds
+    shown = run_cli("export", "k8s", "--help", env={"COLUMNS": "400"})
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    said = text[text.index("Write Kubernetes manifests"):text.index("Arguments")]
+    assert all(kind in said for kind in kinds) and "ps pods" in said, said
+
+
 def test_gpus_auto_needs_gpus_per_pod_and_never_becomes_a_cpu_job(tmp_path):
     cluster = tmp_path / "lab.yaml"
     cluster.write_text("name: lab\nhosts:\n  - {address: 10.0.0.1, roles: [chief, worker], gpus: auto}\n"

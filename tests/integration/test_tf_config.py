@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import secrets
 import subprocess
 import sys
@@ -131,6 +132,51 @@ def test_a_ps_task_from_tf_config_holds_the_hybrids_tables(tmp_path):
     data = torch.load(latest_checkpoint(tmp_path / "ckpt"), weights_only=True)
     assert data["step"] == 8
     _assert_same(data["model"], torch.load(latest_checkpoint(tmp_path / "one-device"), weights_only=True)["model"])
+
+
+def test_an_evaluator_task_from_tf_config_evaluates_the_chiefs_checkpoints(tmp_path):
+    """TF_CONFIG's evaluator entry: a chief and a worker train (a checkpoint every 4 steps in the
+    folder they share with it), and the evaluator task, in no process group, evaluates the new
+    checkpoints as they come and ends after the job's last step's, its figures the final
+    checkpoint's model on eval_data."""
+    recipe = tmp_path / "job" / "equiv.py"
+    recipe.parent.mkdir()
+    recipe.write_text(EQUIV)
+    spec = build_spec(recipe=recipe, device="cpu", strategy="multi-worker", replicas=2, steps=12, epochs=None,
+                      global_batch_size=16, seed=None, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=4)
+    bundle = pack(recipe)
+    (tmp_path / "bundle.tar.gz").write_bytes(bundle.data)
+    (tmp_path / "job-spec.json").write_text(spec.to_json())
+    cluster = {"chief": [f"127.0.0.1:{free_port()}"], "worker": ["127.0.0.1:2223"], "evaluator": ["127.0.0.1:2224"]}
+    argv = _node_argv(tmp_path / "bundle.tar.gz", tmp_path / "job-spec.json", bundle.recipe, tmp_path / "ckpt")
+    chief, worker, evaluator = _run_tasks(argv, cluster, [("chief", 0), ("worker", 0), ("evaluator", 0)])
+    evals = [json.loads(line) for line in evaluator.splitlines() if '"type": "eval"' in line]
+    assert evals and evals[-1]["step"] == 12, evals  # the last step's checkpoint, then the task ended
+    assert [e["step"] for e in evals] == sorted({e["step"] for e in evals}) and {e["step"] for e in evals} <= {4, 8, 12}
+    # The training's own evaluation at its end says the same of step 12's model.
+    trained = [json.loads(line) for line in chief.splitlines() + worker.splitlines() if '"type": "eval"' in line]
+    assert trained and trained[-1]["step"] == 12, trained
+    assert evals[-1]["metrics"]["loss"] == pytest.approx(trained[-1]["metrics"]["loss"], rel=1e-5)
+    # The figures: the final checkpoint's model on eval_data, here, in one process.
+    module = runpy.run_path(str(recipe))
+    model = module["model"]()
+    model.load_state_dict(torch.load(latest_checkpoint(tmp_path / "ckpt"), weights_only=True)["model"])
+    x, y = module["eval_data"](None).tensors
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(x), y).item()
+    assert evals[-1]["metrics"]["loss"] == pytest.approx(expected, rel=1e-5), (evals[-1], expected)
+
+
+def test_an_evaluator_task_without_a_checkpoint_folder_is_one_line(tmp_path):
+    bundle, spec, recipe = _job(tmp_path, "multi-worker", replicas=1, batch=16)
+    result = run_cli("node", "--bundle", str(bundle), "--spec", str(spec), "--recipe", recipe,
+                     env={"TF_CONFIG": json.dumps({"cluster": {"chief": ["127.0.0.1:2222"], "evaluator": ["b:1"]},
+                                                   "task": {"type": "evaluator", "index": 0}}),
+                          "DISTRUN_JOB_SECRET": secrets.token_hex(32)})
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.strip().splitlines() == [
+        "error: TF_CONFIG: task.type evaluator needs the job's checkpoint folder (--checkpoint-dir, a volume the "
+        "chief writes and this task reads)"], result.stderr
 
 
 def _node_error(tmp_path: Path, tf_config: str, *flags: str) -> str:
