@@ -201,17 +201,24 @@ def test_clip_grad_norm_takes_in_the_rows_and_equals_one_device(tmp_path: Path) 
 
 
 def test_resume_on_another_ps_layout_sends_the_tables_back_and_ends_as_one_device(tmp_path: Path) -> None:
-    """10 steps with the user table on one ps task, then --resume to 20 with every table split over
-    two: the chief sends each ps task its rows of the tables and of Adagrad's sums."""
+    """10 steps on two dense replicas with the user table on one ps task, then --resume to 20 on
+    one dense replica with every table split over two ps tasks: the chief sends each ps task its
+    rows of the tables and of Adagrad's sums. The checkpoint exports as the recipe's plain model."""
     ckpt = tmp_path / "hybrid"
     _train(RECOMMENDER, *HYBRID, "--ps-tasks", "1", "--ps-partition-mb", "1", "--steps", "10",
            "--checkpoint-dir", str(ckpt))
-    lines = _train(RECOMMENDER, *HYBRID, "--ps-tasks", "2", "--ps-partition-mb", "0.001", "--steps", "20",
-                   "--resume", "--checkpoint-dir", str(ckpt))
+    lines = _train(RECOMMENDER, "--strategy", "mirrored", "--replicas", "1", "--embeddings", "ps", "--ps-tasks", "2",
+                   "--ps-partition-mb", "0.001", "--steps", "20", "--resume", "--checkpoint-dir", str(ckpt))
     steps = [line["step"] for line in lines if line.get("type") == "step"]
-    assert min(steps) == 11 and lines[-1]["steps"] == 20
+    assert min(steps) == 11 and lines[-1]["steps"] == 20 and lines[-1]["replicas"] == 1
     _train(RECOMMENDER, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "one"))
     _assert_same_training(_checkpoint(ckpt), _checkpoint(tmp_path / "one"))
+    exported = run_cli("checkpoint", "export", str(ckpt), "-o", str(tmp_path / "model.pt"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    plain = _recipe_model()
+    plain.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict: tables included
+    torch.testing.assert_close(plain.users.weight.detach(), _checkpoint(tmp_path / "one")["model"]["users.weight"],
+                               rtol=0, atol=1e-6)
 
 
 def test_an_optimizer_that_moves_untouched_rows_is_one_line() -> None:
