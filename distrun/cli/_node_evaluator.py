@@ -10,9 +10,12 @@ host itself; a deployment started from TF_CONFIG has no client, so here the fold
 Each checkpoint is evaluated by one fresh process, exactly as the cluster's evaluator host runs
 it (``config.evaluator_spec``: one device, no process group, the recipe's ``eval_data``), so
 its ``eval`` event carries the same figures. The task ends when it has evaluated a checkpoint
-of the job's last step (``--steps``), or when no new checkpoint came for ``idle_s`` (an
-``--epochs`` job's last step is not known here). A checkpoint removed before it was read
-(``--keep-checkpoints``) is skipped; any other failure is the job's error.
+of the job's last step (``--steps``), when no new checkpoint came for ``idle_s`` (counted from
+the task's start and from each checkpoint: an ``--epochs`` job's last step is not known here,
+and a training that failed writes no more), or when it is told to stop (SIGTERM, a pod's end),
+after the evaluation under way. An evaluation that failed on a checkpoint a newer one has since
+replaced (``--keep-checkpoints`` may have removed it under the reader) is passed over for the
+newer one; any other failure is the job's error.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ POLL_S = 1.0
 
 
 def evaluate_checkpoints(spec: JobSpec, root: Path, emit: Callable[[Event], None], *, secret: str, idle_s: float,
-                         describe_failure: Callable[[object], str], work: Path) -> int:
-    """Evaluate each new checkpoint in ``spec.checkpoint.dir`` until the job's last step or
-    ``idle_s`` without one; how many were evaluated."""
+                         describe_failure: Callable[[object], str], work: Path,
+                         stopped: Callable[[], bool] = lambda: False) -> int:
+    """Evaluate each new checkpoint in ``spec.checkpoint.dir`` until the job's last step, ``idle_s``
+    without one, or ``stopped()``; how many were evaluated."""
     folder = Path(str(spec.checkpoint.dir))
     one = evaluator_spec(spec)
     last_step = spec.training.steps
     done_step, evaluated, quiet_since = -1, 0, time.monotonic()
-    while True:
+    while not stopped():
         newer = [(step, path) for step, path in _published(folder) if step > done_step]
         if not newer:
             if time.monotonic() - quiet_since > idle_s:
@@ -52,12 +56,13 @@ def evaluate_checkpoints(spec: JobSpec, root: Path, emit: Callable[[Event], None
             continue
         step, path = newer[-1]  # the newest only: TF's iterator skips those it fell behind on
         result = LocalLauncher(_worker(one, root, path, secret, work), emit).run()
-        if result.state is not ProcessState.SUCCEEDED and path.exists():
+        if result.state is not ProcessState.SUCCEEDED and not any(later > step for later, _ in _published(folder)):
             raise TrainingError(f"evaluator: checkpoint {path}: {describe_failure(result.failure)}")
         evaluated += result.state is ProcessState.SUCCEEDED
         done_step, quiet_since = step, time.monotonic()
         if last_step is not None and step >= last_step:
             return evaluated
+    return evaluated
 
 
 def _published(folder: Path) -> list[tuple[int, Path]]:

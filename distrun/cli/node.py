@@ -97,7 +97,7 @@ def node(
                 raise ConfigError(f"{TF_CONFIG_VAR}: task.type evaluator needs the job's checkpoint folder "
                                   "(--checkpoint-dir, a volume the chief writes and this task reads)")
             count = evaluate_checkpoints(spec, root, _emit, secret=secret, idle_s=evaluator_idle_s,
-                                         describe_failure=failure_message, work=work)
+                                         describe_failure=failure_message, work=work, stopped=lambda: bool(warned))
             stderr.print(f"evaluator: {count} checkpoint(s) of {spec.checkpoint.dir} evaluated", markup=False)
             return
         if place.tf_config is not None:

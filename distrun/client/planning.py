@@ -10,6 +10,8 @@ probe timed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import json
 import os
@@ -95,8 +97,14 @@ class Plan:
             "budget_mb": round(self.resources.budget_bytes / MB, 1),
             "candidates": [{"layout": p.layout.describe(), "predicted_peak_mb": round(p.peak_bytes / MB, 1),
                             "predicted_step_s": p.step_s, "timed_step_s": p.timed_step_s, "verdict": verdict,
-                            "flags": p.layout.flags()}
+                            "flags": p.layout.flags(),
+                            # the step's parts: the arithmetic, the links' exposed time, the machinery's own
+                            "step_parts_s": {"compute": p.compute_s, "comm": p.exposed_comm_s, "fixed": p.fixed_s},
+                            "memory_parts_mb": {name: round(size / MB, 1) for name, size in p.parts.items()}}
                            for p, verdict in self.decision.ranked],
+            # What the model was given, measured: the recipe's model (bytes, seconds a sample) and the
+            # job's ranks, budget and links; each figure a candidate's prediction is made of.
+            "inputs": {"profile": dataclasses.asdict(self.profile), "resources": dataclasses.asdict(self.resources)},
             "measured_peak_mb": measured_peak_mb,
             "measured_step_s": measured_step_s,
             **({"links": {k: v for k, v in self.links.items() if k != "figures"}} if self.links else {}),

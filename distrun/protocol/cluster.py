@@ -79,11 +79,15 @@ class ServerInfo:
     #: The Python environment `up` built that the server runs in (``workdir/.envs/<name>``, issue
     #: 49): its name; None: the host's python as it is (or an older server, which does not say).
     environment: str | None = None
+    #: The jobs running on this server now: (job id, recipe file name) each, for the dashboard's hosts
+    #: page (the count is ``jobs_running``); empty from an older server.
+    running_jobs: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["gpu_names"] = list(self.gpu_names)
         data["gpus"] = [asdict(gpu) for gpu in self.gpus]
+        data["running_jobs"] = [{"job": job, "recipe": recipe} for job, recipe in self.running_jobs]
         return data
 
     @classmethod
@@ -95,11 +99,12 @@ class ServerInfo:
         values = {key: data[key] for key in names if key in data}
         values["gpu_names"] = tuple(values["gpu_names"])
         values["gpus"] = tuple(GpuReading(**gpu) for gpu in values.get("gpus") or ())
+        values["running_jobs"] = tuple((str(job["job"]), str(job["recipe"])) for job in values.get("running_jobs") or ())
         return cls(**values)
 
 
 #: ServerInfo's fields an older server does not send.
-_OPTIONAL = frozenset({"gpus", "gpu_note", "cpu_pct", "environment"})
+_OPTIONAL = frozenset({"gpus", "gpu_note", "cpu_pct", "environment", "running_jobs"})
 
 
 class HostStatus(str, Enum):

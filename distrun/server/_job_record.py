@@ -70,7 +70,10 @@ class JobRecord:
         with self.changed:
             self.state, self.result = state, result
             self.finished_at = time.monotonic()
-            (self.folder / "job.json").write_text(json.dumps({"started_at": self.started_at, "meta": self.meta}))
+            try:  # only the listing's: a job without it is still read back by `follow`
+                (self.folder / "job.json").write_text(json.dumps({"started_at": self.started_at, "meta": self.meta}))
+            except OSError:
+                pass
             (self.folder / "result.json").write_text(json.dumps(result))
             if self.log is not None:
                 self.log.close()
@@ -151,8 +154,10 @@ def _started(folder: Path) -> dict[str, Any]:
 
 def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
     """The summaries of finished jobs in ``jobs_dir`` that the server does not keep (``kept``), the
-    newest ``limit`` by when they ended: their result and ``job.json``, and the log's line count,
-    without reading the log into memory."""
+    newest ``limit`` by when they ended, from their ``result.json`` and ``job.json`` alone: a listing
+    reads no log (``events`` is None; ``follow`` reads one when it is asked for). A folder without
+    ``job.json`` (a job of an older server, or one whose write failed) is left out: without its start
+    it would sort as the newest job, named ``?``."""
     ended = []
     try:
         entries = list(os.scandir(jobs_dir))
@@ -161,31 +166,22 @@ def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> 
     for entry in entries:
         if entry.name in kept or not entry.is_dir(follow_symlinks=False):
             continue
-        try:
+        try:  # both written at the end (job.json first): a job running elsewhere, or never submitted, has neither
+            os.stat(os.path.join(entry.path, "job.json"))
             ended.append((os.stat(os.path.join(entry.path, "result.json")).st_mtime, entry.name))
         except OSError:
-            continue  # running elsewhere, or never submitted here: nothing to list
+            continue
     listed = []
     for _mtime, name in sorted(ended, reverse=True)[:limit]:
         folder = jobs_dir / name
+        started = _started(folder)
         try:
             result = json.loads((folder / "result.json").read_text())
         except (OSError, ValueError):
             continue
+        if not started:
+            continue
         record = JobRecord(name, folder, state=str(result.get("state", "finished")), result=result,
-                           reason=result.get("reason"), **_started(folder))
-        summary = record.summary()
-        summary["events"] = _count_lines(folder / "events.ndjson")
-        listed.append(summary)
+                           reason=result.get("reason"), **started)
+        listed.append({**record.summary(), "events": None})
     return listed
-
-
-def _count_lines(path: Path) -> int:
-    count = 0
-    try:
-        with path.open("rb") as file:
-            while chunk := file.read(1 << 20):
-                count += chunk.count(b"\n")
-    except OSError:
-        return 0
-    return count

@@ -399,6 +399,12 @@ class JobManager:
         with self._lock:
             return sum(1 for job in self._jobs.values() if job.state == "running")
 
+    def running_jobs(self) -> tuple[tuple[str, str], ...]:
+        """(id, recipe) of each job running here: what `status` names beside the count."""
+        with self._lock:
+            return tuple((job.id, str(job.meta.get("recipe", "?"))) for job in self._jobs.values()
+                         if job.state == "running")
+
     def preempt_all(self) -> None:
         """The allocation warned it will end (Slurm's SIGUSR1): every running job's ranks
         checkpoint at an agreed step and stop (a ``preemptible`` job's; others go on)."""

@@ -217,7 +217,8 @@ class WorkerServer:
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), state_dir=str(self.state_dir.path),
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
-            gpu_names=self._gpu_names, jobs_running=self.jobs.running(), config_sha256=self.config_sha256,
+            gpu_names=self._gpu_names, jobs_running=self.jobs.running(), running_jobs=self.jobs.running_jobs(),
+            config_sha256=self.config_sha256,
             warm=self.warm.ready, gpus=gpus, gpu_note=gpu_note, environment=environment_name(sys.executable),
             **host_facts(),  # type: ignore[arg-type]
         )

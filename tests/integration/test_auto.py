@@ -107,6 +107,13 @@ def _smallest_mirrored_need_mb(recipe: Path, *args: str) -> float:
     plan = json.loads(result.stdout.strip().splitlines()[-1])
     needs = [c["predicted_peak_mb"] for c in plan["candidates"] if c["layout"].startswith("mirrored x")]
     assert needs, plan["candidates"]
+    # Said why: each prediction's parts add up to it, and the measured inputs it was made of are there.
+    for candidate in plan["candidates"]:
+        assert sum(candidate["step_parts_s"].values()) == pytest.approx(candidate["predicted_step_s"]), candidate
+        assert sum(candidate["memory_parts_mb"].values()) == pytest.approx(candidate["predicted_peak_mb"], abs=0.5)
+    profile, resources = plan["inputs"]["profile"], plan["inputs"]["resources"]
+    assert profile["parameter_bytes"] > 0 and profile["compute_s_per_sample"] > 0, profile
+    assert resources["ranks"] == 2 and resources["budget_bytes"] > 0, resources
     return min(needs)
 
 

@@ -378,7 +378,7 @@ def test_a_slow_rank_is_flagged_in_its_row_the_header_and_the_events(browser, se
         for i in (0, 2):
             expect(rows.nth(i).get_by_role("cell").nth(11)).to_have_text("running")
         expect(page.locator("dl.summary dt:text-is('straggler') + dd")).to_have_text(
-            re.compile(r"^straggler: rank 1 \(localhost\) \d+\.\d\dx the other ranks' median compute time"))
+            re.compile(r"^rank 1 \(localhost\) \d+\.\d\dx the other ranks' median compute time"))
         expect(page.get_by_role("list", name="events")).to_contain_text("rank 1 on localhost is slow: ")
         # The hosts page names the job running on this host, a link to its page.
         page.goto(served.origin + "/hosts")

@@ -20,6 +20,7 @@ from distrun.protocol import Output
 from distrun.protocol.secret import new_job_secret
 from distrun.protocol.wire import recv_frame, send_frame
 from distrun.server import _jobs
+from distrun.server._job_record import LISTED_FROM_DISK
 from distrun.server._jobs import KEEP_FINISHED, JobError, JobManager
 
 
@@ -45,7 +46,9 @@ def test_a_thousand_jobs_leave_the_table_and_the_heap_flat(tmp_path: Path) -> No
     tracemalloc.stop()
     grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
     print(f"heap growth over 1,000 jobs: {grown / 1024:.1f} KiB")
-    assert len(manager.list({})["jobs"]) == KEEP_FINISHED
+    listed = manager.list({})["jobs"]  # the kept ones, then the newest from disk (their logs unread)
+    assert len(listed) == KEEP_FINISHED + LISTED_FROM_DISK
+    assert [job["events"] is None for job in listed] == [False] * KEEP_FINISHED + [True] * LISTED_FROM_DISK
     # Measured: +158 KiB over the first 1,000 (caches), then +4 KiB over the next; one job
     # kept whole costs ~7 KiB, so a table that kept every job would grow 7 MiB here.
     assert grown < 64 * 1024, f"the server's heap grew {grown} bytes over 1,000 finished jobs"
@@ -96,7 +99,8 @@ def test_a_failed_submit_leaves_the_lease_running_and_a_forgotten_id_is_not_reus
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     for index in range(_jobs.KEEP_FINISHED + 1):  # "j" is forgotten, its log is on disk
         _short_job(manager, f"other{index}")
-    assert "j" not in {job["job"] for job in manager.list({})["jobs"]}
+    assert "j" not in {job["job"] for job in manager.list({})["jobs"] if job["events"] is not None}  # not kept
+    assert {job["job"]: job["state"] for job in manager.list({})["jobs"]}["j"] == "stopped"  # listed from disk
     with pytest.raises(JobError, match="exists"):
         manager.rendezvous({"job": "j", "secret": new_job_secret(), "address": "127.0.0.1"})
 

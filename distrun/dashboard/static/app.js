@@ -184,7 +184,7 @@ function jobView(jobId) {
                    ["samples/s", fmtNum(head.samples_per_s)], ["elapsed", duration(head.elapsed_s)],
                    ["hosts", (head.hosts || []).join(", ") || "—"]];
     for (const [name, value] of Object.entries(head.eval_metrics || {})) items.push([`eval ${name}`, fmtNum(value)]);
-    if (head.straggler) items.push(["straggler", head.straggler]);  // as the live view's line says it
+    if (head.straggler) items.push(["straggler", head.straggler.replace(/^straggler: /, "")]);  // the live view's line
     const names = items.map(([name]) => name).join("\n");
     if (names !== factNames) {  // a new eval metric: the list is made again, else only its values change
       factNames = names;
@@ -362,22 +362,19 @@ function hostsView() {
       });
     return el("div", { class: "use" }, ...figures);
   }
-  // The jobs running on a host, each a link to its page (from the jobs list: the job's hosts and
-  // cluster); the count is the server's own.
-  function jobsOn(row, s, listed) {
+  // The jobs running on a host, each a link to its page, as its server's status names them.
+  function jobsOn(s) {
     if (!s) return null;
-    const here = listed.filter((job) => job.state === "running" && job.cluster === row.cluster && job.hosts.includes(row.host));
+    const here = s.running_jobs || [];
     if (!here.length) return String(s.jobs_running);
     return el("span", { class: "jobs-here" }, `${s.jobs_running}: `, ...here.flatMap((job, i) => [
       i ? ", " : null, el("a", { href: `/jobs/${encodeURIComponent(job.job)}`, text: job.recipe })]));
   }
   async function refresh() {
     try {
-      const [answer, jobsAnswer] = await Promise.all([fetch("/api/hosts", { credentials: "same-origin" }),
-                                                      fetch("/api/jobs", { credentials: "same-origin" })]);
+      const answer = await fetch("/api/hosts", { credentials: "same-origin" });
       const report = await answer.json();
       if (!answer.ok) throw new Error(report.error || answer.statusText);
-      const listed = jobsAnswer.ok ? (await jobsAnswer.json()).jobs || [] : [];
       document.getElementById("where").textContent = report.cluster;
       status.textContent = `${report.hosts.length} host(s), as \`distrun status\` sees them`;
       hosts.body.replaceChildren(...report.hosts.map((row) => {
@@ -387,7 +384,7 @@ function hostsView() {
           cell(s ? (s.gpu_count ? `${s.gpu_count} GPU: ${s.gpu_names.join(", ")}` : "CPU") : null),
           cell(s ? s.cpu_count : null, true), cell(s ? s.load_1m.toFixed(2) : null, true),
           cell(s ? `${gib(s.memory_available_bytes)} / ${gib(s.memory_total_bytes)} GiB` : null),
-          cell(jobsOn(row, s, listed), true), cell(s ? duration(s.uptime_s) : null, true),
+          cell(jobsOn(s), true), cell(s ? duration(s.uptime_s) : null, true),
           cell(row.rtt_ms === null ? null : row.rtt_ms.toFixed(1), true), cell(row.message || "", false, "why"),
           cell(row.cluster), cell(gpuPanel(row.host, s), false, "gpus"), cell(useCharts(row), false, "use"));
       }));
