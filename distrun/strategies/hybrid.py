@@ -118,7 +118,10 @@ class _EmbeddingsOnPs:
         if isinstance(optimizer, torch.optim.Optimizer):
             self._base_lr = float(optimizer.param_groups[0]["lr"]) or None
             optimizer.register_step_pre_hook(self._before_dense_step)
-        wrapped, optimizer = super()._wrap(root, optimizer)  # type: ignore[misc]
+        if any(p.numel() and p.requires_grad for p in model.parameters()):
+            wrapped, optimizer = super()._wrap(root, optimizer)  # type: ignore[misc]
+        else:  # every table on the ps tasks, nothing else trained here (a factorisation model): no DDP
+            wrapped = root.to(me.device)
         if isinstance(optimizer, torch.optim.Optimizer):
             _state_to_params(optimizer)
         scaler = me._step.scaler

@@ -221,6 +221,29 @@ def test_resume_on_another_ps_layout_sends_the_tables_back_and_ends_as_one_devic
                                rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("partition_mb", ["0.1", "0.001"], ids=["items-with-ddp", "every-table-on-ps"])
+def test_sparse_adam_on_a_factorisation_model_equals_one_device(tmp_path: Path, partition_mb: str) -> None:
+    """recipes/factorization.py: two sparse tables and torch.optim.SparseAdam, whose moments are kept
+    and moved per row. The user table on the ps task, the item table with DDP (its sparse gradients
+    all-reduced), or both tables on the ps task and nothing left for DDP: one device's parameters
+    and SparseAdam's moments."""
+    recipe = str(REPO / "recipes" / "factorization.py")
+    lines = _train(recipe, *HYBRID, "--ps-tasks", "1", "--ps-partition-mb", partition_mb, "--steps", "20",
+                   "--checkpoint-dir", str(tmp_path / "hybrid"))
+    placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
+    assert any("users.weight[0:20000]" in p for p in placement), placement
+    assert any("items.weight" in p for p in placement) == (partition_mb == "0.001"), placement
+    _train(recipe, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "one"))
+    hybrid, one = _checkpoint(tmp_path / "hybrid"), _checkpoint(tmp_path / "one")
+    assert hybrid["step"] == one["step"] == 20
+    for key, tensor in one["model"].items():
+        torch.testing.assert_close(hybrid["model"][key], tensor, rtol=0, atol=1e-6, msg=key)
+    for index, state in one["optimizer"]["state"].items():  # the users' moments, from the ps task
+        for key, value in state.items():
+            torch.testing.assert_close(hybrid["optimizer"]["state"][index][key], value, rtol=0, atol=1e-6,
+                                       msg=f"{index}.{key}")
+
+
 def test_an_optimizer_that_moves_untouched_rows_is_one_line() -> None:
     result = run_cli("train", RECOMMENDER, *HYBRID, "--ps-tasks", "1", "--ps-partition-mb", "1", "--steps", "5",
                      "--", "--optimizer", "adam")
