@@ -135,3 +135,26 @@ def _wait_for(probe, what: str, timeout_s: float = 60.0):  # noqa: ANN001, ANN20
         assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
         time.sleep(0.3)
     return value
+
+
+def test_without_no_browser_it_opens_the_url_in_the_users_browser(tmp_path: Path) -> None:
+    """`webbrowser` runs $BROWSER with the URL: here a program that writes down what it was given."""
+    opened = tmp_path / "opened.txt"
+    browser = tmp_path / "browser.sh"
+    browser.write_text(f'#!/bin/sh\nprintf "%s" "$1" > {opened}\n')
+    browser.chmod(0o755)
+    proc = subprocess.Popen([sys.executable, "-m", "distrun", "dashboard", "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "BROWSER": str(browser), "DISTRUN_HOME": str(tmp_path / "home")})
+    try:
+        assert proc.stdout is not None
+        found = re.fullmatch(r"distrun dashboard: (http://127\.0\.0\.1:\d+/\?token=[\w-]{40,})\n", proc.stdout.readline())
+        assert found, proc.stderr.read()[-2000:] if proc.stderr else "no URL"
+        assert _wait_for(lambda: opened.is_file() and opened.read_text(), "the browser's start", 20) == found.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
