@@ -6,6 +6,7 @@ import compileall
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -55,6 +56,18 @@ def run_cli(*args: str, timeout: float = 240, env: dict[str, str] | None = None)
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO,
     )
     return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0)
+
+
+def interrupt(proc: subprocess.Popen, timeout_s: float = 30) -> None:
+    """Ctrl-C for a process a test started (a job's `distrun train`, a dashboard), then its end;
+    killed if it does not end within ``timeout_s``, so that a test's end never leaves it running."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def training_processes(marker: str) -> list[psutil.Process]:

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from distrun import __version__
-from tests.conftest import REPO
+from tests.conftest import REPO, interrupt
 from tests.integration._recipes import SLOW_RANK_RECIPE
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("warm_start")]
@@ -387,12 +387,7 @@ def test_a_slow_rank_is_flagged_in_its_row_the_header_and_the_events(browser, se
         expect(here).to_have_text(re.compile(r"^\d+: .*slowone\.py"))
     finally:
         context.close()
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc)
 
 
 #: What a dashboard answered on an NVIDIA H200 host while a CUDA job ran (tests/gpu/test_dashboard_gpu.py

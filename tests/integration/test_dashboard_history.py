@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import REPO, local_server, run_cli
+from tests.conftest import REPO, interrupt, local_server, run_cli
 from tests.integration._recipes import EQUIV, SLOW
 
 pytestmark = pytest.mark.integration
@@ -117,12 +117,7 @@ def test_ctrl_c_of_the_dashboard_leaves_the_job_it_follows_running(tmp_path: Pat
                       f"steps past {first} + 5")
             assert train.poll() is None and _listed(env)[job]["state"] == "running"
         finally:
-            train.send_signal(signal.SIGINT)
-            try:
-                train.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                train.kill()
-                train.wait()
+            interrupt(train)
 
 
 def _events(path: Path) -> list[dict]:
@@ -152,9 +147,4 @@ def test_without_no_browser_it_opens_the_url_in_the_users_browser(tmp_path: Path
         assert found, proc.stderr.read()[-2000:] if proc.stderr else "no URL"
         assert _wait_for(lambda: opened.is_file() and opened.read_text(), "the browser's start", 20) == found.group(1)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        interrupt(proc, 15)
