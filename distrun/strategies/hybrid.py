@@ -120,6 +120,10 @@ class _EmbeddingsOnPs:
             optimizer.register_step_pre_hook(self._before_dense_step)
         if any(p.numel() and p.requires_grad for p in model.parameters()):
             wrapped, optimizer = super()._wrap(root, optimizer)  # type: ignore[misc]
+        elif me._elastic is not None:  # its rounds rebuild the replicas' DDP, and there is none
+            raise ConfigError("--embeddings ps --elastic: every parameter of the recipe's model is a table on the "
+                              "ps tasks, so the replicas train nothing that a new round could heal; raise "
+                              "--ps-partition-mb to keep a table with DDP, or leave --elastic out")
         else:  # every table on the ps tasks, nothing else trained here (a factorisation model): no DDP
             wrapped = root.to(me.device)
         if isinstance(optimizer, torch.optim.Optimizer):

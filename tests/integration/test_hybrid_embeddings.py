@@ -244,6 +244,16 @@ def test_sparse_adam_on_a_factorisation_model_equals_one_device(tmp_path: Path, 
                                        msg=f"{index}.{key}")
 
 
+def test_elastic_with_every_table_on_the_ps_tasks_is_one_line() -> None:
+    """Nothing left for DDP on the replicas (both tables on the ps task): no round could heal them."""
+    result = run_cli("train", str(REPO / "recipes" / "factorization.py"), *HYBRID, "--ps-tasks", "1",
+                     "--ps-partition-mb", "0.001", "--elastic", "1:2", "--steps", "4")
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--embeddings ps --elastic: every parameter of the recipe's model is a table on the ps tasks" in last, last
+    assert "Traceback" not in result.stderr
+
+
 def test_an_optimizer_that_moves_untouched_rows_is_one_line() -> None:
     result = run_cli("train", RECOMMENDER, *HYBRID, "--ps-tasks", "1", "--ps-partition-mb", "1", "--steps", "5",
                      "--", "--optimizer", "adam")
