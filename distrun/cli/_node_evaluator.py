@@ -10,12 +10,13 @@ host itself; a deployment started from TF_CONFIG has no client, so here the fold
 Each checkpoint is evaluated by one fresh process, exactly as the cluster's evaluator host runs
 it (``config.evaluator_spec``: one device, no process group, the recipe's ``eval_data``), so
 its ``eval`` event carries the same figures. The task ends when it has evaluated a checkpoint
-of the job's last step (``--steps``), when no new checkpoint came for ``idle_s`` (counted from
-the task's start and from each checkpoint: an ``--epochs`` job's last step is not known here,
-and a training that failed writes no more), or when it is told to stop (SIGTERM, a pod's end),
-after the evaluation under way. An evaluation that failed on a checkpoint a newer one has since
-replaced (``--keep-checkpoints`` may have removed it under the reader) is passed over for the
-newer one; any other failure is the job's error.
+of the job's last step (``--steps``); when no new checkpoint came for ``idle_s``, counted from
+the task's start and from each checkpoint, as TensorFlow's ``checkpoints_iterator`` times out
+(an ``--epochs`` job's last step is not known here, and a training that failed writes no more);
+or when it is told to stop (SIGTERM or SIGUSR1: a pod's end), after the evaluation under way.
+An evaluation that failed on a checkpoint a newer one has since replaced (``--keep-checkpoints``
+may have removed it under the reader) is passed over for the newer one; any other failure is
+the job's error.
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ def node(
         secret = os.environ.get(JOB_SECRET_VAR, "")
         parse_job_secret(secret, f"${JOB_SECRET_VAR} (the job's Kubernetes Secret)")
         if place.evaluator:  # TF_CONFIG's side-car evaluator: the shared checkpoint folder, each new checkpoint
+            signal.signal(signal.SIGTERM, lambda *_: warned.append(True))  # a pod's end: nothing to checkpoint
             if not spec.checkpoint.dir:
                 raise ConfigError(f"{TF_CONFIG_VAR}: task.type evaluator needs the job's checkpoint folder "
                                   "(--checkpoint-dir, a volume the chief writes and this task reads)")

@@ -99,7 +99,8 @@ class ServerInfo:
         values = {key: data[key] for key in names if key in data}
         values["gpu_names"] = tuple(values["gpu_names"])
         values["gpus"] = tuple(GpuReading(**gpu) for gpu in values.get("gpus") or ())
-        values["running_jobs"] = tuple((str(job["job"]), str(job["recipe"])) for job in values.get("running_jobs") or ())
+        values["running_jobs"] = tuple((str(job.get("job", "?")), str(job.get("recipe", "?")))
+                                       for job in values.get("running_jobs") or () if isinstance(job, dict))
         return cls(**values)
 
 

@@ -233,6 +233,10 @@ def test_sparse_adam_on_a_factorisation_model_equals_one_device(tmp_path: Path, 
     placement = [line["line"] for line in lines if line.get("type") == "output" and "[placement]" in line["line"]]
     assert any("users.weight[0:20000]" in p for p in placement), placement
     assert any("items.weight" in p for p in placement) == (partition_mb == "0.001"), placement
+    # The step's wait for the other replicas: timed around DDP's all-reduce; with no DDP (both tables
+    # on the ps task) it is in the push, which the clock does not time: said unmeasured, never 0.
+    waits = {line["compute_ms"] is None for line in lines if line.get("type") == "step" and line["step"] > 1}
+    assert waits == {partition_mb == "0.001"}, waits
     _train(recipe, "--strategy", "one-device", "--steps", "20", "--checkpoint-dir", str(tmp_path / "one"))
     hybrid, one = _checkpoint(tmp_path / "hybrid"), _checkpoint(tmp_path / "one")
     assert hybrid["step"] == one["step"] == 20

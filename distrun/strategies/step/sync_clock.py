@@ -82,11 +82,14 @@ class SyncClock:
                     if self._can_time(state, _FSDP_STATE_WAITS):
                         self._time(state, _FSDP_STATE_WAITS)
             return
-        if optimizer is not None:
+        # Parameters that get a gradient here: not a hybrid's emptied tables (their rows' gradients go
+        # to the ps tasks). With none (every table on the ps tasks), nothing is timed, and the wait is
+        # said to be unmeasured rather than 0.
+        trainable = [param for param in model.parameters() if param.requires_grad and param.numel()]
+        if optimizer is not None and trainable:
             self._handles.append(optimizer.register_step_pre_hook(self._optimizer_steps))
-            for param in model.parameters():
-                if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
+            for param in trainable:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_ready))
 
     def begin(self) -> None:
         self._in_step = True
