@@ -26,12 +26,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from distrun.client._results import CHECKPOINT_NAME
 from distrun.config import JobSpec, evaluator_spec
 from distrun.errors import TrainingError
 from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
 from distrun.protocol import Event
 from distrun.protocol.environment import EVAL_CHECKPOINT_VAR, JOB_SPEC_VAR
-from distrun.client._results import CHECKPOINT_NAME
 
 __all__ = ["evaluate_checkpoints"]
 

@@ -10,9 +10,8 @@ probe timed.
 
 from __future__ import annotations
 
-import dataclasses
-
 import contextlib
+import dataclasses
 import json
 import os
 import signal

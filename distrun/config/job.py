@@ -108,7 +108,7 @@ class JobSpec:
         parallel = self.parallel
         parts = [" x ".join(f"{name} {size}" for name, size in self.mesh.items() if name == "dp" or size > 1)]
         if parallel.pp > 1:
-            parts[0] += f" ({parallel.pp_schedule}, {parallel.microbatches or 2 * parallel.pp} microbatches)"
+            parts[0] += f" ({parallel.pp_schedule}, {parallel.pipeline_microbatches} microbatches)"
         if self.training.accumulate > 1:
             parts.append(f"accumulate {self.training.accumulate}")
         if parallel.activation_checkpointing != "none":

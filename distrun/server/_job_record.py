@@ -179,7 +179,7 @@ def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> 
             result = json.loads((folder / "result.json").read_text())
         except (OSError, ValueError):
             continue
-        if not started:
+        if not started:  # job.json unreadable: as if it were not there
             continue
         record = JobRecord(name, folder, state=str(result.get("state", "finished")), result=result,
                            reason=result.get("reason"), **started)

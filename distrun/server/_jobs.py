@@ -395,12 +395,8 @@ class JobManager:
 
     # -- server life
 
-    def running(self) -> int:
-        with self._lock:
-            return sum(1 for job in self._jobs.values() if job.state == "running")
-
     def running_jobs(self) -> tuple[tuple[str, str], ...]:
-        """(id, recipe) of each job running here: what `status` names beside the count."""
+        """(id, recipe) of each job running here: `status` names them, and counts them."""
         with self._lock:
             return tuple((job.id, str(job.meta.get("recipe", "?"))) for job in self._jobs.values()
                          if job.state == "running")

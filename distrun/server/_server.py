@@ -213,11 +213,12 @@ class WorkerServer:
 
     def _status(self, _args: dict[str, Any]) -> dict[str, Any]:
         gpus, gpu_note = gpu_readings()
+        running = self.jobs.running_jobs()  # one read: the count and the names agree
         info = ServerInfo(
             version=__version__, protocol=PROTOCOL_VERSION, pid=os.getpid(), state_dir=str(self.state_dir.path),
             hostname=socket.gethostname(), python=platform.python_version(), started_at=self.started_at,
             uptime_s=time.monotonic() - self._started_monotonic, gpu_count=len(self._gpu_names),
-            gpu_names=self._gpu_names, jobs_running=self.jobs.running(), running_jobs=self.jobs.running_jobs(),
+            gpu_names=self._gpu_names, jobs_running=len(running), running_jobs=running,
             config_sha256=self.config_sha256,
             warm=self.warm.ready, gpus=gpus, gpu_note=gpu_note, environment=environment_name(sys.executable),
             **host_facts(),  # type: ignore[arg-type]
