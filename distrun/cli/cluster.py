@@ -24,6 +24,7 @@ from rich.table import Table
 from distrun.cli._app import app, stderr
 from distrun.client import cluster_down, cluster_status, cluster_up
 from distrun.client.brought_up import forget, remember
+from distrun.client.history import history_dir, note_kept
 from distrun.client.doctor import doctor_exit_code, run_doctor
 from distrun.config import ClusterSpec, load_cluster, local_cluster
 from distrun.protocol.cluster import ClusterReport
@@ -119,12 +120,17 @@ def _run(cluster_file: Path | None, json_output: bool,
 
 
 def _note(cluster_file: Path, report: ClusterReport) -> None:
-    """Record the clusters up on this machine for `distrun dashboard` (a healthy `up` in, a clean `down` out)."""
+    """Record the clusters up on this machine for `distrun dashboard` (a healthy `up` in, a clean `down`
+    out, its kept history said whose it is)."""
     try:
         if report.command == "up" and any(row.status.healthy for row in report.rows):
             remember(distrun_home(), cluster_file, report.cluster)
-        elif report.command == "down" and report.ok:
-            forget(distrun_home(), cluster_file)
+        elif report.command == "down":
+            kept = history_dir(distrun_home(), cluster_file, report.cluster)
+            if kept.is_dir():
+                note_kept(kept, report.cluster, cluster_file)
+            if report.ok:
+                forget(distrun_home(), cluster_file)
     except OSError as exc:  # the record is a convenience: the cluster is up (or down) all the same
         stderr.print(f"warning: cannot record the cluster in {distrun_home()}: {exc}", markup=False)
 
@@ -197,5 +203,7 @@ def down(
     json_output: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Stop every job and server, then check that no process of distrun's is left on any host."""
-    _run(cluster_file, json_output, cluster_down)
+    """Stop every job and server, then check that no process of distrun's is left on any host; each host's finished jobs are kept on this machine for `distrun dashboard`."""
+    cluster = load_cluster_file(cluster_file)
+    history = None if cluster_file is None else history_dir(distrun_home(), cluster_file, cluster.name)
+    _run(cluster_file, json_output, cluster_down, history=history)

@@ -14,6 +14,7 @@ import typer
 from distrun.cli._app import app, stderr
 from distrun.cli.cluster import distrun_home, resolve_cluster
 from distrun.client.brought_up import brought_up
+from distrun.client.history import kept_clusters
 from distrun.errors import DistrunError
 
 if TYPE_CHECKING:
@@ -34,17 +35,29 @@ def _loopback(host: str) -> bool:
 
 def _sources(cluster_file: Path | None) -> Sources:
     """CLUSTER alone; without it this machine's server first, then each cluster `up` recorded (one that no
-    longer loads is shown with why, not dropped: a typo in one file hides no other cluster)."""
-    from distrun.dashboard import Source, Sources, Unloaded
+    longer loads is shown with why, not dropped: a typo in one file hides no other cluster), then each
+    cluster taken `down` from here, from the history `down` kept. CLUSTER is shown from its history
+    where `up` has not recorded it since `down` kept one."""
+    from distrun.dashboard import KeptSource, Source, Sources, Unloaded
 
+    home = distrun_home()
+    up_at = {entry.file: entry.up_at for entry in brought_up(home)}
+    # A history kept after the cluster's last `up` (a `down` that left a host unclean keeps the cluster
+    # recorded as up, but its servers are gone all the same).
+    kept = {cluster.file: cluster for cluster in kept_clusters(home) if cluster.kept_at > up_at.get(cluster.file, 0.0)}
     if cluster_file is not None:
-        return Sources((Source.of(resolve_cluster(cluster_file)),))
-    sources, unloaded = [Source.of(resolve_cluster(None))], []
-    for entry in brought_up(distrun_home()):
+        history = kept.get(str(cluster_file.expanduser().resolve()))
+        return Sources((KeptSource(history) if history else Source.of(resolve_cluster(cluster_file)),))
+    sources: list[Source | KeptSource] = [Source.of(resolve_cluster(None))]
+    unloaded = []
+    for entry in brought_up(home):
+        if entry.file in kept:
+            continue
         try:
             sources.append(Source.of(resolve_cluster(Path(entry.file))))
         except DistrunError as exc:
             unloaded.append(Unloaded(entry.name, entry.file, exc.message))
+    sources.extend(KeptSource(history) for history in kept.values())
     return Sources(tuple(sources), tuple(unloaded))
 
 

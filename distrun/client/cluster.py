@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 from distrun._version import __version__
 from distrun.client._environment import (
@@ -32,6 +33,7 @@ from distrun.client._environment import (
     plan_environment,
 )
 from distrun.client._links import connect, open_remote, read_server_state
+from distrun.client.history import keep_host_history
 from distrun.config.cluster import ClusterSpec, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
 from distrun.links import CommandFailed, Remote
@@ -87,9 +89,10 @@ def cluster_status(cluster: ClusterSpec, *, progress: Progress = _quiet) -> Clus
     return _each_host(cluster, "status", lambda host: _HostOps(cluster, host, progress).status())
 
 
-def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> ClusterReport:
+def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet, history: Path | None = None) -> ClusterReport:
     """Stop every server and check each host; then give back the allocation ``up`` asked for, if any
-    (whatever its state: a request still pending must not start later and hold nodes)."""
+    (whatever its state: a request still pending must not start later and hold nodes). ``history``:
+    the folder keeping each host's finished jobs once its server has stopped (``client/history``)."""
     try:
         resolved = resolve(cluster, progress=progress)
     except HostError as exc:  # no allocation, or one still pending: nothing runs on it yet
@@ -97,7 +100,8 @@ def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet) -> Cluste
             return _no_hosts(cluster, "down", exc)
         released = _released(cluster, ClusterReport(cluster=cluster.name, command="down", rows=()), progress)
         return released if released.rows else _no_hosts(cluster, "down", exc)
-    report = _each_host(resolved, "down", lambda host: _HostOps(resolved, host, progress).down())
+    keep = None if resolved.local else history
+    report = _each_host(resolved, "down", lambda host: _HostOps(resolved, host, progress).down(keep))
     if resolved.allocation is None:
         return report
     if not resolved.allocation.owned:
@@ -260,7 +264,7 @@ class _HostOps:
                                exit_code=HostError.exit_code)
             return self._row(HostStatus.UP, *live)
 
-    def down(self) -> HostRow:
+    def down(self, history: Path | None = None) -> HostRow:
         with self._remote() as remote:
             state = self._read_state(remote)
             stopped = False
@@ -273,6 +277,8 @@ class _HostOps:
             message = f"ended {len(found)} leftover process(es)" if found else "no process of distrun's left"
             if left:
                 message = f"{len(left)} process(es) would not die: pids {left}"
+            if history is not None:  # after the server stopped: the jobs it stopped are finished too
+                message += self._keep_history(remote, history)
             status = HostStatus.STOPPED if (stopped or found) else HostStatus.NOT_RUNNING
             return HostRow(self.label, _roles(self.host), status, message=message, processes_left=len(left),
                            exit_code=HostError.exit_code if left else 0)
@@ -326,6 +332,19 @@ class _HostOps:
         # For `down`: the server's sweep runs where distrun is, which may be that environment only.
         remote.write_file(f"{self.state_dir}/{_INTERPRETER_FILE}", python.encode())
         return state
+
+    def _keep_history(self, remote: Remote, history: Path) -> str:
+        """Copy the host's finished jobs into the client's ``history``; what the row adds about it
+        (nothing when no job was new). The copy is a convenience: whatever goes wrong is said on the
+        row, and `down` goes on (the allocation released, the cluster forgotten)."""
+        self.progress(self.label, "keeping the past jobs' records")
+        try:
+            kept = keep_host_history(remote, self._interpreter(remote), self.state_dir, self.label, history)
+        except HostError as exc:
+            return f"; past jobs not all kept on this machine: {exc.reason}"
+        except Exception as exc:  # noqa: BLE001 - see above: never the reason `down` fails
+            return f"; past jobs not all kept on this machine: {type(exc).__name__}: {exc}"
+        return f"; {kept} past job(s) kept on this machine" if kept else ""
 
     def _interpreter(self, remote: Remote) -> str:
         """The interpreter `up` last started this host's server with (else the file's ``python``)."""

@@ -21,7 +21,7 @@ from distrun.config import ClusterSpec
 from distrun.errors import HostError, UsageError
 from distrun.protocol import Output, decode_event
 
-__all__ = ["JobRow", "list_jobs", "cancel_job", "job_output", "collapse_ranks", "pull_job"]
+__all__ = ["JobRow", "job_rows", "list_jobs", "cancel_job", "job_output", "collapse_ranks", "pull_job"]
 
 
 @dataclass(frozen=True)
@@ -57,24 +57,17 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
     can be reached, the first host's error is raised.
     """
     links = [HostLink(cluster, host) for host in cluster.hosts]
-    merged: dict[str, tuple[dict[str, Any], list[str], list[dict[str, Any]]]] = {}
+    answers: list[tuple[str, list[dict[str, Any]]]] = []
     errors: list[HostError] = []
     try:
         for link in links:
             try:
                 link.open()
-                jobs = link.call("jobs")["jobs"]
+                answers.append((link.label, link.call("jobs")["jobs"]))
             except HostError as exc:
                 if unreachable is None:
                     raise
                 errors.append(exc)
-                continue
-            for job in jobs:
-                meta, hosts, parts = merged.setdefault(job["job"], (job, [], []))
-                hosts.append(link.label)
-                parts.append(job)
-                if job.get("world_now") and job["world_now"][1] > (meta.get("world_now") or [0, 0])[1]:
-                    meta["world_now"] = job["world_now"]  # the newest change, from whichever host saw it
     finally:
         for link in links:
             link.close()
@@ -82,6 +75,21 @@ def list_jobs(cluster: ClusterSpec, unreachable: list[str] | None = None) -> lis
         raise errors[0]
     if unreachable is not None:
         unreachable.extend(f"{error.host}: {error.reason}" for error in errors)
+    return job_rows(answers)
+
+
+def job_rows(answers: list[tuple[str, list[dict[str, Any]]]]) -> list[JobRow]:
+    """One row per job, newest first, from each host's ``jobs`` answer (its label, its summaries): a
+    job's hosts merged, its state the merge of theirs. The servers' listing and the history `down`
+    kept on the client (``client/history``) both read this way."""
+    merged: dict[str, tuple[dict[str, Any], list[str], list[dict[str, Any]]]] = {}
+    for label, jobs in answers:
+        for job in jobs:
+            meta, hosts, parts = merged.setdefault(job["job"], (job, [], []))
+            hosts.append(label)
+            parts.append(job)
+            if job.get("world_now") and job["world_now"][1] > (meta.get("world_now") or [0, 0])[1]:
+                meta["world_now"] = job["world_now"]  # the newest change, from whichever host saw it
     rows = []
     for job_id, (meta, hosts, parts) in merged.items():
         state = merge_states(str(part["state"]) for part in parts)

@@ -6,8 +6,9 @@ to install, nothing fetched from the internet. Guarded by a token first (``_guar
 """
 
 from distrun.dashboard._guard import Guard, Verdict
+from distrun.dashboard._kept import KeptSource
 from distrun.dashboard._server import Dashboard
 from distrun.dashboard._source import Source
 from distrun.dashboard._sources import Sources, Unloaded
 
-__all__ = ["Dashboard", "Guard", "Source", "Sources", "Unloaded", "Verdict"]
+__all__ = ["Dashboard", "Guard", "KeptSource", "Source", "Sources", "Unloaded", "Verdict"]

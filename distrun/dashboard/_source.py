@@ -11,9 +11,12 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from distrun.client import ClusterJob
 from distrun.client.cluster import cluster_status
 from distrun.client.diagnose import cluster_stacks
 from distrun.client.jobs import JobRow, cancel_job, list_jobs
@@ -22,7 +25,7 @@ from distrun.dashboard._watch import JobWatch
 from distrun.errors import UsageError
 from distrun.protocol import event_to_dict
 
-__all__ = ["Source", "ATTEMPT", "JOB_ID", "LOCAL", "WATCHED", "fold_attempts"]
+__all__ = ["Source", "ATTEMPT", "JOB_ID", "LOCAL", "WATCHED", "fold_attempts", "listing"]
 
 #: The label of this machine's own server and its jobs, beside the clusters' names.
 LOCAL = "local"
@@ -77,17 +80,7 @@ class Source:
         """Every job, newest first, with its figures, a ``--max-restarts`` job's attempts one row (its
         newest attempt's state, and how many); ``unreachable``: hosts not listed, and why."""
         rows, unreachable = self._list()
-        listed = []
-        for index, (row, attempts) in enumerate(fold_attempts(rows)):
-            newest = attempts[-1]
-            item = {**_row(row), "cluster": self.name, "attempts": len(attempts), "state": newest.state,
-                    "why": newest.reason or newest.failure,
-                    "hosts": sorted({host for attempt in attempts for host in attempt.hosts})}
-            if index < WATCHED:
-                head = self.watch(row.job).head()
-                item.update({key: head[key] for key in ("step", "total_steps", "loss", "samples_per_s", "elapsed_s")})
-            listed.append(item)
-        return {"cluster": self.name, "jobs": listed, "unreachable": unreachable}
+        return listing(self.name, rows, unreachable, self.watch)
 
     def watch(self, job_id: str) -> JobWatch:
         """The job's watch, started on first use."""
@@ -97,8 +90,8 @@ class Source:
             watch = self._watches.get(job_id)
             if watch is None or watch.ended and watch.head()["state"] == "unknown":  # not found then: ask again
                 listed = None if self.cluster.local else self._listed_now  # --max-restarts: a cluster's only
-                watch = self._watches[job_id] = JobWatch(self.cluster, job_id, self._final_state, self.name,
-                                                         listed=listed).start()
+                watch = self._watches[job_id] = JobWatch(partial(ClusterJob.attach, self.cluster), job_id,
+                                                         self._final_state, self.name, listed=listed).start()
             return watch
 
     def _final_state(self, job_id: str) -> tuple[str, str | None]:
@@ -144,6 +137,23 @@ def fold_attempts(rows: list[JobRow]) -> list[tuple[JobRow, list[JobRow]]]:
             del attempts[row.job]
     return [(row, [attempt for _, attempt in sorted(attempts[row.job], key=lambda pair: pair[0])])
             for row in rows if row.job in attempts]
+
+
+def listing(name: str, rows: list[JobRow], unreachable: list[str],
+            watch: Callable[[str], JobWatch]) -> dict[str, Any]:
+    """The jobs page's answer for one cluster (``name``): ``rows`` folded into logical jobs (newest
+    first), the newest :data:`WATCHED` with the figures of their ``watch``."""
+    listed = []
+    for index, (row, attempts) in enumerate(fold_attempts(rows)):
+        newest = attempts[-1]
+        item = {**_row(row), "cluster": name, "attempts": len(attempts), "state": newest.state,
+                "why": newest.reason or newest.failure,
+                "hosts": sorted({host for attempt in attempts for host in attempt.hosts})}
+        if index < WATCHED:
+            head = watch(row.job).head()
+            item.update({key: head[key] for key in ("step", "total_steps", "loss", "samples_per_s", "elapsed_s")})
+        listed.append(item)
+    return {"cluster": name, "jobs": listed, "unreachable": unreachable}
 
 
 def _row(row: JobRow) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Each cluster keeps its own ``Source`` (its own shared look at its servers, its own watches);
 this asks them side by side, in threads, so that a cluster whose hosts are slow or gone
-delays no other's rows and costs the page one line saying why. A job's page finds its
+delays no other's rows and costs the page one line saying why. A cluster taken `down` is shown
+from the history `down` kept (``_kept``), labelled ``NAME (down)``. A job's page finds its
 cluster by asking which one lists the job (ids are unique per cluster, and a local job's
 starts ``local-``). A cluster file that could not be loaded when the dashboard started is
 shown as such, not dropped.
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from distrun.dashboard._kept import KeptSource
 from distrun.dashboard._source import LOCAL, Source
 from distrun.dashboard._watch import JobWatch
 from distrun.errors import DistrunError, UsageError
@@ -43,7 +45,7 @@ class Sources:
     """The clusters the dashboard shows, in the order given (this machine's first); ``unloaded``:
     those recorded but not loadable."""
 
-    sources: tuple[Source, ...]
+    sources: tuple[Source | KeptSource, ...]  # a cluster that is down: its history (``_kept``)
     unloaded: tuple[Unloaded, ...] = ()
 
     @property
@@ -91,7 +93,7 @@ class Sources:
     def stacks(self, job_id: str) -> dict[str, Any]:
         return self.source_of(job_id).stacks(job_id)
 
-    def source_of(self, job_id: str) -> Source:
+    def source_of(self, job_id: str) -> Source | KeptSource:
         """The cluster whose servers list ``job_id``; with one cluster, that one (it says if it does not)."""
         if len(self.sources) == 1:
             return self.sources[0]
@@ -108,9 +110,9 @@ class Sources:
         for source in self.sources:
             source.close()
 
-    def _each(self, ask: Callable[[Source], _T]) -> list[_T | DistrunError]:
+    def _each(self, ask: Callable[[Source | KeptSource], _T]) -> list[_T | DistrunError]:
         """``ask`` of every cluster at once; a cluster's DistrunError is its answer, not the page's."""
-        def guarded(source: Source) -> _T | DistrunError:
+        def guarded(source: Source | KeptSource) -> _T | DistrunError:
             try:
                 return ask(source)
             except DistrunError as exc:

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from distrun.client import ClusterJob
-from distrun.config import ClusterSpec
 from distrun.errors import DistrunError
 from distrun.dashboard._timeline import timeline_entry
 from distrun.protocol import SERVER_RANK, Eval, Event, JobSnapshot, Output, ReplicaStatus, Step
 
-__all__ = ["JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS", "RESTART_WAIT_S", "wait_pct"]
+__all__ = ["Followed", "JobWatch", "Cursor", "Update", "MAX_LINES", "MAX_POINTS", "RESTART_WAIT_S", "wait_pct"]
 
 #: Output lines a watch keeps (the oldest go first): a page shows the tail, `distrun logs` has all.
 MAX_LINES = 20_000
@@ -66,19 +64,36 @@ class Update:
                 "events": self.events, "evals": self.evals}
 
 
-class JobWatch:
-    """Follows ``job_id`` on ``cluster`` in a thread; ``read(cursor)`` gives a page what is new.
-    ``final_state(job_id)`` is asked once the follow ends: the state and reason the servers recorded;
-    ``label``: the cluster's name as the pages show it (``local``)."""
+class Followed(Protocol):
+    """What a watch follows: a job attached on its servers (``ClusterJob.attach``), or one read back
+    from the history `down` kept (``dashboard/_kept``)."""
 
-    def __init__(self, cluster: ClusterSpec, job_id: str, final_state: Callable[[str], tuple[str, str | None]],
-                 label: str = "", listed: Callable[[str], bool] | None = None) -> None:
+    def events(self, poll_s: float = 0.25) -> Iterator[Event | None]: ...
+
+    def snapshot(self) -> JobSnapshot: ...
+
+    def host_of_rank(self, rank: int) -> str: ...
+
+    def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JobWatch:
+    """Follows ``job_id`` in a thread, ``attach(job_id)`` giving what to follow; ``read(cursor)`` gives
+    a page what is new. ``final_state(job_id)`` is asked once the follow ends: the state and reason
+    the servers recorded; ``label``: the cluster's name as the pages show it (``local``)."""
+
+    def __init__(self, attach: Callable[[str], Followed], job_id: str,
+                 final_state: Callable[[str], tuple[str, str | None]], label: str = "",
+                 listed: Callable[[str], bool] | None = None, restart_wait_s: float = RESTART_WAIT_S) -> None:
         self.job_id = job_id
+        self._restart_wait_s = restart_wait_s
         self._listed = listed  # whether a job id is listed now; None: no attempt ever follows (a local job)
-        self._cluster = cluster
+        self._attach = attach
         self._final_state = final_state
         self._changed = threading.Condition()
-        self._job: ClusterJob | None = None
+        self._job: Followed | None = None
         self._closing = False
         self._head: dict[str, Any] = {"job": job_id, "cluster": label, "state": "connecting", "reason": None, "recipe": "",
                                       "strategy": "", "step": 0, "total_steps": None, "loss": None,
@@ -170,11 +185,11 @@ class JobWatch:
         self._end(state, reason)
 
     def _comes(self, attempt: str) -> bool:
-        """Whether ``attempt`` is listed within :data:`RESTART_WAIT_S` (the client submits it once it
-        has seen the failure and stopped the failed attempt's ranks)."""
+        """Whether ``attempt`` is listed within ``restart_wait_s`` (:data:`RESTART_WAIT_S`: the client
+        submits it once it has seen the failure and stopped the failed attempt's ranks)."""
         if self._listed is None:
             return False
-        deadline = time.monotonic() + RESTART_WAIT_S
+        deadline = time.monotonic() + self._restart_wait_s
         while not self._closing:
             try:
                 if self._listed(attempt):
@@ -189,7 +204,7 @@ class JobWatch:
     def _follow(self, job_id: str) -> bool:
         """Follow one attempt to its end; False where the dashboard closes (or it cannot be found: said)."""
         try:
-            job = ClusterJob.attach(self._cluster, job_id)
+            job = self._attach(job_id)
         except DistrunError as exc:
             self._end("unknown", exc.message)
             return False
@@ -222,7 +237,7 @@ class JobWatch:
             job.close()
         return not self._closing
 
-    def _add_line(self, event: Output, job: ClusterJob) -> None:
+    def _add_line(self, event: Output, job: Followed) -> None:
         line = {"rank": event.rank, "host": job.host_of_rank(event.rank), "stream": event.stream, "line": event.line,
                 "time": event.time}
         with self._changed:
@@ -233,7 +248,7 @@ class JobWatch:
                 self._lines_base += drop
             self._changed.notify_all()
 
-    def _add_event(self, event: Event, job: ClusterJob) -> None:
+    def _add_event(self, event: Event, job: Followed) -> None:
         entry = timeline_entry(event, job.host_of_rank(event.rank))
         if entry is not None:
             with self._changed:
@@ -267,7 +282,7 @@ class JobWatch:
             self._head_version += 1
             self._changed.notify_all()
 
-    def _set_rows(self, snapshot: JobSnapshot, job: ClusterJob, ended_at: float | None = None) -> None:
+    def _set_rows(self, snapshot: JobSnapshot, job: Followed, ended_at: float | None = None) -> None:
         rows = [{"rank": row.rank, "host": row.host or job.host_of_rank(row.rank), "device": row.device, "step": row.step,
                  "loss": row.loss, "samples_per_s": round(row.samples_per_s, 2), "mem_mb": round(row.mem_mb),
                  "peak_mem_mb": round(row.peak_mem_mb), "status": row.status.value, "role": row.role,

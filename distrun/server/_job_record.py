@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -23,7 +24,7 @@ from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, enco
 from distrun.server._job_args import files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
-__all__ = ["JobRecord", "past_jobs"]
+__all__ = ["JobRecord", "RECORD_FILES", "finished_jobs", "job_files", "past_jobs"]
 
 #: Finished jobs listed from disk beside those a server keeps in memory: the newest, by when they ended.
 LISTED_FROM_DISK = 200
@@ -152,10 +153,10 @@ def _started(folder: Path) -> dict[str, Any]:
         return {}
 
 
-def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
-    """The summaries of finished jobs in ``jobs_dir`` that the server does not keep (``kept``), the
-    newest ``limit`` by when they ended, from their ``result.json`` and ``job.json`` alone: a listing
-    reads no log (``events`` is None; ``follow`` reads one when it is asked for). A folder without
+def finished_jobs(jobs_dir: Path, kept: Collection[str] = (), limit: int = LISTED_FROM_DISK) -> list[str]:
+    """The ids of the finished jobs in ``jobs_dir`` but ``kept``, the newest ``limit`` by when they
+    ended, newest first: the folders holding both ``job.json`` and ``result.json`` (written at the end,
+    ``job.json`` first: a job running elsewhere, or never submitted, has neither). A folder without
     ``job.json`` (a job of an older server, or one whose write failed) is left out: without its start
     it would sort as the newest job, named ``?``."""
     ended = []
@@ -166,13 +167,20 @@ def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> 
     for entry in entries:
         if entry.name in kept or not entry.is_dir(follow_symlinks=False):
             continue
-        try:  # both written at the end (job.json first): a job running elsewhere, or never submitted, has neither
+        try:
             os.stat(os.path.join(entry.path, "job.json"))
             ended.append((os.stat(os.path.join(entry.path, "result.json")).st_mtime, entry.name))
         except OSError:
             continue
+    return [name for _mtime, name in sorted(ended, reverse=True)[:limit]]
+
+
+def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
+    """The summaries of :func:`finished_jobs` (the server does not keep them: ``kept``), from their
+    ``result.json`` and ``job.json`` alone: a listing reads no log (``events`` is None; ``follow``
+    reads one when it is asked for)."""
     listed = []
-    for _mtime, name in sorted(ended, reverse=True)[:limit]:
+    for name in finished_jobs(jobs_dir, kept, limit):
         folder = jobs_dir / name
         started = _started(folder)
         try:
@@ -184,4 +192,26 @@ def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> 
         record = JobRecord(name, folder, state=str(result.get("state", "finished")), result=result,
                            reason=result.get("reason"), **started)
         listed.append({**record.summary(), "events": None})
+    return listed
+
+
+#: A finished job's files, as `python -m distrun.server history` names them for the client to keep.
+RECORD_FILES = ("job.json", "events.ndjson", "result.json")
+
+
+def job_files(jobs_dir: Path, limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
+    """Each of the newest ``limit`` finished jobs' files and their sizes in bytes (``RECORD_FILES``
+    that exist), and when it ended (``result.json``'s mtime), newest first: what `distrun down`
+    copies into the client's history."""
+    listed = []
+    for name in finished_jobs(jobs_dir, limit=limit):
+        stats = {}
+        for file in RECORD_FILES:
+            try:
+                stats[file] = os.stat(jobs_dir / name / file)
+            except OSError:
+                continue
+        if "result.json" in stats:
+            listed.append({"job": name, "files": {file: stat.st_size for file, stat in stats.items()},
+                           "ended_at": stats["result.json"].st_mtime})
     return listed

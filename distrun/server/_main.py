@@ -22,6 +22,10 @@ every training process it starts.
 ``sweep --state-dir DIR [--kill]`` prints the processes of this host's server
 still alive (and ends them with ``--kill``), so `down` checks rather than assumes.
 
+``history --state-dir DIR`` prints the newest finished jobs' record files and their sizes
+(``{"jobs": [{"job": ..., "files": {"events.ndjson": bytes, ...}}]}``), read from the folder
+alone, with or without a server: `distrun down` copies them into the client's history.
+
 ``relay --port P`` joins stdin and stdout to the server on loopback port P: the
 client's stream to a Slurm node's server rides on an srun step running it.
 """
@@ -52,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep_cmd = sub.add_parser("sweep", help="list (and with --kill, end) this server's processes")
     sweep_cmd.add_argument("--state-dir", required=True)
     sweep_cmd.add_argument("--kill", action="store_true")
+    history_cmd = sub.add_parser("history", help="list the finished jobs' record files, for the client's history")
+    history_cmd.add_argument("--state-dir", required=True)
     relay_cmd = sub.add_parser("relay", help="join stdin/stdout to this host's server on a loopback port")
     relay_cmd.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
@@ -63,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         from distrun.server._sweep import sweep
 
         print(json.dumps(sweep(args.state_dir, kill=args.kill)))
+        return 0
+    if args.command == "history":
+        from pathlib import Path
+
+        from distrun.server._job_record import job_files
+
+        print(json.dumps({"jobs": job_files(Path(args.state_dir).expanduser() / "jobs")}))
         return 0
     if args.command == "serve":
         from distrun.server._state import StateDir

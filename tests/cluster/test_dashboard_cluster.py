@@ -228,3 +228,99 @@ def test_a_cluster_file_named_shows_that_cluster_alone(lab: Lab, cluster: Path, 
             page.kill()
             raise AssertionError("the dashboard did not end within 20 s of Ctrl-C") from None
     assert page.returncode == 0 and "dashboard stopped" in err, err[-2000:]
+
+
+#: Asks a dashboard for its jobs, one job's page (until the replay ends), its hosts, and to cancel the job.
+ASK_KEPT = """
+import http.client, json, sys, time
+from urllib.parse import urlsplit
+url, job = urlsplit(sys.argv[1]), sys.argv[2]
+token = url.query[len("token="):]
+
+def ask(method, path):
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    conn.request(method, path, headers={"Host": url.netloc, "Authorization": "Bearer " + token,
+                                        "Origin": "http://" + url.netloc})
+    answer = conn.getresponse()
+    return [answer.status, json.loads(answer.read() or b"{}")]
+
+answers = {"jobs": ask("GET", "/api/jobs")}
+for _ in range(300):
+    answers["job"] = ask("GET", "/api/jobs/" + job)
+    if answers["job"][1].get("head", {}).get("ended"):
+        break
+    time.sleep(0.1)
+answers["hosts"] = ask("GET", "/api/hosts")
+answers["cancel"] = ask("POST", "/api/jobs/" + job + "/cancel")
+print(json.dumps(answers))
+"""
+
+
+def _ask(lab: Lab, env: dict[str, str], dashboard_args: tuple[str, ...], job: str) -> dict:
+    """Start `distrun dashboard ARGS` in the client namespace, ask it as ASK_KEPT does, stop it."""
+    page = subprocess.Popen(_in_client(lab, sys.executable, "-m", "distrun", "dashboard", *dashboard_args, "--port",
+                                       "0", "--no-browser"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=lab.root, env=env)
+    try:
+        assert page.stdout is not None
+        url = page.stdout.readline().split(": ", 1)[-1].strip()
+        assert url.startswith("http://127.0.0.1:"), page.stderr.read() if page.stderr else url
+        asked = subprocess.run(_in_client(lab, sys.executable, "-c", ASK_KEPT, url, job), capture_output=True,
+                               text=True, timeout=120)
+        assert asked.returncode == 0, asked.stderr[-2000:]
+        return json.loads(asked.stdout)
+    finally:
+        page.send_signal(signal.SIGINT)
+        page.communicate(timeout=20)
+
+
+def test_after_down_the_clusters_past_jobs_keep_their_pages_on_this_machine(lab: Lab, cluster: Path,
+                                                                             tmp_path: Path) -> None:
+    """`down` keeps each host's finished jobs on the client; the dashboard, with or without CLUSTER,
+    then shows the cluster as ``lab (down)``: the job listed, its page rebuilt (both hosts' ranks, the
+    loss, a line each rank printed), its hosts down, and Cancel answering that the cluster is down.
+    After `up` again the live cluster is shown, not the history."""
+    recipe = tmp_path / "kept" / "keptjob.py"
+    recipe.parent.mkdir()
+    recipe.write_text(RECIPE)
+    home = {**os.environ, "DISTRUN_HOME": str(tmp_path / "home")}
+    train = subprocess.run(_in_client(lab, sys.executable, "-m", "distrun", "train", str(recipe), "--cluster",
+                                      str(cluster), "--steps", "4", "--global-batch-size", "8", "--json"),
+                           capture_output=True, text=True, timeout=180, cwd=lab.root)
+    assert train.returncode == 0, train.stderr[-2000:]
+    job = next(json.loads(line)["job"] for line in train.stdout.splitlines() if line.startswith('{"type":"job"'))
+    addresses = sorted(address for _ns, address in lab.hosts.values())
+    up_again = False
+    try:
+        down = subprocess.run(_in_client(lab, sys.executable, "-m", "distrun", "down", str(cluster), "--json"),
+                              capture_output=True, text=True, timeout=120, cwd=lab.root, env=home)
+        assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
+        messages = {row["host"]: row["message"] for row in json.loads(down.stdout)["hosts"]}
+        assert all(re.search(r"; [1-9][0-9]* past job\(s\) kept on this machine$", message)
+                   for message in messages.values()), messages
+        for args in ((), (str(cluster),)):
+            answers = _ask(lab, home, args, job)
+            (jobs_status, jobs), (job_status, seen) = answers["jobs"], answers["job"]
+            assert jobs_status == job_status == 200, (args, answers)
+            listed = next(item for item in jobs["jobs"] if item["job"] == job)
+            assert (listed["cluster"], listed["state"], listed["hosts"]) == ("lab (down)", "succeeded", addresses), listed
+            head = seen["head"]
+            assert head["ended"] and (head["state"], head["step"], head["cluster"]) == ("succeeded", 4, "lab (down)"), head
+            assert sorted(row["host"] for row in seen["rows"]) == addresses and len(seen["rows"]) == 2, seen["rows"]
+            assert seen["points"] and all(f"hello from rank {rank}" in {line["line"] for line in seen["lines"]}
+                                          for rank in (0, 1)), seen["lines"][-20:]
+            hosts_status, hosts = answers["hosts"]
+            lab_hosts = sorted((row["host"], row["status"]) for row in hosts["hosts"] if row["cluster"] == "lab (down)")
+            assert hosts_status == 200 and lab_hosts == [(address, "down") for address in addresses], hosts
+            cancel_status, cancel = answers["cancel"]
+            assert cancel_status == 404 and "lab is down" in cancel["error"], answers["cancel"]
+        up = subprocess.run(_in_client(lab, sys.executable, "-m", "distrun", "up", str(cluster), "--json"),
+                            capture_output=True, text=True, timeout=120, cwd=lab.root, env=home)
+        assert up.returncode == 0, up.stderr[-2000:]
+        up_again = True
+        live = _ask(lab, home, (), job)["jobs"][1]
+        assert next(item for item in live["jobs"] if item["job"] == job)["cluster"] == "lab", live
+    finally:  # the module's servers, back for whatever runs after
+        if not up_again:
+            subprocess.run(_in_client(lab, sys.executable, "-m", "distrun", "up", str(cluster), "--json"),
+                           capture_output=True, text=True, timeout=120, cwd=lab.root, env=home)

@@ -1,5 +1,6 @@
 """The dashboard's history and its end (issue 50): a finished job is still listed, with its page,
-after its server is restarted (`distrun down`, `distrun up`), from the job's records on disk; and
+after its server is restarted (`distrun down`, `distrun up`), from the job's records on disk; a
+failed job's root cause (rank, error, the recipe's line) in its row, its state and its events; and
 stopping the dashboard with Ctrl-C while it follows a running job leaves the job running.
 
 Plain HTTP against a real `distrun dashboard` on a real local server of its own (the browser is
@@ -94,6 +95,53 @@ def test_a_finished_job_is_listed_with_its_page_after_its_server_restarts(tmp_pa
             assert page["head"]["state"] == "succeeded" and page["head"]["step"] == 4, page["head"]
             assert sorted(row["rank"] for row in page["rows"]) == [0, 1], page["rows"]
             assert len(page["points"]) >= 1, page
+            # A failed job: its root cause (the recipe's line, the rank) in its row and on its page.
+            failing = tmp_path / "failing.py"
+            failing.write_text(FAILING)
+            failed = run_cli("train", str(failing), "-s", "mirrored", "--replicas", "2", "--steps", "20", "--json",
+                             env=env)
+            assert failed.returncode == 4, failed.stderr[-2000:]
+            broken = next(line["job"] for line in failed.json_lines() if line["type"] == "job")
+            line = next(number for number, text in enumerate(FAILING.splitlines(), 1) if "1 / 0" in text)
+            cause = re.compile(rf"failing\.py:{line}: rank 1 failed at step 3: ZeroDivisionError: division by zero")
+            row = _wait_for(lambda: next((entry for entry in _get(url, "/api/jobs")["jobs"] if entry["job"] == broken),
+                                         None), "the failed job's row")
+            assert row["state"] == "failed" and cause.search(row["why"] or ""), row
+            page = _wait_for(lambda: (answer := _get(url, f"/api/jobs/{broken}"))["head"]["ended"] and answer, "its end")
+            assert page["head"]["state"] == "failed" and cause.search(page["head"]["reason"] or ""), page["head"]
+            assert any(cause.search(event["text"]) for event in page["events"]), page["events"]
+
+
+#: Rank 1 divides by zero at its third step.
+FAILING = """
+import os
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+RANK = int(os.environ["RANK"])
+calls = [0]
+
+
+def model():
+    return nn.Linear(2, 1)
+
+
+def optimizer(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def loss(outputs, batch):
+    calls[0] += 1
+    if RANK == 1 and calls[0] == 3:
+        return 1 / 0
+    return nn.functional.mse_loss(outputs, batch[1])
+
+
+def train_data(ctx):
+    x = torch.randn(64, 2, generator=torch.Generator().manual_seed(0))
+    return TensorDataset(x, x.sum(dim=1, keepdim=True))
+"""
 
 
 def test_ctrl_c_of_the_dashboard_leaves_the_job_it_follows_running(tmp_path: Path) -> None:

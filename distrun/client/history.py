@@ -1,0 +1,202 @@
+"""The history `distrun down` keeps on the client: a cluster's finished jobs, after its servers.
+
+A worker server lists its finished jobs from their folders (``jobs/JOB``: ``job.json``,
+``events.ndjson``, ``result.json``), so they outlive the server while it can be restarted; but
+once a cluster is taken `down` nothing answers for them, and once its hosts are gone (cloud
+machines given back, a Slurm allocation ended) the records are gone too. Ray's dashboard loses
+its jobs with its head node (its history-server proposal is about this); SkyPilot keeps a
+cluster's job table on the client after `sky down`.
+
+So `down CLUSTER` copies each host's newest finished jobs' records into
+``$DISTRUN_HOME/history/NAME-HASH/HOST/JOB/`` (NAME the cluster's, HASH from the cluster file's
+path, HOST the host's label, quoted), after its server has stopped (the jobs `down` itself
+stopped are in it), over the link `down` already has (SSH, or srun on a Slurm allocation). A job
+kept once is copied again only if its result changed since (an ``--elastic`` host's ranks that
+rejoined); a host's newest :data:`KEPT_JOBS` are kept. A log over :data:`MAX_EVENTS_BYTES`, or
+past :data:`MAX_HOST_BYTES` copied from the host at one `down`, is left there (the job is listed,
+from its result, without charts or logs). Only a job's newest record on a host is kept (an
+``--elastic`` host's earlier ones, ``events.N.ndjson``, stay there). Each file lands under a temporary
+name and ``result.json`` last, so a `down` cut short never leaves a half record that reads as
+whole. `distrun dashboard` shows a kept cluster's jobs, and their pages, while it is not up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from distrun.client.jobs import JobRow, job_rows
+from distrun.errors import HostError
+from distrun.links import Remote
+from distrun.server._job_record import LISTED_FROM_DISK, RECORD_FILES, JobRecord, finished_jobs, past_jobs
+
+__all__ = ["HISTORY", "KEPT_JOBS", "KeptCluster", "MAX_EVENTS_BYTES", "MAX_HOST_BYTES", "history_dir", "keep_host_history", "kept_clusters",
+           "note_kept"]
+
+#: The folder in ``$DISTRUN_HOME`` holding every kept cluster's history.
+HISTORY = "history"
+#: In a kept cluster's folder: its name, its file and when `down` last kept it.
+_RECORD = "cluster.json"
+#: A job log larger than this stays on its host (a long run's step events; its listing is kept).
+MAX_EVENTS_BYTES = 64 * 2**20
+#: The jobs kept per host: as many as a server lists from its folders.
+KEPT_JOBS = LISTED_FROM_DISK
+
+
+def history_dir(home: str, cluster_file: Path, name: str) -> Path:
+    """Where ``cluster_file``'s history is kept: one folder per file (two files may name their
+    clusters alike), named so that a person can find it."""
+    path = str(cluster_file.expanduser().resolve())
+    digest = hashlib.sha256(path.encode()).hexdigest()[:8]
+    return Path(home).expanduser() / HISTORY / f"{quote(name, safe='')}-{digest}"
+
+
+#: What a job id may be (the servers' own rule): an id from a host's answer names a local folder.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+#: At most this many bytes copied from one host per `down` (the newest jobs first); the rest keep
+#: their listing, and a later `down` copies on.
+MAX_HOST_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class _Listed:
+    """One finished job as a host's ``history`` command lists it."""
+
+    job: str
+    sizes: dict[str, int]  # RECORD_FILES present, in bytes
+    ended_at: float  # result.json's mtime on the host: the copy is dated alike, and copied again if it changes
+
+
+def _listed(stdout: str) -> list[_Listed]:
+    """The host's answer, checked whole: ValueError on anything but a list of well-formed jobs."""
+    try:
+        jobs = json.loads(stdout)["jobs"]
+    except (KeyError, TypeError, RecursionError) as exc:
+        raise ValueError(f"not a list of jobs ({type(exc).__name__})") from None
+    if not isinstance(jobs, list):
+        raise ValueError("not a list of jobs")
+    listed = []
+    for job in jobs:
+        if not (isinstance(job, dict) and isinstance(job.get("job"), str) and _JOB_ID.fullmatch(job["job"])
+                and isinstance(job.get("files"), dict) and isinstance(job.get("ended_at"), (int, float))
+                and all(name in RECORD_FILES and isinstance(size, int) and size >= 0
+                        for name, size in job["files"].items())):
+            raise ValueError(f"a job entry that does not read: {str(job)[:80]}")
+        listed.append(_Listed(job["job"], dict(job["files"]), float(job["ended_at"])))
+    return listed
+
+
+def keep_host_history(remote: Remote, python: str, state_dir: str, label: str, folder: Path) -> int:
+    """Copy ``label``'s finished jobs' records (its server's ``state_dir``, read by ``python``) into
+    ``folder``/HOST, newest first, up to :data:`MAX_HOST_BYTES`, then drop all but the newest
+    :data:`KEPT_JOBS` kept there; how many jobs were copied. HostError where the host cannot list
+    them (an older distrun there: no ``history`` command) or a copy fails part way (the jobs copied
+    before it stay, whole)."""
+    result = remote.run([python, "-m", "distrun.server", "history", "--state-dir", state_dir])
+    try:
+        if not result.ok:
+            raise ValueError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.code}")
+        listed = _listed(result.stdout)
+    except ValueError as exc:
+        raise HostError(label, f"cannot list its past jobs to keep their history: {exc}") from None
+    host_folder = folder / quote(label, safe=":")
+    kept, budget = 0, MAX_HOST_BYTES
+    try:
+        for job in listed:
+            dest = host_folder / job.job
+            copied = dest / "result.json"
+            if copied.is_file() and abs(copied.stat().st_mtime - job.ended_at) < 1e-3 or "result.json" not in job.sizes:
+                continue  # kept already, and not changed since (an --elastic host's ranks may rejoin later)
+            names = [name for name in RECORD_FILES if name in job.sizes
+                     and not (name == "events.ndjson" and job.sizes[name] > min(MAX_EVENTS_BYTES, budget))]
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in names:  # RECORD_FILES ends with result.json: a record with it is whole
+                data = remote.read_bytes(f"{state_dir}/jobs/{job.job}/{name}")
+                budget -= len(data)
+                part = dest / f".{name}.part"
+                part.write_bytes(data)
+                os.replace(part, dest / name)
+            if "events.ndjson" not in names:
+                (dest / "events.ndjson").unlink(missing_ok=True)  # an older copy's: not the record's
+            os.utime(copied, (job.ended_at, job.ended_at))
+            kept += 1
+    except (HostError, OSError) as exc:
+        why = exc.reason if isinstance(exc, HostError) else str(exc)
+        raise HostError(label, f"kept {kept} past job(s), then: {why}") from None
+    _prune(host_folder)
+    return kept
+
+
+def _prune(host_folder: Path) -> None:
+    """All but the newest :data:`KEPT_JOBS` of a host's kept jobs go (by when they ended)."""
+    for old in set(finished_jobs(host_folder, limit=2**31)) - set(finished_jobs(host_folder, limit=KEPT_JOBS)):
+        shutil.rmtree(host_folder / old, ignore_errors=True)
+
+
+def note_kept(folder: Path, name: str, cluster_file: Path) -> None:
+    """Say whose history ``folder`` is: the cluster's name, its file, and when it was kept."""
+    folder.mkdir(parents=True, exist_ok=True)
+    part = folder / f".{_RECORD}.part"
+    part.write_text(json.dumps({"name": name, "file": str(cluster_file.expanduser().resolve()),
+                                "kept_at": round(time.time(), 3)}))
+    os.replace(part, folder / _RECORD)
+
+
+@dataclass(frozen=True)
+class KeptCluster:
+    """A cluster's kept history: its name and file, its folder, and when `down` last kept it (Unix time)."""
+
+    name: str
+    file: str
+    folder: Path
+    kept_at: float
+
+    @property
+    def hosts(self) -> list[str]:
+        """The hosts whose jobs are kept, by label (none where the folder went)."""
+        try:
+            return sorted(unquote(entry.name) for entry in self.folder.iterdir() if entry.is_dir())
+        except OSError:
+            return []
+
+    def _answers(self) -> list[tuple[str, list[dict[str, Any]]]]:
+        return [(label, past_jobs(self.folder / quote(label, safe=":"), set())) for label in self.hosts]
+
+    def rows(self) -> list[JobRow]:
+        """Every kept job, newest first, one row per job as `distrun jobs` lists it."""
+        return job_rows(self._answers())
+
+    def records(self, job_id: str) -> list[tuple[str, JobRecord]]:
+        """Each host's record of ``job_id`` (its log and result), in the job's rank order."""
+        found = []
+        for label in self.hosts:
+            record = JobRecord.read_back(job_id, self.folder / quote(label, safe=":") / quote(job_id, safe=""))
+            if record is not None and record.meta.get("ranks"):
+                found.append((label, record))
+        return sorted(found, key=lambda pair: pair[1].meta["ranks"][0])
+
+
+def kept_clusters(home: str) -> tuple[KeptCluster, ...]:
+    """Every cluster whose history `down` kept in ``home``, oldest first (a folder without its
+    record, or with one that does not read, is left out)."""
+    root = Path(home).expanduser() / HISTORY
+    kept = []
+    try:
+        folders = [entry for entry in root.iterdir() if entry.is_dir()]
+    except OSError:
+        return ()
+    for folder in folders:
+        try:
+            record = json.loads((folder / _RECORD).read_text())
+            kept.append(KeptCluster(str(record["name"]), str(record["file"]), folder, float(record["kept_at"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return tuple(sorted(kept, key=lambda cluster: cluster.kept_at))
