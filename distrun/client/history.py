@@ -23,10 +23,12 @@ whole. `distrun dashboard` shows a kept cluster's jobs, and their pages, while i
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ from urllib.parse import quote, unquote
 
 from distrun.client.jobs import JobRow, job_rows
 from distrun.errors import HostError
-from distrun.links import Remote
+from distrun.links import Remote, last_line
 from distrun.server._job_record import LISTED_FROM_DISK, RECORD_FILES, JobRecord, finished_jobs, past_jobs
 
 __all__ = ["HISTORY", "KEPT_JOBS", "KeptCluster", "MAX_EVENTS_BYTES", "MAX_HOST_BYTES", "history_dir", "keep_host_history", "kept_clusters",
@@ -96,11 +98,13 @@ def _listed(stdout: str) -> list[_Listed]:
 
 def keep_host_history(remote: Remote, python: str, state_dir: str, label: str, folder: Path) -> int:
     """Copy ``label``'s finished jobs' records (its server's ``state_dir``, read by ``python``) into
-    ``folder``/HOST, newest first, up to :data:`MAX_HOST_BYTES`, then drop all but the newest
-    :data:`KEPT_JOBS` kept there; how many jobs were copied. HostError where the host cannot list
-    them (an older distrun there: no ``history`` command) or a copy fails part way (the jobs copied
-    before it stay, whole)."""
-    result = remote.run([python, "-m", "distrun.server", "history", "--state-dir", state_dir])
+    ``folder``/HOST, newest first, up to :data:`MAX_HOST_BYTES`, in one transfer (a tar the host
+    writes: one round trip, not one per file, which over a distant link or srun costs seconds
+    each), then drop all but the newest :data:`KEPT_JOBS` kept there; how many jobs were copied.
+    HostError where the host cannot list or pack them (an older distrun there: no ``history``
+    command); the jobs copied before a failure stay, whole."""
+    argv = [python, "-m", "distrun.server", "history", "--state-dir", state_dir]
+    result = remote.run(argv)
     try:
         if not result.ok:
             raise ValueError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit {result.code}")
@@ -108,31 +112,58 @@ def keep_host_history(remote: Remote, python: str, state_dir: str, label: str, f
     except ValueError as exc:
         raise HostError(label, f"cannot list its past jobs to keep their history: {exc}") from None
     host_folder = folder / quote(label, safe=":")
-    kept, budget = 0, MAX_HOST_BYTES
-    try:
-        for job in listed:
-            dest = host_folder / job.job
-            copied = dest / "result.json"
-            if copied.is_file() and abs(copied.stat().st_mtime - job.ended_at) < 1e-3 or "result.json" not in job.sizes:
-                continue  # kept already, and not changed since (an --elastic host's ranks may rejoin later)
-            names = [name for name in RECORD_FILES if name in job.sizes
-                     and not (name == "events.ndjson" and job.sizes[name] > min(MAX_EVENTS_BYTES, budget))]
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in names:  # RECORD_FILES ends with result.json: a record with it is whole
-                data = remote.read_bytes(f"{state_dir}/jobs/{job.job}/{name}")
-                budget -= len(data)
-                part = dest / f".{name}.part"
-                part.write_bytes(data)
-                os.replace(part, dest / name)
-            if "events.ndjson" not in names:
-                (dest / "events.ndjson").unlink(missing_ok=True)  # an older copy's: not the record's
-            os.utime(copied, (job.ended_at, job.ended_at))
-            kept += 1
-    except (HostError, OSError) as exc:
-        why = exc.reason if isinstance(exc, HostError) else str(exc)
-        raise HostError(label, f"kept {kept} past job(s), then: {why}") from None
+    wanted = {job.job: job for job in listed if "result.json" in job.sizes and not _kept(host_folder / job.job, job)}
+    kept = 0
+    if wanted:
+        packed = remote.run_raw([*argv, "--pack", *wanted, "--max-events-bytes", str(MAX_EVENTS_BYTES),
+                                 "--max-bytes", str(MAX_HOST_BYTES)], timeout_s=600.0)
+        kept = _unpack(packed.stdout, wanted, host_folder)
+        if packed.exited != 0:
+            why = last_line(packed.stderr.decode(errors="replace")) or f"exit {packed.exited}"
+            raise HostError(label, f"kept {kept} past job(s), then: {why}")
     _prune(host_folder)
     return kept
+
+
+def _kept(dest: Path, job: _Listed) -> bool:
+    """Whether ``job`` is kept at ``dest`` already, and has not changed on its host since (an
+    ``--elastic`` host's ranks may rejoin and end again)."""
+    try:
+        return abs((dest / "result.json").stat().st_mtime - job.ended_at) < 1e-3
+    except OSError:
+        return False
+
+
+def _unpack(data: bytes, wanted: dict[str, _Listed], host_folder: Path) -> int:
+    """Write the host's tar of ``wanted``'s files under ``host_folder`` (a member that is not a
+    wanted job's record file, or not a plain file, is skipped: nothing the host sends lands
+    anywhere else); how many jobs arrived whole."""
+    whole: set[str] = set()
+    got: dict[str, set[str]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for member in tar:
+                job_id, _, name = member.name.partition("/")
+                if not member.isfile() or job_id not in wanted or name not in RECORD_FILES:
+                    continue
+                source = tar.extractfile(member)
+                if source is None:
+                    continue
+                dest = host_folder / job_id
+                dest.mkdir(parents=True, exist_ok=True)
+                part = dest / f".{name}.part"
+                part.write_bytes(source.read())
+                os.replace(part, dest / name)
+                got.setdefault(job_id, set()).add(name)
+                if name == "result.json":  # the host sends it last: the record is whole
+                    if "events.ndjson" not in got[job_id]:
+                        (dest / "events.ndjson").unlink(missing_ok=True)  # an older copy's, or none: not this record's
+                    ended = wanted[job_id].ended_at
+                    os.utime(dest / name, (ended, ended))
+                    whole.add(job_id)
+    except tarfile.TarError:
+        pass  # cut short: the jobs whole before the cut stay; the caller says why the host stopped
+    return len(whole)
 
 
 def _prune(host_folder: Path) -> None:

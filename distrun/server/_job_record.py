@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 
 from distrun.launch import LocalLauncher
 from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
-from distrun.server._job_args import files_under, traces_in
+from distrun.server._job_args import _JOB_ID, files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
-__all__ = ["JobRecord", "RECORD_FILES", "finished_jobs", "job_files", "past_jobs"]
+__all__ = ["JobRecord", "RECORD_FILES", "finished_jobs", "job_files", "pack_jobs", "past_jobs"]
 
 #: Finished jobs listed from disk beside those a server keeps in memory: the newest, by when they ended.
 LISTED_FROM_DISK = 200
@@ -215,3 +215,28 @@ def job_files(jobs_dir: Path, limit: int = LISTED_FROM_DISK) -> list[dict[str, A
             listed.append({"job": name, "files": {file: stat.st_size for file, stat in stats.items()},
                            "ended_at": stats["result.json"].st_mtime})
     return listed
+
+
+def pack_jobs(jobs_dir: Path, job_ids: list[str], out: BinaryIO, *, max_events_bytes: int, max_bytes: int) -> None:
+    """Write ``job_ids``' record files to ``out`` as one uncompressed tar (``JOB/FILE``, each with its
+    mtime), in the order given: what `distrun down` keeps of a host in one transfer instead of a
+    round trip per file. A log over ``max_events_bytes``, or past ``max_bytes`` in all, is left out
+    (its job's other files go); an id that names no finished job is skipped."""
+    import tarfile
+
+    left = max_bytes
+    with tarfile.open(fileobj=out, mode="w|") as tar:
+        for job_id in job_ids:
+            folder = jobs_dir / job_id
+            if not _JOB_ID.fullmatch(job_id) or not (folder / "result.json").is_file():
+                continue
+            for name in RECORD_FILES:
+                path = folder / name
+                try:
+                    size = path.stat().st_size
+                except OSError:
+                    continue
+                if name == "events.ndjson" and size > min(max_events_bytes, left):
+                    continue
+                left -= size
+                tar.add(path, arcname=f"{job_id}/{name}", recursive=False)

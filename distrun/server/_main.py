@@ -23,8 +23,9 @@ every training process it starts.
 still alive (and ends them with ``--kill``), so `down` checks rather than assumes.
 
 ``history --state-dir DIR`` prints the newest finished jobs' record files and their sizes
-(``{"jobs": [{"job": ..., "files": {"events.ndjson": bytes, ...}}]}``), read from the folder
-alone, with or without a server: `distrun down` copies them into the client's history.
+(``{"jobs": [{"job": ..., "files": {"events.ndjson": bytes, ...}, "ended_at": ...}]}``), read
+from the folder alone, with or without a server; ``history --pack JOB ...`` writes those jobs'
+files to stdout as one tar: `distrun down` keeps them in the client's history.
 
 ``relay --port P`` joins stdin and stdout to the server on loopback port P: the
 client's stream to a Slurm node's server rides on an srun step running it.
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep_cmd.add_argument("--kill", action="store_true")
     history_cmd = sub.add_parser("history", help="list the finished jobs' record files, for the client's history")
     history_cmd.add_argument("--state-dir", required=True)
+    history_cmd.add_argument("--pack", nargs="+", metavar="JOB", help="write these jobs' files to stdout as a tar")
+    history_cmd.add_argument("--max-events-bytes", type=int, default=64 * 2**20)
+    history_cmd.add_argument("--max-bytes", type=int, default=512 * 2**20)
     relay_cmd = sub.add_parser("relay", help="join stdin/stdout to this host's server on a loopback port")
     relay_cmd.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
@@ -73,9 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "history":
         from pathlib import Path
 
-        from distrun.server._job_record import job_files
+        from distrun.server._job_record import job_files, pack_jobs
 
-        print(json.dumps({"jobs": job_files(Path(args.state_dir).expanduser() / "jobs")}))
+        jobs_dir = Path(args.state_dir).expanduser() / "jobs"
+        if args.pack:
+            pack_jobs(jobs_dir, args.pack, sys.stdout.buffer, max_events_bytes=args.max_events_bytes,
+                      max_bytes=args.max_bytes)
+            return 0
+        print(json.dumps({"jobs": job_files(jobs_dir)}))
         return 0
     if args.command == "serve":
         from distrun.server._state import StateDir

@@ -141,3 +141,35 @@ def test_a_changed_result_is_copied_again_and_a_host_keeps_its_newest_jobs(tmp_p
     _job(Path(state_dir) / "jobs", "job-c", 0, start + 20)
     assert keep_host_history(remote, sys.executable, state_dir, "h1", folder) == 1
     assert sorted(path.name for path in (folder / "h1").iterdir()) == ["job-c"]
+
+
+def test_a_hosts_tar_lands_nowhere_but_its_wanted_jobs_record_files(tmp_path: Path) -> None:
+    """The host lists one job, then packs more than it was asked: a path out of the folder, a link,
+    another job, a file that is no record's. Only the wanted job's three files land."""
+    listing = {"jobs": [{"job": "job-a", "files": {"job.json": 2, "result.json": 2}, "ended_at": 1_700_000_000.0}]}
+    liar = tmp_path / "python3"
+    liar.write_text(f"""#!{sys.executable}
+import io, json, sys, tarfile
+if "--pack" not in sys.argv:
+    print(json.dumps({listing!r}))
+    sys.exit(0)
+with tarfile.open(fileobj=sys.stdout.buffer, mode="w|") as tar:
+    def add(name, data=b"{{}}", kind=tarfile.REGTYPE, target=""):
+        info = tarfile.TarInfo(name)
+        info.size, info.type, info.linkname = (len(data) if kind == tarfile.REGTYPE else 0), kind, target
+        tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    add("../escaped/result.json")
+    add("job-a/../../result.json")
+    add("job-b/result.json")
+    add("job-a/secrets.txt")
+    add("job-a/events.ndjson", kind=tarfile.SYMTYPE, target="/etc/passwd")
+    add("job-a/job.json")
+    add("job-a/result.json", b'{{"state": "succeeded"}}')
+""")
+    liar.chmod(0o755)
+    folder = tmp_path / "history" / "lab"
+    assert keep_host_history(LocalConnection("h1"), str(liar), str(tmp_path / "state"), "h1", folder) == 1
+    landed = sorted(str(path.relative_to(tmp_path)) for path in tmp_path.rglob("*") if path.is_file())
+    assert landed == ["history/lab/h1/job-a/job.json", "history/lab/h1/job-a/result.json",
+                      "python3"], landed
+    assert (folder / "h1" / "job-a" / "result.json").stat().st_mtime == 1_700_000_000.0
