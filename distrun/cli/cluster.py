@@ -204,6 +204,4 @@ def down(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     """Stop every job and server, then check that no process of distrun's is left on any host; each host's finished jobs are kept on this machine for `distrun dashboard`."""
-    cluster = load_cluster_file(cluster_file)
-    history = None if cluster_file is None else history_dir(distrun_home(), cluster_file, cluster.name)
-    _run(cluster_file, json_output, cluster_down, history=history)
+    _run(cluster_file, json_output, cluster_down, history_home=distrun_home())

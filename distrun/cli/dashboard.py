@@ -41,7 +41,8 @@ def _sources(cluster_file: Path | None) -> Sources:
     from distrun.dashboard import KeptSource, Source, Sources, Unloaded
 
     home = distrun_home()
-    up_at = {entry.file: entry.up_at for entry in brought_up(home)}
+    recorded = brought_up(home)
+    up_at = {entry.file: entry.up_at for entry in recorded}
     # A history kept after the cluster's last `up` (a `down` that left a host unclean keeps the cluster
     # recorded as up, but its servers are gone all the same).
     kept = {cluster.file: cluster for cluster in kept_clusters(home) if cluster.kept_at > up_at.get(cluster.file, 0.0)}
@@ -50,7 +51,7 @@ def _sources(cluster_file: Path | None) -> Sources:
         return Sources((KeptSource(history) if history else Source.of(resolve_cluster(cluster_file)),))
     sources: list[Source | KeptSource] = [Source.of(resolve_cluster(None))]
     unloaded = []
-    for entry in brought_up(home):
+    for entry in recorded:
         if entry.file in kept:
             continue
         try:

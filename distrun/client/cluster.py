@@ -33,7 +33,7 @@ from distrun.client._environment import (
     plan_environment,
 )
 from distrun.client._links import connect, open_remote, read_server_state
-from distrun.client.history import keep_host_history
+from distrun.client.history import history_dir, keep_host_history
 from distrun.config.cluster import ClusterSpec, HostSpec
 from distrun.errors import HostError, HostKeyError, HostUnreachable
 from distrun.links import CommandFailed, Remote
@@ -89,10 +89,11 @@ def cluster_status(cluster: ClusterSpec, *, progress: Progress = _quiet) -> Clus
     return _each_host(cluster, "status", lambda host: _HostOps(cluster, host, progress).status())
 
 
-def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet, history: Path | None = None) -> ClusterReport:
+def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet, history_home: str | None = None) -> ClusterReport:
     """Stop every server and check each host; then give back the allocation ``up`` asked for, if any
-    (whatever its state: a request still pending must not start later and hold nodes). ``history``:
-    the folder keeping each host's finished jobs once its server has stopped (``client/history``)."""
+    (whatever its state: a request still pending must not start later and hold nodes). ``history_home``:
+    where a cluster file's hosts' finished jobs are kept once their servers have stopped
+    (``$DISTRUN_HOME``: ``client/history``; the embedded local cluster's stay where they are)."""
     try:
         resolved = resolve(cluster, progress=progress)
     except HostError as exc:  # no allocation, or one still pending: nothing runs on it yet
@@ -100,7 +101,8 @@ def cluster_down(cluster: ClusterSpec, *, progress: Progress = _quiet, history: 
             return _no_hosts(cluster, "down", exc)
         released = _released(cluster, ClusterReport(cluster=cluster.name, command="down", rows=()), progress)
         return released if released.rows else _no_hosts(cluster, "down", exc)
-    keep = None if resolved.local else history
+    keep = None if history_home is None or resolved.local or cluster.source is None \
+        else history_dir(history_home, Path(cluster.source), cluster.name)
     report = _each_host(resolved, "down", lambda host: _HostOps(resolved, host, progress).down(keep))
     if resolved.allocation is None:
         return report

@@ -26,7 +26,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import tarfile
 import time
@@ -38,7 +37,8 @@ from urllib.parse import quote, unquote
 from distrun.client.jobs import JobRow, job_rows
 from distrun.errors import HostError
 from distrun.links import Remote, last_line
-from distrun.server._job_record import LISTED_FROM_DISK, RECORD_FILES, JobRecord, finished_jobs, past_jobs
+from distrun.server._job_record import (JOB_ID, LISTED_FROM_DISK, PACK_MAX_BYTES, PACK_MAX_EVENTS_BYTES, RECORD_FILES,
+                                        JobRecord, finished_jobs, past_jobs)
 
 __all__ = ["HISTORY", "KEPT_JOBS", "KeptCluster", "MAX_EVENTS_BYTES", "MAX_HOST_BYTES", "history_dir", "keep_host_history", "kept_clusters",
            "note_kept"]
@@ -48,7 +48,7 @@ HISTORY = "history"
 #: In a kept cluster's folder: its name, its file and when `down` last kept it.
 _RECORD = "cluster.json"
 #: A job log larger than this stays on its host (a long run's step events; its listing is kept).
-MAX_EVENTS_BYTES = 64 * 2**20
+MAX_EVENTS_BYTES = PACK_MAX_EVENTS_BYTES
 #: The jobs kept per host: as many as a server lists from its folders.
 KEPT_JOBS = LISTED_FROM_DISK
 
@@ -61,11 +61,9 @@ def history_dir(home: str, cluster_file: Path, name: str) -> Path:
     return Path(home).expanduser() / HISTORY / f"{quote(name, safe='')}-{digest}"
 
 
-#: What a job id may be (the servers' own rule): an id from a host's answer names a local folder.
-_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 #: At most this many bytes copied from one host per `down` (the newest jobs first); the rest keep
 #: their listing, and a later `down` copies on.
-MAX_HOST_BYTES = 512 * 2**20
+MAX_HOST_BYTES = PACK_MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -73,7 +71,6 @@ class _Listed:
     """One finished job as a host's ``history`` command lists it."""
 
     job: str
-    sizes: dict[str, int]  # RECORD_FILES present, in bytes
     ended_at: float  # result.json's mtime on the host: the copy is dated alike, and copied again if it changes
 
 
@@ -87,12 +84,12 @@ def _listed(stdout: str) -> list[_Listed]:
         raise ValueError("not a list of jobs")
     listed = []
     for job in jobs:
-        if not (isinstance(job, dict) and isinstance(job.get("job"), str) and _JOB_ID.fullmatch(job["job"])
+        if not (isinstance(job, dict) and isinstance(job.get("job"), str) and JOB_ID.fullmatch(job["job"])
                 and isinstance(job.get("files"), dict) and isinstance(job.get("ended_at"), (int, float))
                 and all(name in RECORD_FILES and isinstance(size, int) and size >= 0
                         for name, size in job["files"].items())):
             raise ValueError(f"a job entry that does not read: {str(job)[:80]}")
-        listed.append(_Listed(job["job"], dict(job["files"]), float(job["ended_at"])))
+        listed.append(_Listed(job["job"], float(job["ended_at"])))
     return listed
 
 
@@ -111,8 +108,8 @@ def keep_host_history(remote: Remote, python: str, state_dir: str, label: str, f
         listed = _listed(result.stdout)
     except ValueError as exc:
         raise HostError(label, f"cannot list its past jobs to keep their history: {exc}") from None
-    host_folder = folder / quote(label, safe=":")
-    wanted = {job.job: job for job in listed if "result.json" in job.sizes and not _kept(host_folder / job.job, job)}
+    host_folder = _host_folder(folder, label)
+    wanted = {job.job: job for job in listed if not _kept(host_folder / job.job, job)}
     kept = 0
     if wanted:
         packed = remote.run_raw([*argv, "--pack", *wanted, "--max-events-bytes", str(MAX_EVENTS_BYTES),
@@ -168,8 +165,13 @@ def _unpack(data: bytes, wanted: dict[str, _Listed], host_folder: Path) -> int:
 
 def _prune(host_folder: Path) -> None:
     """All but the newest :data:`KEPT_JOBS` of a host's kept jobs go (by when they ended)."""
-    for old in set(finished_jobs(host_folder, limit=2**31)) - set(finished_jobs(host_folder, limit=KEPT_JOBS)):
+    for old in finished_jobs(host_folder, limit=2**31)[KEPT_JOBS:]:
         shutil.rmtree(host_folder / old, ignore_errors=True)
+
+
+def _host_folder(folder: Path, label: str) -> Path:
+    """A host's folder in a kept cluster's: its label, quoted (``KeptCluster.hosts`` unquotes it)."""
+    return folder / quote(label, safe=":")
 
 
 def note_kept(folder: Path, name: str, cluster_file: Path) -> None:
@@ -199,7 +201,7 @@ class KeptCluster:
             return []
 
     def _answers(self) -> list[tuple[str, list[dict[str, Any]]]]:
-        return [(label, past_jobs(self.folder / quote(label, safe=":"), set())) for label in self.hosts]
+        return [(label, past_jobs(_host_folder(self.folder, label), set())) for label in self.hosts]
 
     def rows(self) -> list[JobRow]:
         """Every kept job, newest first, one row per job as `distrun jobs` lists it."""
@@ -209,7 +211,7 @@ class KeptCluster:
         """Each host's record of ``job_id`` (its log and result), in the job's rank order."""
         found = []
         for label in self.hosts:
-            record = JobRecord.read_back(job_id, self.folder / quote(label, safe=":") / quote(job_id, safe=""))
+            record = JobRecord.read_back(job_id, _host_folder(self.folder, label) / job_id)
             if record is not None and record.meta.get("ranks"):
                 found.append((label, record))
         return sorted(found, key=lambda pair: pair[1].meta["ranks"][0])

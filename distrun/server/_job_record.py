@@ -21,10 +21,10 @@ from typing import Any, BinaryIO
 
 from distrun.launch import LocalLauncher
 from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, encode_event, event_to_dict
-from distrun.server._job_args import _JOB_ID, files_under, traces_in
+from distrun.server._job_args import _JOB_ID as JOB_ID, files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
-__all__ = ["JobRecord", "RECORD_FILES", "finished_jobs", "job_files", "pack_jobs", "past_jobs"]
+__all__ = ["JOB_ID", "JobRecord", "PACK_MAX_BYTES", "PACK_MAX_EVENTS_BYTES", "RECORD_FILES", "finished_jobs", "job_files", "pack_jobs", "past_jobs"]
 
 #: Finished jobs listed from disk beside those a server keeps in memory: the newest, by when they ended.
 LISTED_FROM_DISK = 200
@@ -197,6 +197,10 @@ def past_jobs(jobs_dir: Path, kept: set[str], limit: int = LISTED_FROM_DISK) -> 
 
 #: A finished job's files, as `python -m distrun.server history` names them for the client to keep.
 RECORD_FILES = ("job.json", "events.ndjson", "result.json")
+#: What `history --pack` sends at most: a log larger than the first stays on its host (a long run's
+#: step events; its job's other files go), and past the second in all, no more logs.
+PACK_MAX_EVENTS_BYTES = 64 * 2**20
+PACK_MAX_BYTES = 512 * 2**20
 
 
 def job_files(jobs_dir: Path, limit: int = LISTED_FROM_DISK) -> list[dict[str, Any]]:
@@ -228,7 +232,7 @@ def pack_jobs(jobs_dir: Path, job_ids: list[str], out: BinaryIO, *, max_events_b
     with tarfile.open(fileobj=out, mode="w|") as tar:
         for job_id in job_ids:
             folder = jobs_dir / job_id
-            if not _JOB_ID.fullmatch(job_id) or not (folder / "result.json").is_file():
+            if not JOB_ID.fullmatch(job_id) or not (folder / "result.json").is_file():
                 continue
             for name in RECORD_FILES:
                 path = folder / name

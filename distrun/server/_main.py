@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     history_cmd = sub.add_parser("history", help="list the finished jobs' record files, for the client's history")
     history_cmd.add_argument("--state-dir", required=True)
     history_cmd.add_argument("--pack", nargs="+", metavar="JOB", help="write these jobs' files to stdout as a tar")
-    history_cmd.add_argument("--max-events-bytes", type=int, default=64 * 2**20)
-    history_cmd.add_argument("--max-bytes", type=int, default=512 * 2**20)
+    history_cmd.add_argument("--max-events-bytes", type=int, default=None)
+    history_cmd.add_argument("--max-bytes", type=int, default=None)
     relay_cmd = sub.add_parser("relay", help="join stdin/stdout to this host's server on a loopback port")
     relay_cmd.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "history":
         from pathlib import Path
 
-        from distrun.server._job_record import job_files, pack_jobs
+        from distrun.server._job_record import PACK_MAX_BYTES, PACK_MAX_EVENTS_BYTES, job_files, pack_jobs
 
         jobs_dir = Path(args.state_dir).expanduser() / "jobs"
         if args.pack:
-            pack_jobs(jobs_dir, args.pack, sys.stdout.buffer, max_events_bytes=args.max_events_bytes,
-                      max_bytes=args.max_bytes)
+            pack_jobs(jobs_dir, args.pack, sys.stdout.buffer,
+                      max_events_bytes=args.max_events_bytes or PACK_MAX_EVENTS_BYTES,
+                      max_bytes=args.max_bytes or PACK_MAX_BYTES)
             return 0
         print(json.dumps({"jobs": job_files(jobs_dir)}))
         return 0
