@@ -362,3 +362,27 @@ def test_a_trial_slower_than_the_model_said_times_the_next_kind_within_reach():
     ran.clear()
     time_near(decision, 0.0, make_spec, budget_s=1e9, run=lambda spec, deadline: seconds[spec])
     assert later.layout not in ran  # as fast as predicted: nothing more is timed
+
+
+def test_a_trial_is_stopped_with_time_left_to_stop_it_within_the_budget():
+    """Each trial's deadline leaves STOP_RESERVE_S of the decision's budget for stopping it: a trial
+    stopped at the budget's very end took the decision 0.3 s past 30 s on a slow machine. A trial
+    that cannot fit what is left is not started."""
+    import time
+
+    from distrun.cli._auto_trials import STOP_RESERVE_S, time_near
+
+    decision = decide(PROFILE, _resources(10_000, SLOW), 64)
+    deadlines: list[float] = []
+
+    def run(spec, deadline):
+        deadlines.append(deadline)
+        return spec.step_s
+
+    time_near(decision, 20.0, lambda layout, steps: next(p for p, _ in decision.ranked if p.layout == layout),
+              budget_s=40.0, run=run)
+    ended = time.perf_counter()  # the deadlines count from time_near's start, before this
+    assert deadlines and all(d <= ended + 40.0 - 20.0 - STOP_RESERVE_S for d in deadlines), deadlines
+    deadlines.clear()
+    time_near(decision, 40.0 - STOP_RESERVE_S, lambda layout, steps: layout, budget_s=40.0, run=run)
+    assert not deadlines  # nothing left once the reserve is kept back
