@@ -24,19 +24,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["all_reduce_s", "collective_rates", "framework_overheads", "pcie_bytes_per_s", "sharded_step_s"]
+__all__ = ["COLLECTIVE_WITHIN_S", "all_reduce_s", "collective_rates", "framework_overheads", "pcie_bytes_per_s",
+           "sharded_step_s"]
 
 _STEPS = 5
+#: A collective on the gradients' bytes is timed as often as fits in about this long after its
+#: warm-up (at most ``_STEPS``): over a 50 Mbit/s link an 8.4 MB all-reduce takes 1.3 s, and six
+#: runs each of three collectives took the decision past its 30 s. A slow link's time varies little
+#: from run to run; a fast one's still gets every run.
+COLLECTIVE_WITHIN_S = 1.5
 _WIDTH = 8
 _UNITS = 4
 _MICROBATCHES = 4
 
 
-def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None) -> float:
-    step()  # the first connects and allocates
+def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None, within_s: float | None = None,
+              device: torch.device | None = None) -> float:
+    """The median of ``_STEPS`` timed runs of ``step`` after one that warms it up; with ``within_s``,
+    only as many as fit in about that long at the warm-up's pace (at least one), the group agreeing
+    on the slowest rank's count, as every rank must run the same collectives."""
     cuda = torch.cuda.is_initialized()  # NCCL's collectives and CUDA kernels return before they end
+    began = time.perf_counter()
+    step()  # the first connects and allocates
+    if cuda:
+        torch.cuda.synchronize()
+    steps = _STEPS
+    if within_s is not None:
+        first = torch.tensor([time.perf_counter() - began], device=device)
+        if dist.is_initialized():
+            dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+        steps = max(1, min(_STEPS, int(within_s / max(float(first.item()), 1e-9))))
     times = []
-    for _ in range(_STEPS):
+    for _ in range(steps):
         if cuda:
             torch.cuda.synchronize()
         if dist.is_initialized():  # one GPU's probe has no group
@@ -116,9 +135,11 @@ def collective_rates(nbytes: int, group: dist.ProcessGroup | None = None,
     # On the group's device: NCCL's collectives take CUDA tensors only.
     whole, part, one = (torch.zeros(count, device=device) for count in (shard * n, shard, 1))
     latency = _median_s(lambda: dist.all_reduce(one, group=group), group) / (2 * (n - 1))
-    reduce_s = _median_s(lambda: dist.all_reduce(whole, group=group), group)
-    gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part, group=group), group)
-    scatter_s = _median_s(lambda: dist.reduce_scatter_tensor(part, whole, group=group), group)
+    reduce_s = _median_s(lambda: dist.all_reduce(whole, group=group), group, COLLECTIVE_WITHIN_S, device)
+    gather_s = _median_s(lambda: dist.all_gather_into_tensor(whole, part, group=group), group,
+                         COLLECTIVE_WITHIN_S, device)
+    scatter_s = _median_s(lambda: dist.reduce_scatter_tensor(part, whole, group=group), group,
+                          COLLECTIVE_WITHIN_S, device)
     moved = (n - 1) / n * whole.numel() * 4
     return {"bytes_per_s": 2 * moved / max(reduce_s, 1e-9), "latency_s": latency,
             "gather_bytes_per_s": moved / max(gather_s, 1e-9), "scatter_bytes_per_s": moved / max(scatter_s, 1e-9)}

@@ -646,4 +646,6 @@ def test_auto_on_the_cluster_measures_its_link_and_a_slow_one_makes_it_pipeline(
     ring = next(c for c in plan["candidates"] if c["layout"] == "multi-worker x2")
     assert "waiting on the links" in ring["verdict"], ring
     assert summary["status"] == "succeeded" and summary["steps"] == 2 and plan["measured_step_s"] > 0
-    assert plan["predicted_peak_mb"] > 0 and plan["decide_s"] > 0
+    # Over 50 Mbit/s the collectives are timed as often as fit in COLLECTIVE_WITHIN_S each (six runs
+    # each took the decision to 32 s here; 23 s since).
+    assert plan["predicted_peak_mb"] > 0 and 0 < plan["decide_s"] <= 30 + 5, plan["decide_s"]
