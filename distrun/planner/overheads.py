@@ -29,9 +29,9 @@ __all__ = ["COLLECTIVE_WITHIN_S", "all_reduce_s", "collective_rates", "framework
 
 _STEPS = 5
 #: A collective on the gradients' bytes is timed as often as fits in about this long after its
-#: warm-up (at most ``_STEPS``): over a 50 Mbit/s link an 8.4 MB all-reduce takes 1.3 s, and six
-#: runs each of three collectives took the decision past its 30 s. A slow link's time varies little
-#: from run to run; a fast one's still gets every run.
+#: warm-up (at most ``_STEPS``; all of them while the warm-up takes under 0.3 s): over a 50 Mbit/s
+#: link an 8.4 MB all-reduce takes 1.3 s, and six runs (a warm-up and five timed) of each of three
+#: collectives took the decision past its 30 s. A slow link's time varies little from run to run.
 COLLECTIVE_WITHIN_S = 1.5
 _WIDTH = 8
 _UNITS = 4
@@ -43,9 +43,9 @@ def _median_s(step: Callable[[], None], group: dist.ProcessGroup | None = None, 
     """The median of ``_STEPS`` timed runs of ``step`` after one that warms it up; with ``within_s``,
     only as many as fit in about that long at the warm-up's pace (at least one), the group agreeing
     on the slowest rank's count, as every rank must run the same collectives."""
-    cuda = torch.cuda.is_initialized()  # NCCL's collectives and CUDA kernels return before they end
     began = time.perf_counter()
     step()  # the first connects and allocates
+    cuda = torch.cuda.is_initialized()  # NCCL's collectives and CUDA kernels return before they end
     if cuda:
         torch.cuda.synchronize()
     steps = _STEPS
