@@ -42,8 +42,8 @@ from distrun.planner.choose import Decision, retime
 from distrun.planner.cost import Layout, Prediction
 from distrun.protocol import Event
 
-__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "STOP_RESERVE_S", "TRIAL_NEAR", "TRIAL_S", "OverBudget", "cluster_trial", "run_local",
-           "time_near", "trial_flags"]
+__all__ = ["DECIDE_BUDGET_S", "SHORT_STEP_S", "STOP_RESERVE_S", "TRIAL_NEAR", "TRIAL_S", "OverBudget",
+           "cluster_trial", "run_local", "time_near", "trial_flags"]
 
 #: A trial's timed steps fill about this long (after its first step), between the bounds below: a
 #: short step needs many, as its first few after step 1 still warm up (40 steps of a 15 ms step
@@ -128,8 +128,8 @@ def time_near(decision: Decision, spent_s: float, make_spec: Callable[[Layout, i
     trial runs; ``budget_s``: the whole decision's; ``run(spec, deadline)``: a trial's seconds a step
     (a local job by default; :func:`cluster_trial` on a cluster's hosts). A trial that fails takes its
     layout out (and every variant of it the model ranked: they run the same machinery); one still
-    running at its deadline (the budget less STOP_RESERVE_S) is stopped and counts as untimed. Nothing left that fits:
-    ConfigError (exit 2)."""
+    running at its deadline (the budget less STOP_RESERVE_S) is stopped and counts as untimed.
+    Nothing left that fits: ConfigError (exit 2)."""
     run = run or run_local
     started = time.perf_counter()
     timed: dict[Layout, float] = {}

@@ -24,7 +24,8 @@ from distrun.protocol import SERVER_RANK, Event, MembershipChanged, Output, enco
 from distrun.server._job_args import _JOB_ID as JOB_ID, files_under, traces_in
 from distrun.server._local_job import LocalJobChannel
 
-__all__ = ["JOB_ID", "JobRecord", "PACK_MAX_BYTES", "PACK_MAX_EVENTS_BYTES", "RECORD_FILES", "finished_jobs", "job_files", "pack_jobs", "past_jobs"]
+__all__ = ["JOB_ID", "JobRecord", "PACK_MAX_BYTES", "PACK_MAX_EVENTS_BYTES", "RECORD_FILES", "finished_jobs",
+           "job_files", "pack_jobs", "past_jobs"]
 
 #: Finished jobs listed from disk beside those a server keeps in memory: the newest, by when they ended.
 LISTED_FROM_DISK = 200
