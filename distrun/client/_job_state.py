@@ -30,7 +30,7 @@ from typing import Any
 from distrun.protocol import OOM_KILLED, EventDecodeError, Failed, decode_event
 from distrun.protocol.root_cause import root_cause
 
-__all__ = ["STATE_ORDER", "merge_states", "blame", "failure_message", "as_written", "unshipped_hint"]
+__all__ = ["STATE_ORDER", "merge_states", "blame", "host_failures", "failure_message", "as_written", "unshipped_hint"]
 
 STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
 #: Just after pending: a newer server's state is shown, not hidden behind "failed".
@@ -65,29 +65,35 @@ def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
     """One line naming a failed job's root cause from (host, its ``jobs`` entry) pairs, by the rule
     the live view's also follows (``protocol/root_cause``), so both blame the same host. None when
     no host recorded a failure."""
+    entries = dict(parts)
+    blamed = root_cause(host_failures(entries.items()))
+    if blamed is None:
+        return None
+    host, failure = blamed
+    if failure is not None:
+        return f"{host}: {failure_message(as_written(failure))}"
+    raw = entries[host].get("failure")
+    if raw:  # a server of another version: its own words, undecoded
+        said = raw.get("message") if isinstance(raw, dict) else None
+        return f"{host}: {said or 'failed'}"
+    return f"{host}: {entries[host]['error']}"
+
+
+def host_failures(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, Failed | None]]:
+    """Each host's recorded failure, for ``root_cause``: (host, its rank's ``Failed``), or (host, None)
+    for a host that broke, or that recorded a failure this client cannot decode (another version's)."""
     records: list[tuple[str, Failed | None]] = []
-    errors: dict[str, str] = {}  # host -> its own words, for a host blamed without a rank's Failed
     for host, entry in parts:
         raw = entry.get("failure")
         if raw:
             try:
                 event = decode_event(json.dumps(raw))
-            except EventDecodeError:  # a server of another version: its own words, undecoded
+            except EventDecodeError:
                 event = None
-            if isinstance(event, Failed):
-                records.append((host, event))
-                continue
-            said = raw.get("message") if isinstance(raw, dict) else None
-            errors[host] = f"{host}: {said or 'failed'}"
-            records.append((host, None))
+            records.append((host, event if isinstance(event, Failed) else None))
         elif entry.get("error"):
-            errors[host] = f"{host}: {entry['error']}"
             records.append((host, None))
-    blamed = root_cause(records)
-    if blamed is None:
-        return None
-    host, failure = blamed
-    return errors[host] if failure is None else f"{host}: {failure_message(as_written(failure))}"
+    return records
 
 
 def as_written(failure: Failed) -> Failed:

@@ -30,7 +30,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._job_env import JobEnvironment, PreparedHosts, prepare_hosts
-from distrun.client._job_state import as_written, unshipped_hint
+from distrun.client._job_state import as_written, host_failures, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._hosts import ps_hosts, training_hosts
 from distrun.client._results import fetch_job_results
@@ -47,7 +47,6 @@ from distrun.protocol import (
     SERVER_RANK,
     Diagnosed,
     Event,
-    Failed,
     Hung,
     JobSnapshot,
     JobSummary,
@@ -58,6 +57,10 @@ from distrun.protocol.root_cause import root_cause
 from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement", "training_hosts", "ps_hosts"]
+
+# How long a detaching client waits for its followers to wake from their closed streams before it
+# exits anyway (they are daemon threads; closing the links on the way out ends them).
+DETACH_WAIT_S = 5.0
 
 
 class ClusterJob:
@@ -279,7 +282,7 @@ class ClusterJob:
                 self.restarts += 1
                 # The root cause, as outcome() would name it: not whichever host's result came first
                 # (a rejoining rank that lost its store may end before the rank that failed on its own).
-                root = root_cause(self._failures())
+                root = root_cause(host_failures(self._results.items()))
                 failure = root[1] if root is not None else None
                 how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
                 why = f" after rank {failure.rank}: {failure.message}" if failure else ""
@@ -413,14 +416,22 @@ class ClusterJob:
         """Stop the job on every host, for good; an attached client (``attach``) only stops following."""
         self._interrupted = self._interrupted or interrupted
         if self.attached and interrupted:
-            with self._clients_lock:
-                self._detaching = True
-                clients = list(self._clients)
-            for client in clients:
-                client.close()
+            self._detach()
             return
         self._user_cancelled = True
         self._cancel_attempt(by_whom("interrupted") if interrupted else reason)
+
+    def _detach(self) -> None:
+        """Stop following an attached job; the job goes on. The view ends here, not once every follower
+        has woken from its closed stream: a detach must never wait on a host (a CI run's attach once
+        outlived its Ctrl-C by 30 s)."""
+        with self._clients_lock:
+            self._detaching = True
+            clients = list(self._clients)
+        for client in clients:
+            client.close()
+        if self._feed is not None:
+            self._feed.end()
 
     def _cancel_attempt(self, reason: str, *, unreachable: HostLink | None = None) -> None:
         """Stop the attempt on every host as one decision; a host already gone is its follower's to report.
@@ -432,7 +443,7 @@ class ClusterJob:
 
     def outcome(self) -> JobOutcome:
         if self._supervisor is not None:
-            self._supervisor.join()
+            self._supervisor.join(DETACH_WAIT_S if self._detaching else None)
         if self._detaching:
             raise Interrupted(f"detached from job {self.job_id}; it goes on (`distrun cancel {self.job_id}` stops it)")
         if self._watch is not None and self._watch.reason is not None and not self._interrupted:
@@ -444,7 +455,7 @@ class ClusterJob:
             step, where = self._last_checkpoint or (0, "")
             raise Preempted(f"the allocation warned that it will end: every rank checkpointed at step {step} "
                             f"({where}) and stopped; after `distrun up`, the same command with --resume goes on")
-        root = root_cause(self._failures())
+        root = root_cause(host_failures(self._results.items()))
         if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
             why = f" ({self.stop_reason})" if self.stop_reason and not self._interrupted else ""
             raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)"
@@ -463,18 +474,6 @@ class ClusterJob:
         raise TrainingError(message, rank=failure.rank, detail=failure.traceback,
                             stderr_tail=self._events.stderr_tail(failure.rank))
 
-    def _failures(self) -> list[tuple[str, Failed | None]]:
-        """Each host's recorded failure: (host, the rank's Failed), or (host, None) for a host that broke."""
-        failures: list[tuple[str, Failed | None]] = []
-        for label, result in self._results.items():
-            raw = result.get("failure")
-            if raw:
-                event = decode_event(json.dumps(raw))
-                failures.append((label, event if isinstance(event, Failed) else None))
-            elif result.get("error"):
-                failures.append((label, None))
-        return failures
-
     def fetch_results(self, dest: Path, summary: JobSummary) -> dict[str, Any]:
         """Copy the newest checkpoint (from rank 0's host), the summary, the ``--tensorboard`` files
         and every host's ``--profile`` traces home (``client/_results``)."""
@@ -492,6 +491,10 @@ class ClusterJob:
 
     def __exit__(self, *exc: object) -> None:
         if self._supervisor is not None and self._supervisor.is_alive():
-            self.cancel("client exiting")
-            self._supervisor.join(30)
+            if self.attached:  # an attached client only ever detaches: the job is not its to stop
+                self._detach()
+                self._supervisor.join(DETACH_WAIT_S)
+            else:
+                self.cancel("client exiting")
+                self._supervisor.join(30)
         self.close()

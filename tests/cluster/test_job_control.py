@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import os
@@ -58,6 +59,37 @@ def _wait_until(predicate, within_s: float, what: str) -> float:
     return time.monotonic() - t0
 
 
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(lab: Lab) -> Iterator[None]:
+    """Each test's ranks end with it. A CI run's attach once hung past its Ctrl-C, its test failed before
+    the cancel, and the job it left running failed the four tests after it: now whatever a test leaves
+    is killed, and a test that left training processes running (for 10 s after it) errors."""
+    yield
+    try:
+        _wait_until(lambda: not training_pids(lab), 10, "the test's training processes ending")
+    except AssertionError:
+        left = training_pids(lab)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if left:
+            raise AssertionError(f"the test left {len(left)} training process(es) running; killed") from None
+
+
+def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str]:
+    """``proc.communicate()``; one still running after ``within_s`` is killed, and the failure shows
+    where each of its threads stood (py-spy), which is what a hang on a loaded CI machine needs."""
+    try:
+        return proc.communicate(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        dump = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
+                              timeout=60, check=False)
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"distrun {proc.args[7]} still running {within_s:g} s on; its threads:\n"
+                             f"{dump.stdout}{dump.stderr}") from None
+
+
 def _start(lab: Lab, *args: str) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", lab.client_ns, sys.executable, "-m", "distrun", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=lab.root)
@@ -88,7 +120,7 @@ def test_ctrl_c_cancels_on_every_host(lab: Lab, cluster: Path, slow_recipe: Path
     _wait_for_steps(proc)
     assert len(training_pids(lab)) == 2
     proc.send_signal(signal.SIGINT)
-    _out, err = proc.communicate(timeout=60)
+    _out, err = _ended(proc, 60)
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err
     _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
@@ -118,7 +150,7 @@ def test_detach_jobs_attach_logs_cancel(lab: Lab, cluster: Path, slow_recipe: Pa
     attach = _start(lab, "attach", job_id, "--cluster", str(cluster), "--json")
     _wait_for_steps(attach)  # replayed from the start, then followed
     attach.send_signal(signal.SIGINT)  # detaches; the job goes on
-    _out, err = attach.communicate(timeout=30)
+    _out, err = _ended(attach, 30)
     assert attach.returncode == 130 and "detached from job" in err
     time.sleep(1)
     assert len(training_pids(lab)) == 2
@@ -263,7 +295,7 @@ def test_a_killed_worker_server_is_noticed(lab: Lab, cluster: Path, slow_recipe:
     t0 = time.monotonic()
     os.kill(h2_server, signal.SIGKILL)
     try:
-        _out, err = proc.communicate(timeout=60)
+        _out, err = _ended(proc, 60)
         assert time.monotonic() - t0 < 15
         assert proc.returncode == 6, err[-2000:]  # a host error: the host, not a rank, was lost
         assert f"error: {lab.hosts['h2'][1]}" in err.strip().splitlines()[-1]
@@ -283,7 +315,7 @@ def test_a_dropped_link_is_a_host_error_named_within_15_s(lab: Lab, cluster: Pat
         _wait_for_steps(proc)
         t0 = time.monotonic()
         subprocess.run(["ip", "-n", h2_ns, "link", "set", "eth0", "down"], check=True)
-        _out, err = proc.communicate(timeout=90)
+        _out, err = _ended(proc, 90)
         took_s = time.monotonic() - t0
     finally:
         subprocess.run(["ip", "-n", h2_ns, "link", "set", "eth0", "up"], check=False)
@@ -326,7 +358,7 @@ def test_a_killed_rank_fails_the_job_or_restarts_it_from_the_checkpoint(lab: Lab
     rank1 = [pid for pid in training_pids(lab) if pid in lab.netns.pids(lab.hosts["h2"][0])]
     assert len(rank1) == 1
     os.kill(rank1[0], signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    out, err = _ended(proc, 120)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     if max_restarts == 0:
         assert proc.returncode == 4, (proc.returncode, out[-3000:], err[-2000:])
