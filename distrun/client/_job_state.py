@@ -30,7 +30,8 @@ from typing import Any
 from distrun.protocol import OOM_KILLED, EventDecodeError, Failed, decode_event
 from distrun.protocol.root_cause import root_cause
 
-__all__ = ["STATE_ORDER", "merge_states", "blame", "host_failures", "failure_message", "as_written", "unshipped_hint"]
+__all__ = ["STATE_ORDER", "merge_states", "blame", "host_failures", "host_words",
+           "failure_message", "as_written", "unshipped_hint"]
 
 STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
 #: Just after pending: a newer server's state is shown, not hidden behind "failed".
@@ -70,13 +71,17 @@ def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
     if blamed is None:
         return None
     host, failure = blamed
-    if failure is not None:
-        return f"{host}: {failure_message(as_written(failure))}"
-    raw = entries[host].get("failure")
-    if raw:  # a server of another version: its own words, undecoded
+    return f"{host}: {host_words(entries[host]) if failure is None else failure_message(as_written(failure))}"
+
+
+def host_words(entry: Mapping[str, Any]) -> str:
+    """A host's failure in its own words, where no rank's ``Failed`` names it: the message of a failure
+    this client cannot decode (a server of another version's), else the host's error."""
+    raw = entry.get("failure")
+    if raw:
         said = raw.get("message") if isinstance(raw, dict) else None
-        return f"{host}: {said or 'failed'}"
-    return f"{host}: {entries[host]['error']}"
+        return str(said or "failed")
+    return str(entry.get("error") or "failed")
 
 
 def host_failures(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, Failed | None]]:

@@ -30,7 +30,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._job_env import JobEnvironment, PreparedHosts, prepare_hosts
-from distrun.client._job_state import as_written, host_failures, unshipped_hint
+from distrun.client._job_state import as_written, host_failures, host_words, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._hosts import ps_hosts, training_hosts
 from distrun.client._results import fetch_job_results
@@ -58,8 +58,7 @@ from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement", "training_hosts", "ps_hosts"]
 
-# How long a detaching client waits for its followers to wake from their closed streams before it
-# exits anyway (they are daemon threads; closing the links on the way out ends them).
+# How long a detaching client waits for its followers to wake before it exits anyway (daemon threads).
 DETACH_WAIT_S = 5.0
 
 
@@ -365,7 +364,7 @@ class ClusterJob:
                         elastic = self.spec is not None and self.spec.strategy.elastic
                         result = self.elastic.result_of(link, item["result"]) if elastic else item["result"]
                         self._results[link.label] = result
-                        if result.get("state") not in ("succeeded", "preempted", "lost"):
+                        if result.get("state") not in ("succeeded", "preempted", "lost") and not self._detaching:
                             self._cancel_attempt(f"{link.label} ended: {result.get('state')}")
                         elif elastic and link is self._links[0] and result.get("state") == "succeeded":
                             self.elastic.chief_finished(attempt_id)
@@ -400,8 +399,9 @@ class ClusterJob:
         return self._events.snapshot()
 
     def summary(self, status: str, error: str | None = None) -> JobSummary:
-        warm = bool(self._results) and all(result.get("warm") for result in self._results.values())
-        lost = sorted(int(rank) for result in self._results.values() for rank in result.get("lost_ranks") or ())
+        results = list(self._results.values())  # a follower outliving a detach may still add one
+        warm = bool(results) and all(result.get("warm") for result in results)
+        lost = sorted(int(rank) for result in results for rank in result.get("lost_ranks") or ())
         summary = self._events.summary(status, error)  # its reason: a callback's that stopped the run early
         return dataclasses.replace(summary, restarts=self.restarts, warm=warm, ranks_lost=lost,
                                    reason=self.stop_reason if status == "interrupted" else summary.reason)
@@ -409,29 +409,29 @@ class ClusterJob:
     @property
     def stop_reason(self) -> str | None:
         """Why the job was stopped, as its hosts recorded it (None: it was not stopped)."""
-        return next((str(result["reason"]) for result in self._results.values()
+        return next((str(result["reason"]) for result in list(self._results.values())
                      if result.get("state") == "stopped" and result.get("reason")), None)
 
     def cancel(self, reason: str = "cancelled", *, interrupted: bool = False) -> None:
         """Stop the job on every host, for good; an attached client (``attach``) only stops following."""
         self._interrupted = self._interrupted or interrupted
         if self.attached and interrupted:
-            self._detach()
+            self._stop_following()
             return
         self._user_cancelled = True
         self._cancel_attempt(by_whom("interrupted") if interrupted else reason)
 
-    def _detach(self) -> None:
-        """Stop following an attached job; the job goes on. The view ends here, not once every follower
+    def _stop_following(self) -> None:
+        """Detach from an attached job; the job goes on. The view ends first, not once every follower
         has woken from its closed stream: a detach must never wait on a host (a CI run's attach once
         outlived its Ctrl-C by 30 s)."""
         with self._clients_lock:
             self._detaching = True
             clients = list(self._clients)
-        for client in clients:
-            client.close()
         if self._feed is not None:
             self._feed.end()
+        for client in clients:
+            client.close()
 
     def _cancel_attempt(self, reason: str, *, unreachable: HostLink | None = None) -> None:
         """Stop the attempt on every host as one decision; a host already gone is its follower's to report.
@@ -465,7 +465,7 @@ class ClusterJob:
             raise TrainingError(f"job {self.job_id} failed: {errors or 'no host reported a result'}")
         label, failure = root
         if failure is None:  # the host itself was lost (its server, or the link to it): a host error
-            raise HostError(label, str(self._results[label].get("error")))
+            raise HostError(label, host_words(self._results[label]))
         message = f"{label}: {failure_message(as_written(failure))}"
         message += unshipped_hint(failure.message, self.spec.recipe if self.spec else None)
         error_class = ERROR_BY_KIND.get(failure.kind)
@@ -490,9 +490,9 @@ class ClusterJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._supervisor is not None and self._supervisor.is_alive():
-            if self.attached:  # an attached client only ever detaches: the job is not its to stop
-                self._detach()
+        if self._supervisor is not None and self._supervisor.is_alive() and not self._detaching:
+            if self.attached:  # it only ever detaches: the job is not its to stop
+                self._stop_following()
                 self._supervisor.join(DETACH_WAIT_S)
             else:
                 self.cancel("client exiting")

@@ -60,20 +60,26 @@ def _wait_until(predicate, within_s: float, what: str) -> float:
 
 
 @pytest.fixture(autouse=True)
-def _no_job_outlives_its_test(lab: Lab) -> Iterator[None]:
+def _no_job_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """Each test's ranks end with it. A CI run's attach once hung past its Ctrl-C, its test failed before
     the cancel, and the job it left running failed the four tests after it: now whatever a test leaves
-    is killed, and a test that left training processes running (for 10 s after it) errors."""
+    is killed (until no rank is left: a server may start a lost one again), and a test that left
+    training processes running (for 10 s after it) errors."""
     yield
-    try:
-        _wait_until(lambda: not training_pids(lab), 10, "the test's training processes ending")
-    except AssertionError:
-        left = training_pids(lab)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if left:
-            raise AssertionError(f"the test left {len(left)} training process(es) running; killed") from None
+    if "lab" not in request.fixturenames:
+        return
+    lab = request.getfixturevalue("lab")
+    left = 0
+    deadline = time.monotonic() + 10
+    while pids := training_pids(lab):
+        if time.monotonic() > deadline:
+            left = max(left, len(pids))
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            assert time.monotonic() < deadline + 30, "training processes kept coming back after SIGKILL"
+        time.sleep(0.2)
+    assert not left, f"the test left {left} training process(es) running; killed"
 
 
 def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str]:
@@ -82,12 +88,17 @@ def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=within_s)
     except subprocess.TimeoutExpired:
-        dump = subprocess.run(["py-spy", "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
-                              timeout=60, check=False)
-        proc.kill()
-        proc.communicate()
-        raise AssertionError(f"distrun {proc.args[7]} still running {within_s:g} s on; its threads:\n"
-                             f"{dump.stdout}{dump.stderr}") from None
+        try:
+            dump = subprocess.run([str(Path(sys.executable).with_name("py-spy")), "dump", "--pid", str(proc.pid)],
+                                  capture_output=True, text=True, timeout=60, check=False)
+            threads = dump.stdout + dump.stderr
+        except (OSError, subprocess.SubprocessError) as exc:
+            threads = f"(py-spy could not read them: {exc})"
+        finally:
+            proc.kill()
+            proc.communicate()
+        raise AssertionError(f"distrun {proc.args[7]} still running {within_s:g} s on; its threads:\n{threads}") \
+            from None
 
 
 def _start(lab: Lab, *args: str) -> subprocess.Popen:
@@ -472,7 +483,7 @@ def test_a_hung_rank_is_named_with_its_stack_and_the_collective_it_never_entered
         assert len(list((lab.root / "fr" / job).glob("flight-recorder-rank-*.json"))) == 4
 
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=60)
+        _ended(proc, 60)
         assert proc.returncode == 130
         _wait_until(lambda: not training_pids(lab), 10, "every training process ending")
         none_left = lab_cli(lab, "stacks", "--cluster", str(cluster))

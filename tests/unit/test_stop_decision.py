@@ -7,6 +7,7 @@ host is told to kill, is forced here by killing or signalling a rank after ``sto
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -16,10 +17,10 @@ import time
 
 import pytest
 
-from distrun.client._job_state import STATE_ORDER, blame, merge_states
+from distrun.client._job_state import STATE_ORDER, blame, host_failures, host_words, merge_states
 from distrun.launch import LocalLauncher, ProcessState, WorkerSpec
 from distrun.launch._stop import StopDecision
-from distrun.protocol import PEER_LOST, Failed, event_to_dict
+from distrun.protocol import PEER_LOST, EventDecodeError, Failed, decode_event, event_to_dict
 
 # Each rank waits for SIGUSR2, then writes a Failed event and exits 1; rank 1's is stamped AGE
 # seconds ago (the others' now): AGE 0 is a rank that saw its peer vanish now; AGE 30 one whose
@@ -172,6 +173,22 @@ def test_blame_names_the_rank_that_failed_on_its_own_not_the_one_that_lost_its_p
         "h2: the worker server went silent"
     assert blame([("h1", {"failure": peer})]).startswith("h1: rank 0 failed")
     assert blame([("h1", {"failure": None})]) is None
+
+
+def test_a_failure_this_client_cannot_decode_is_its_hosts_in_its_own_words() -> None:
+    """A server of another version recorded a failure this client's decoder refuses: the live view
+    (``ClusterJob.outcome``) and ``distrun jobs`` both blame its host in the server's words, before a
+    rank that only lost its peer; the live view once raised the decoder's error instead."""
+    newer = {"type": "error", "rank": 1, "time": 50.0, "kind": "raised", "message": "boom from a newer server",
+             "causes": ["a field this client does not know"]}
+    with pytest.raises(EventDecodeError):
+        decode_event(json.dumps(newer))
+    peer = event_to_dict(Failed(rank=0, time=100.0, kind=PEER_LOST, message="Connection closed by peer"))
+    parts = [("h1", {"failure": peer}), ("h2", {"failure": newer})]
+    assert [(host, failure is None) for host, failure in host_failures(parts)] == [("h1", False), ("h2", True)]
+    assert blame(parts) == "h2: boom from a newer server"
+    assert host_words({"failure": {"kind": "?"}}) == "failed"
+    assert host_words({"error": "the worker server went silent"}) == "the worker server went silent"
 
 
 class _Link:
