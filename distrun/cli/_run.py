@@ -114,6 +114,9 @@ def run_job(job: LocalJob | ClusterJob, *, json_output: bool,
             except Interrupted as exc:
                 status, error = "interrupted", exc.message
                 raise
+            except KeyboardInterrupt:  # a second Ctrl-C while the job winds down: never "succeeded"
+                status, error = "interrupted", "interrupted"
+                raise
             except DistrunError as exc:
                 status, error = "failed", exc.message
                 raise

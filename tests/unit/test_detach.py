@@ -6,16 +6,20 @@ from its closed stream, and the job the test then never cancelled failed the fou
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
+from distrun.cli._run import run_job
 from distrun.client._feed import EventFeed
 from distrun.client._tracker import JobTracker
 from distrun.client.cluster_job import DETACH_WAIT_S, ClusterJob
 from distrun.config import parse_cluster
 from distrun.errors import Interrupted
+from distrun.protocol import JobSummary
 
 
 def _attached_with_a_follower_that_never_wakes() -> tuple[ClusterJob, threading.Event]:
@@ -62,3 +66,33 @@ def test_leaving_an_attached_job_never_cancels_it() -> None:
         assert _view_ends(job, 2.0)
     finally:
         stuck.set()
+
+
+class _WindingDown:
+    """A job whose end a second Ctrl-C interrupts: ``outcome()`` raises KeyboardInterrupt."""
+
+    spec = None
+
+    def __enter__(self) -> _WindingDown:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def events(self, poll_s: float = 0.25) -> Iterator[None]:
+        return iter(())
+
+    def outcome(self) -> None:
+        raise KeyboardInterrupt
+
+    def summary(self, status: str, error: str | None = None) -> JobSummary:
+        return JobSummary(status=status, recipe="slow.py", strategy="multi-worker", replicas=2, steps=3,
+                          final_loss=None, samples_per_s=0.0, time_to_first_step_s=None, wall_s=1.0, error=error)
+
+
+def test_a_second_ctrl_c_while_the_job_winds_down_is_never_a_success(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary once read ``succeeded`` when Ctrl-C came again while the client waited for the job's end."""
+    with pytest.raises(KeyboardInterrupt):
+        run_job(_WindingDown(), json_output=True)  # type: ignore[arg-type]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (summary["type"], summary["status"], summary["error"]) == ("summary", "interrupted", "interrupted")
