@@ -30,7 +30,7 @@ from typing import Any
 from distrun.protocol import OOM_KILLED, EventDecodeError, Failed, decode_event
 from distrun.protocol.root_cause import root_cause
 
-__all__ = ["STATE_ORDER", "merge_states", "blame", "host_failures", "host_words",
+__all__ = ["STATE_ORDER", "merge_states", "blame", "blamed_host", "host_failures", "host_words",
            "failure_message", "as_written", "unshipped_hint"]
 
 STATE_ORDER = ("running", "pending", "failed", "preempted", "stopped", "succeeded", "lost")
@@ -67,11 +67,17 @@ def blame(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> str | None:
     the live view's also follows (``protocol/root_cause``), so both blame the same host. None when
     no host recorded a failure."""
     entries = dict(parts)
-    blamed = root_cause(host_failures(entries.items()))
+    blamed = blamed_host(entries.items())
     if blamed is None:
         return None
     host, failure = blamed
     return f"{host}: {host_words(entries[host]) if failure is None else failure_message(as_written(failure))}"
+
+
+def blamed_host(parts: Iterable[tuple[str, Mapping[str, Any]]]) -> tuple[str, Failed | None] | None:
+    """The (host, its rank's ``Failed`` or None) that ``root_cause`` blames among (host, its recorded
+    result) pairs: ``distrun jobs`` and a cluster job's outcome and restart line ask the same."""
+    return root_cause(host_failures(parts))
 
 
 def host_words(entry: Mapping[str, Any]) -> str:

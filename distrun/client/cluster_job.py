@@ -30,7 +30,7 @@ from distrun.client._evaluator import EvaluatorRelay
 from distrun.client._feed import EventFeed
 from distrun.client._elastic_hosts import ElasticHosts
 from distrun.client._job_env import JobEnvironment, PreparedHosts, prepare_hosts
-from distrun.client._job_state import as_written, host_failures, host_words, unshipped_hint
+from distrun.client._job_state import as_written, blamed_host, host_words, unshipped_hint
 from distrun.client._links import HostLink, Placement, holders_of, open_all
 from distrun.client._hosts import ps_hosts, training_hosts
 from distrun.client._results import fetch_job_results
@@ -53,7 +53,6 @@ from distrun.protocol import (
     Output,
     decode_event,
 )
-from distrun.protocol.root_cause import root_cause
 from distrun.protocol.secret import new_job_secret
 
 __all__ = ["ClusterJob", "Placement", "training_hosts", "ps_hosts"]
@@ -281,7 +280,7 @@ class ClusterJob:
                 self.restarts += 1
                 # The root cause, as outcome() would name it: not whichever host's result came first
                 # (a rejoining rank that lost its store may end before the rank that failed on its own).
-                root = root_cause(host_failures(self._results.items()))
+                root = blamed_host(self._results.items())
                 failure = root[1] if root is not None else None
                 how = "from the newest checkpoint" if self._saw_checkpoint else "from the start (no checkpoint yet)"
                 why = f" after rank {failure.rank}: {failure.message}" if failure else ""
@@ -455,7 +454,7 @@ class ClusterJob:
             step, where = self._last_checkpoint or (0, "")
             raise Preempted(f"the allocation warned that it will end: every rank checkpointed at step {step} "
                             f"({where}) and stopped; after `distrun up`, the same command with --resume goes on")
-        root = root_cause(host_failures(self._results.items()))
+        root = blamed_host(self._results.items())
         if self._interrupted or root is None and all(s == "stopped" for s in states.values()):
             why = f" ({self.stop_reason})" if self.stop_reason and not self._interrupted else ""
             raise Interrupted(f"interrupted: stopped {self.world_size} replica(s) on {len(self._links)} host(s)"
