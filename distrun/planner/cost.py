@@ -17,7 +17,8 @@ Memory per rank (bytes):
 - sharded (FSDP2 over n ranks): footprint + (parameters + gradients + optimizer state) / n + the
   largest unit unsharded twice (the one computing and the one prefetched) and its gradient +
   activations; its step's cost beyond compute is the probe's own sharded step of the recipe's
-  model less that step's compute, where the probe could shard over these ranks; HSDP (``sharded
+  model less that step's compute, where the probe could shard over these ranks (else the
+  collectives' rates, and on CPU the buffers its allocator maps afresh each step); HSDP (``sharded
   --shard-within host``, several hosts) the same over a host's r ranks, plus the all-reduce of a
   rank's 1/r of the gradients across hosts;
 - ``--pp p``: each stage 1/p of the mirrored terms; a stage keeps up to ``min(p, m)``
@@ -38,11 +39,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUDGET_SHARE", "Layout", "Link", "ModelProfile", "Prediction", "Resources", "fits", "predict"]
+__all__ = ["BUDGET_SHARE", "FRESH_PER_PARAMETER_BYTE", "Layout", "Link", "ModelProfile", "Prediction", "Resources",
+           "fits", "predict"]
 
 #: A layout whose predicted peak passes this share of the budget is out: the rest is headroom for
 #: the allocator's fragmentation and what the model does not see (the issue's 90%).
 BUDGET_SHARE = 0.9
+#: What a sharded rank's step allocates in blocks of 1 MiB or more, per byte of the model's
+#: parameters: its gathers' buffers (forward and backward), the unsharded gradients, the reduction's
+#: buffers, the optimizer's temporaries. A sharded CPU rank maps every such block afresh
+#: (strategies/sharding/allocator.py), and the probe times what that costs (``fresh_bytes_per_s``).
+#: Counted with torch.profiler's memory events, one step each: 11.9 (the 17M-parameter MLP of
+#: ``bench auto``, 2 ranks, 64 rows a rank), 12.9 (256 rows), 11.5 (the 34M one, 4 rows), 11.2
+#: (the 17M one over 4 ranks).
+FRESH_PER_PARAMETER_BYTE = 12.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,9 @@ class Resources:
     #: pinned copy crosses between host and GPU (bytes/s); 0: not measured (no GPU).
     host_budget_bytes: int = 0
     pcie_bytes_per_s: float = 0.0
+    #: What memory mapped afresh costs a CPU rank beyond memory it holds, as a rate (bytes/s);
+    #: 0: not measured (a GPU's probe, or a server from before it was).
+    fresh_bytes_per_s: float = 0.0
 
     @property
     def ranks_per_host(self) -> int:
@@ -321,6 +334,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         between = resources.slowest(resources.ranks)
         comm += between.seconds(2 * (h - 1) / h * profile.gradient_bytes / r, 2 * (h - 1))
         fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+        fixed += _fresh_s(profile, resources, layout)
     elif layout.strategy == "sharded" and layout.offload:
         host = state / replicas
         comm, fixed, compute = _offloaded(profile, resources, layout, micro, parts, compute)
@@ -348,6 +362,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
                      + share * profile.gradient_bytes / scatter_rate
                      + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
             fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+            fixed += _fresh_s(profile, resources, layout)
     else:  # mirrored / multi-worker: DDP
         parts["state"] = state + profile.gradient_bytes  # .grad and DDP's buckets
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
@@ -360,6 +375,17 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
     peak = int(sum(parts.values()))
     return Prediction(layout, peak, compute + comm + fixed, compute, comm, {k: int(v) for k, v in parts.items()},
                       fixed_s=fixed, host_bytes=int(host))
+
+
+def _fresh_s(profile: ModelProfile, resources: Resources, layout: Layout) -> float:
+    """A sharded CPU rank's step mapping its buffers afresh, where no sharded step of the model was
+    timed (the probe's step carries it where one was): the gathers come again with each further
+    micro-batch, as in the timed step's share above. Without it, the model put sharded x2 of the
+    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s."""
+    if profile.device != "cpu" or resources.fresh_bytes_per_s <= 0:
+        return 0.0
+    fresh = FRESH_PER_PARAMETER_BYTE * profile.parameter_bytes * (2 * layout.accumulate + 1) / 3
+    return fresh / resources.fresh_bytes_per_s
 
 
 def _tp_share(profile: ModelProfile, tp: int) -> float:

@@ -8,7 +8,8 @@ its ranks on this host), so the cost model adds measured figures rather than con
 - ``ddp_step_s``: a DDP step of one tiny layer (forward, backward with its all-reduce, step);
 - ``shard_unit_s``: an FSDP2 step of a tiny chain of units, divided by its units and root;
 - ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches;
-- ``tp_pair_s``: a step of a column-then-row pair of layers split over two ranks (``--tp 2``).
+- ``tp_pair_s``: a step of a column-then-row pair of layers split over two ranks (``--tp 2``);
+- ``fresh_bytes_per_s`` (CPU): what memory mapped afresh costs beyond memory held, as a rate.
 
 :func:`collective_rates` times the collectives themselves, on the gradients' size.
 """
@@ -24,8 +25,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["COLLECTIVE_WITHIN_S", "all_reduce_s", "collective_rates", "framework_overheads", "pcie_bytes_per_s",
-           "sharded_step_s"]
+from distrun.strategies.sharding.allocator import fix_mmap_threshold
+
+__all__ = ["COLLECTIVE_WITHIN_S", "SHARDED_WITHIN_S", "all_reduce_s", "collective_rates", "framework_overheads",
+           "fresh_bytes_per_s", "pcie_bytes_per_s", "sharded_step_s"]
 
 _STEPS = 5
 #: A collective on the gradients' bytes is timed as often as fits in about this long after its
@@ -33,6 +36,12 @@ _STEPS = 5
 #: link an 8.4 MB all-reduce takes 1.3 s, and six runs (a warm-up and five timed) of each of three
 #: collectives took the decision past its 30 s. A slow link's time varies little from run to run.
 COLLECTIVE_WITHIN_S = 1.5
+#: About how long the probe times sharded's step for, after its first: a step of the 34M-parameter
+#: model of ``bench auto`` took 2 s on this project's machine, and five of them were a third of the
+#: decision's 30 s. One timed step is enough for what it decides (sharded against mirrored was 2.6x
+#: there); the small models that are fast to step get the five.
+SHARDED_WITHIN_S = 4.0
+
 _WIDTH = 8
 _UNITS = 4
 _MICROBATCHES = 4
@@ -174,19 +183,49 @@ def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimize
     """A step of the recipe's own model sharded over the default group (FSDP2 on each unit, then the
     root, as sharded does), timed. It holds what sharded costs beyond compute: the all-gathers and
     the reduce-scatter at the units' real sizes, and FSDP2's copies into and out of its buffers,
-    which gloo's collective rates alone under-count. It shards ``model`` in place: call it last."""
+    which gloo's collective rates alone under-count. It shards ``model`` in place: call it last.
+
+    On CPU it runs under the allocator setting sharded's CPU ranks run under (every buffer over
+    1 MiB mapped fresh, strategies/sharding/allocator.py), which keeps their memory flat and costs
+    time: measured (2 ranks on this project's 2-core machine, the 17M-parameter MLP of ``bench
+    auto``), a step of 64 rows a rank took 0.65 s without it and 1.29 s with it, and the probe
+    timing it without read sharded's training step a third to a half low. The setting is the
+    process's from then on; the figures timed after it here (DDP's, a pipeline's and FSDP2's fixed
+    costs, the collectives' rates) read the same with it and without, within this machine's noise."""
     from torch.distributed.fsdp import fully_shard
 
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        fix_mmap_threshold()
     for unit in units:
         fully_shard(unit)
     fully_shard(model)
     optimizer = make_optimizer(model.parameters())
-    return _median_s(lambda: step_of(model, optimizer))
+    return _median_s(lambda: step_of(model, optimizer), within_s=SHARDED_WITHIN_S, device=device)
+
+
+#: What ``fresh_bytes_per_s`` writes: over glibc's largest dynamic mmap threshold (32 MiB), so it is
+#: mapped afresh each time under any allocator setting.
+_FRESH_BYTES = 64 << 20
+
+
+def fresh_bytes_per_s() -> float:
+    """What memory mapped afresh costs a CPU rank beyond writing memory it already holds, as a rate
+    (bytes/s of the difference), timed on every process of the default group at once: the kernel
+    faults in and zeroes each page, and the ranks fault at once. Sharded's CPU ranks map nearly
+    every buffer afresh (strategies/sharding/allocator.py); measured here, 64 MiB took 63 ms to
+    write fresh and 8.5 ms held."""
+    held = torch.empty(_FRESH_BYTES // 4)
+    fresh_s = _median_s(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0))
+    held_s = _median_s(lambda: held.fill_(1.0))
+    return _FRESH_BYTES / max(fresh_s - held_s, 1e-9)
 
 
 def framework_overheads(device: torch.device) -> dict[str, float]:
     """Each layout's fixed costs a step, timed among the ranks of the default group."""
     figures = {"ddp_step_s": _ddp_step_s(device), "shard_unit_s": _shard_unit_s(device)}
+    if device.type == "cpu":
+        figures["fresh_bytes_per_s"] = fresh_bytes_per_s()
     pair = dist.new_group([0, 1])  # every rank makes it; the first two time a pipeline and a --tp pair
     if dist.get_rank() < 2:
         figures["microbatch_s"] = _microbatch_s(device, pair)

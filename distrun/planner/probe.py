@@ -109,9 +109,18 @@ def _give_back_memory() -> None:
         pass
 
 
-def _timed(step: Callable[[], None], device: torch.device, together: Callable[[], None]) -> float:
+def _timed(step: Callable[[], None], device: torch.device, together: Callable[[], None],
+           slowest: Callable[[float], float] = lambda seconds: seconds) -> float:
     """The median of a few timed runs of ``step``, after one that warms it up; ``together`` lines the
-    probe's processes up before each, so that they compute at once, as the job's ranks will."""
+    probe's processes up before each, so that they compute at once, as the job's ranks will, and
+    ``slowest`` takes each run at its slowest process's pace, as a synchronous step goes.
+
+    Why the slowest: on this project's 2-core machine each of the probe's two processes read the
+    34M-parameter MLP's 1-row forward and backward at 0.05-0.07 s or at 0.13-0.15 s, a mode that
+    mostly held through a probe (docs/performance.md#strategy-auto), and the first process's
+    reading put the fixed part a microbatch anywhere from 0.013 to 0.120 s between runs. The job's
+    ranks train at once, so the high reading is the one a step pays; the slowest process's read
+    0.076-0.140 s."""
     step()
     times = []
     for _ in range(_REPEATS):
@@ -122,7 +131,7 @@ def _timed(step: Callable[[], None], device: torch.device, together: Callable[[]
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(slowest(time.perf_counter() - start))
     return statistics.median(times)
 
 
@@ -196,7 +205,8 @@ def _tensor_parallel(model: nn.Module, plan_from: Callable[[nn.Module], Any] | N
 def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Callable[[Any], Any],
                     parameter_bytes: int, forward_backward: Callable[[Any], None], batch: Any,
                     device: torch.device, together: Callable[[], None], agree: Callable[[bool], bool],
-                    base_bytes: int, memory_cap_bytes: int | None) -> tuple[int, float]:
+                    base_bytes: int, memory_cap_bytes: int | None,
+                    slowest: Callable[[float], float]) -> tuple[int, float]:
     """The recipe's optimizer's state bytes (after its first step: Adam's moments exist only then) and
     its step's time, over the whole model.
 
@@ -217,7 +227,7 @@ def _optimizer_cost(model: nn.Module, units: list[nn.Module], make_optimizer: Ca
     optimizer.step()  # the state exists after the first step
     state_bytes = sum(_tensor_bytes(state) for state in optimizer.state.values())
     forward_backward(batch)  # gradients for the timed steps
-    step_s = _timed(optimizer.step, device, together)
+    step_s = _timed(optimizer.step, device, together, slowest)
     # Then without it: the timed batches' activations never meet the optimizer's state.
     model.zero_grad(set_to_none=True)
     optimizer.state.clear()
@@ -249,6 +259,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             device: torch.device, base_bytes: int, units_from: Callable[[nn.Module], Any] | None = None,
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
             together: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda flag: flag,
+            slowest: Callable[[float], float] = lambda seconds: seconds,
             memory_cap_bytes: int | None = None, time_sharded: bool = False,
             tp_plan_from: Callable[[nn.Module], Any] | None = None, tp_up_to: int = 1) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
@@ -257,7 +268,8 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
 
     ``together`` lines the probe's processes up; ``agree`` makes a choice all of them take (true only
     where it is true in each): a choice read from a process's own memory could differ between them,
-    and one process sharding the model while another does not would wait forever. ``tp_plan_from``
+    and one process sharding the model while another does not would wait forever; ``slowest`` is
+    the largest of the processes' readings of one timed run (see ``_timed``). ``tp_plan_from``
     (the recipe's ``tp_plan``) and ``tp_up_to`` (the most ranks a tensor-parallel group may have):
     what ``--tp`` would split."""
     model = model.to(device)
@@ -275,7 +287,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
     batch_first = batch_of(first)
     optimizer_bytes, t_optimizer = _optimizer_cost(model, units, make_optimizer, parameter_bytes, forward_backward,
                                                    batch_first, device, together, agree, base_bytes,
-                                                   memory_cap_bytes)
+                                                   memory_cap_bytes, slowest)
 
     saved = _SavedBytes(units, model.parameters())  # on a few rows: activations grow with the rows, and a full batch may not fit
     try:
@@ -299,11 +311,11 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
                 forward(model, batch)
         return run
 
-    t_small = _timed(lambda: forward_backward(batch_small), device, together)
-    t_large = _timed(lambda: forward_backward(batch_large), device, together)
+    t_small = _timed(lambda: forward_backward(batch_small), device, together, slowest)
+    t_large = _timed(lambda: forward_backward(batch_large), device, together, slowest)
     slope = max(0.0, (t_large - t_small) / max(1, rows - small))
     intercept = max(0.0, t_small - slope * small)
-    f_large = _timed(forward_only(batch_large), device, together)
+    f_large = _timed(forward_only(batch_large), device, together, slowest)
     # The pipeline's chain as --pp takes it: the recipe's pp_chain, or an nn.Sequential's children.
     chain = list(chain_from(model)) if chain_from is not None else (
         list(model.children()) if isinstance(model, nn.Sequential) else [])

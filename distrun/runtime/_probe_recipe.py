@@ -23,7 +23,7 @@ from distrun.runtime._move import to_device
 from distrun.strategies import InputContext
 from distrun.strategies.step.accumulation import batch_rows, split_batch
 
-__all__ = ["MAX_COLLECTIVE_BYTES", "agree", "collective_device", "measure_recipe"]
+__all__ = ["MAX_COLLECTIVE_BYTES", "agree", "collective_device", "measure_recipe", "slowest_of"]
 
 #: The largest all-reduce the group times (the gradients' bytes, capped).
 MAX_COLLECTIVE_BYTES = 64 << 20
@@ -35,6 +35,14 @@ def agree(flag: bool, device: torch.device | None = None) -> bool:
     answer = torch.tensor([int(flag)], device=device)
     dist.all_reduce(answer, op=dist.ReduceOp.MIN)
     return bool(answer.item())
+
+
+def slowest_of(seconds: float, device: torch.device | None = None) -> float:
+    """The largest of the default group's processes' ``seconds`` (one all-reduce; ``device``: the
+    group's)."""
+    reading = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(reading, op=dist.ReduceOp.MAX)
+    return float(reading.item())
 
 
 def collective_device(device: torch.device) -> torch.device:
@@ -84,6 +92,8 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
                       chain_from=getattr(recipe, "pp_chain", None),
                       together=dist.barrier if together else lambda: None,
                       agree=(lambda flag: agree(flag, collective_device(device))) if together else lambda flag: flag,
+                      slowest=(lambda seconds: slowest_of(seconds, collective_device(device))) if together
+                      else lambda seconds: seconds,
                       # A rank's budget (the client's, on CPU) or the GPU's free memory.
                       memory_cap_bytes=request.get("memory_cap_bytes") or (
                           int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),

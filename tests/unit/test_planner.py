@@ -4,13 +4,15 @@ with the budget, the link and the batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from distrun.errors import ConfigError
 from distrun.planner.choose import NEAR, _cause, candidates, decide
-from distrun.planner.cost import BUDGET_SHARE, Layout, Link, ModelProfile, Resources, fits, predict
+from distrun.planner.cost import (BUDGET_SHARE, FRESH_PER_PARAMETER_BYTE, Layout, Link, ModelProfile, Resources, fits,
+                                  predict)
 
 MB = 10**6
 #: A 50M-parameter fp32 model with Adam (two moments): 200 MB each of parameters and gradients,
@@ -128,6 +130,29 @@ def test_each_layouts_measured_fixed_costs_are_added_once_a_step():
     assert piped.fixed_s == pytest.approx(0.003 + (4 + 2 - 1) * 0.003)  # the loop less DDP's, 5 schedule slots
     for prediction in (mirrored, sharded, piped):
         assert prediction.step_s == pytest.approx(prediction.compute_s + prediction.exposed_comm_s + prediction.fixed_s)
+
+
+def test_a_sharded_cpu_rank_pays_for_the_buffers_it_maps_afresh_where_no_step_of_it_was_timed():
+    """Sharded's CPU ranks map every buffer of 1 MiB or more afresh (strategies/sharding/allocator.py):
+    without that charge the model put sharded x2 of a 17M-parameter MLP under a memory cgroup at
+    1.09 s a step, and it ran at 1.74-1.84 s."""
+    rate = 1e9  # bytes/s, as the probe's fresh_bytes_per_s
+
+    def step(profile: ModelProfile, layout: Layout, fresh_bytes_per_s: float) -> float:
+        resources = Resources(ranks=2, hosts=1, budget_bytes=10**10, within_host=FAST,
+                              fresh_bytes_per_s=fresh_bytes_per_s)
+        return predict(profile, resources, layout, 64).step_s
+
+    for accumulate in (1, 2):  # the gathers, and the buffers they map, come again with each micro-batch
+        sharded = Layout("sharded", 2, accumulate=accumulate)
+        assert step(PROFILE, sharded, rate) - step(PROFILE, sharded, 0.0) == pytest.approx(
+            FRESH_PER_PARAMETER_BYTE * 200 * MB * (2 * accumulate + 1) / 3 / rate)
+    assert step(PROFILE, Layout("mirrored", 2), rate) == step(PROFILE, Layout("mirrored", 2), 0.0)
+    # A sharded step of the model timed on these ranks ran under the same allocator: it carries the cost.
+    timed = dataclasses.replace(PROFILE, sharded_step_s=1.0, probe_rows=8)
+    assert step(timed, Layout("sharded", 2), rate) == step(timed, Layout("sharded", 2), 0.0)
+    gpu = dataclasses.replace(PROFILE, device="cuda")  # a GPU's buffers come from CUDA's caching allocator
+    assert step(gpu, Layout("sharded", 2), rate) == step(gpu, Layout("sharded", 2), 0.0)
 
 
 def test_retime_keeps_the_faster_trial_and_says_the_model_was_overruled():
