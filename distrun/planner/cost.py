@@ -39,8 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BUDGET_SHARE", "FRESH_PER_PARAMETER_BYTE", "Layout", "Link", "ModelProfile", "Prediction", "Resources",
-           "fits", "predict"]
+__all__ = ["BUDGET_SHARE", "FRESH_PER_PARAMETER_BYTE", "MAPPED_AFRESH_FROM_BYTES", "Layout", "Link", "ModelProfile",
+           "Prediction", "Resources", "fits", "predict"]
 
 #: A layout whose predicted peak passes this share of the budget is out: the rest is headroom for
 #: the allocator's fragmentation and what the model does not see (the issue's 90%).
@@ -53,6 +53,9 @@ BUDGET_SHARE = 0.9
 #: ``bench auto``, 2 ranks, 64 rows a rank), 12.9 (256 rows), 11.5 (the 34M one, 4 rows), 11.2
 #: (the 17M one over 4 ranks).
 FRESH_PER_PARAMETER_BYTE = 12.0
+#: The smallest block such a rank maps afresh: strategies/sharding/allocator.py's threshold (this
+#: module imports nothing, so the CLI can decide without torch; a test holds the two equal).
+MAPPED_AFRESH_FROM_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -381,9 +384,11 @@ def _fresh_s(profile: ModelProfile, resources: Resources, layout: Layout) -> flo
     """A sharded CPU rank's step mapping its buffers afresh, where no sharded step of the model was
     timed (the probe's step carries it where one was): the gathers come again with each further
     micro-batch, as in the timed step's share above. Without it, the model put sharded x2 of the
-    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s."""
-    if profile.device != "cpu" or resources.fresh_bytes_per_s <= 0:
-        return 0.0
+    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s. The count is
+    the parameters'; activations of a large batch add to it (12.9 at 256 rows a rank, 11.9 at 64)."""
+    if (profile.device != "cpu" or resources.fresh_bytes_per_s <= 0
+            or profile.largest_unit_bytes < MAPPED_AFRESH_FROM_BYTES):
+        return 0.0  # a GPU's caching allocator; not measured; units whose buffers stay on the heap
     fresh = FRESH_PER_PARAMETER_BYTE * profile.parameter_bytes * (2 * layout.accumulate + 1) / 3
     return fresh / resources.fresh_bytes_per_s
 

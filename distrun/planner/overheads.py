@@ -190,8 +190,7 @@ def sharded_step_s(model: nn.Module, units: tuple[nn.Module, ...], make_optimize
     time: measured (2 ranks on this project's 2-core machine, the 17M-parameter MLP of ``bench
     auto``), a step of 64 rows a rank took 0.65 s without it and 1.29 s with it, and the probe
     timing it without read sharded's training step a third to a half low. The setting is the
-    process's from then on; the figures timed after it here (DDP's, a pipeline's and FSDP2's fixed
-    costs, the collectives' rates) read the same with it and without, within this machine's noise."""
+    process's from then on, which is one more reason to call it last."""
     from torch.distributed.fsdp import fully_shard
 
     device = next(model.parameters()).device
@@ -215,8 +214,8 @@ def fresh_bytes_per_s() -> float:
     faults in and zeroes each page, and the ranks fault at once. Sharded's CPU ranks map nearly
     every buffer afresh (strategies/sharding/allocator.py); measured here, 64 MiB took 63 ms to
     write fresh and 8.5 ms held."""
-    held = torch.empty(_FRESH_BYTES // 4)
     fresh_s = _median_s(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0))
+    held = torch.empty(_FRESH_BYTES // 4)  # after: a process never holds two (a budget's probe is tight)
     held_s = _median_s(lambda: held.fill_(1.0))
     return _FRESH_BYTES / max(fresh_s - held_s, 1e-9)
 

@@ -37,7 +37,7 @@ from distrun.planner.cost import ModelProfile
 from distrun.planner.overheads import sharded_step_s
 from distrun.strategies.sharding.units import pick_units
 
-__all__ = ["measure", "resident_bytes"]
+__all__ = ["measure", "resident_bytes", "sharded_step"]
 
 _REPEATS = 3
 #: Rows of the first step and of the activation count; the share of the memory cap the timed
@@ -260,7 +260,7 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             chain_from: Callable[[nn.Module], list[nn.Module]] | None = None,
             together: Callable[[], None] = lambda: None, agree: Callable[[bool], bool] = lambda flag: flag,
             slowest: Callable[[float], float] = lambda seconds: seconds,
-            memory_cap_bytes: int | None = None, time_sharded: bool = False,
+            memory_cap_bytes: int | None = None,
             tp_plan_from: Callable[[nn.Module], Any] | None = None, tp_up_to: int = 1) -> ModelProfile:
     """Measure ``model`` (on ``device``) with batches of ``batch_of(k)`` samples, ``rows`` the largest
     a forward will see (the timings use ``rows``, or fewer where their activations would take more
@@ -327,26 +327,36 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
             optimizer_cpu_s = _cpu_optimizer_s(model, units, make_optimizer, parameter_bytes)
         except Exception:  # noqa: BLE001 - an optimizer for GPUs only (fused, capturable, ...): no --offload
             optimizer_cpu_s = 0.0
-    sharded_s = 0.0
     model.zero_grad(set_to_none=True)
     del batch_large
     _give_back_memory()
-    # Last, as it shards the model in place; where a rank's budget is tight, the probe keeps within it
-    # and sharded's cost comes from the collectives' rates instead (planner/cost.py).
-    if time_sharded and agree(memory_cap_bytes is None or base_bytes + 6 * parameter_bytes < memory_cap_bytes):
-        def sharded_step(sharded: nn.Module, sharded_optimizer: Any) -> None:
-            sharded_optimizer.zero_grad(set_to_none=True)
-            loss_fn(forward(sharded, batch_small), batch_small).backward()
-            sharded_optimizer.step()
-        sharded_s = sharded_step_s(model, tuple(units), make_optimizer, sharded_step)
     return ModelProfile(
         parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
         units=len(units), largest_unit_bytes=largest_unit, compute_s_per_sample=slope,
         forward_s_per_sample=f_large / rows, activation_bytes_per_sample=int(per_sample),
         checkpointed_activation_bytes_per_sample=int(checkpointed), base_bytes=base_bytes,
         chain_parts=len(chain), boundary_bytes_per_sample=int(boundary), device=device.type, overhead_s=intercept,
-        optimizer_s=t_optimizer, sharded_step_s=sharded_s, probe_rows=small, optimizer_cpu_s=optimizer_cpu_s,
+        optimizer_s=t_optimizer, probe_rows=small, optimizer_cpu_s=optimizer_cpu_s,
         **tensor_parallel)
+
+
+def sharded_step(model: nn.Module, profile: ModelProfile, *, make_optimizer: Callable[[Any], Any],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], forward: Callable[[nn.Module, Any], Any], batch: Any,
+                 units_from: Callable[[nn.Module], Any] | None, agree: Callable[[bool], bool],
+                 memory_cap_bytes: int | None) -> float:
+    """A step of ``model`` (the one :func:`measure` profiled) sharded over the default group on
+    ``batch`` (``profile.probe_rows`` samples), timed; 0 where a process's budget has no room for
+    it (sharded's cost then comes from the collectives' rates, planner/cost.py). Every process calls
+    it at once, after whatever else it times: it shards the model in place, and on CPU it fixes the
+    process's allocator as sharded does (planner/overheads.py)."""
+    if not agree(memory_cap_bytes is None or profile.base_bytes + 6 * profile.parameter_bytes < memory_cap_bytes):
+        return 0.0
+
+    def step(sharded: nn.Module, sharded_optimizer: Any) -> None:
+        sharded_optimizer.zero_grad(set_to_none=True)
+        loss_fn(forward(sharded, batch), batch).backward()
+        sharded_optimizer.step()
+    return sharded_step_s(model, tuple(pick_units(model, units_from).modules), make_optimizer, step)
 
 
 def _first(batch: Any) -> Any:

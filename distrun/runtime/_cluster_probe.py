@@ -133,11 +133,13 @@ def probe_in_job(recipe: ModuleType, spec: JobSpec, device: torch.device, probe:
     # A sharded step is timed on one host's ranks only: over several hosts the cost model takes
     # sharded's collectives from the links' rates (planner/cost.py), and the step over a slow link
     # took most of the decision's 30 s.
-    measured = measure_recipe(recipe, request, rank, world, device, time_links=False, time_sharded=probe.hosts == 1)
+    measured, last = measure_recipe(recipe, request, rank, world, device, time_links=False,
+                                    time_sharded=probe.hosts == 1)
     nbytes = min(int(measured["profile"]["gradient_bytes"]), MAX_COLLECTIVE_BYTES)
     holds, why = _check_kept(probe.kept_links, nbytes, probe, device) if probe.kept_links else (False, "")
     links = probe.kept_links if holds else _time_links(nbytes, probe, device)
     assert links is not None
+    measured = last()  # after the links: it sets this process's allocator as sharded's ranks run
     overheads = {**measured["overheads"], "gather_bytes_per_s": links["gather_bytes_per_s"],
                  "scatter_bytes_per_s": links["scatter_bytes_per_s"], "host_budget_bytes": host_budget}
     reply = {

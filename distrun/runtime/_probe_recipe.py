@@ -10,6 +10,7 @@ then the group times its collectives, each layout's fixed costs and distrun's ow
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from distrun.planner.overheads import collective_rates, framework_overheads, pcie_bytes_per_s
-from distrun.planner.probe import measure, resident_bytes
+from distrun.planner.probe import measure, resident_bytes, sharded_step
 from distrun.runtime._loop_probe import loop_step_s
 from distrun.runtime._move import to_device
 from distrun.strategies import InputContext
@@ -68,14 +69,20 @@ def _batches(recipe: ModuleType, batch_size: int, seed: int) -> Any:
 
 
 def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group_size: int,
-                   device: torch.device, *, time_links: bool = True, time_sharded: bool = True) -> dict[str, Any]:
+                   device: torch.device, *, time_links: bool = True,
+                   time_sharded: bool = True) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
     """The profile of ``recipe``'s model (``request``: ``global_batch_size``, ``rows`` a forward sees,
     ``seed``, ``memory_cap_bytes``), the default group's all-reduce link (None for a group of one)
     and the fixed costs; every process of the default group calls it at once. ``time_links=False``:
     the collectives' rates are not timed (a cluster's kept ones hold), so ``link`` is None and the
     overheads carry no gather or scatter rate. ``time_sharded=False``: no sharded step is timed over
     the group (the cost model uses one only for sharding inside a host: a cluster's hosts' group
-    spans links whose step over 200 Mbit/s took 7-14 s, six times, past the decision's 30 s)."""
+    spans links whose step over 200 Mbit/s took 7-14 s, six times, past the decision's 30 s).
+
+    Returns the figures and ``last``, which every process calls once, after whatever else it times
+    (a cluster's links): it times the sharded step, which on CPU fixes the process's allocator as
+    sharded's ranks run (planner/overheads.py), so nothing timed for the other layouts runs under
+    it; then it reads the device's free memory, and returns the figures whole."""
     # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
     # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
     # the free memory the budget reads).
@@ -86,21 +93,19 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     batch_of = _batches(recipe, int(request["global_batch_size"]), seed)
     forward = getattr(recipe, "forward", lambda m, b: m(b[0]))
     together = group_size > 1
+    everyone = (lambda flag: agree(flag, collective_device(device))) if together else lambda flag: flag
+    # A rank's budget (the client's, on CPU) or the GPU's free memory.
+    cap = request.get("memory_cap_bytes") or (int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
     profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
                       batch_of=lambda count: to_device(batch_of(count), device), rows=int(request["rows"]),
                       device=device, base_bytes=base, units_from=getattr(recipe, "shard_units", None),
                       chain_from=getattr(recipe, "pp_chain", None),
-                      together=dist.barrier if together else lambda: None,
-                      agree=(lambda flag: agree(flag, collective_device(device))) if together else lambda flag: flag,
+                      together=dist.barrier if together else lambda: None, agree=everyone,
                       slowest=(lambda seconds: slowest_of(seconds, collective_device(device))) if together
                       else lambda seconds: seconds,
-                      # A rank's budget (the client's, on CPU) or the GPU's free memory.
-                      memory_cap_bytes=request.get("memory_cap_bytes") or (
-                          int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None),
-                      time_sharded=together and time_sharded, tp_plan_from=getattr(recipe, "tp_plan", None),
+                      memory_cap_bytes=cap, tp_plan_from=getattr(recipe, "tp_plan", None),
                       # --tp is a candidate on GPUs only (planner/choose.py): measured there alone.
                       tp_up_to=int(request.get("tp_up_to", group_size)) if device.type == "cuda" else 1)
-    del model
     link, overheads = None, {}
     if together:
         overheads = framework_overheads(device)
@@ -111,7 +116,18 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     overheads["loop_step_s"] = loop_step_s(rank, group_size, device)
     if device.type == "cuda":  # --offload cpu's copies between host and GPU
         overheads["pcie_bytes_per_s"] = pcie_bytes_per_s(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return {"profile": dataclasses.asdict(profile), "link": link, "device_free_bytes": free, "overheads": overheads}
+    figures = {"profile": dataclasses.asdict(profile), "link": link, "overheads": overheads}
+    held = [model]
+
+    def last() -> dict[str, Any]:
+        if together and time_sharded:
+            figures["profile"]["sharded_step_s"] = sharded_step(
+                held[0], profile, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
+                batch=to_device(batch_of(profile.probe_rows), device),
+                units_from=getattr(recipe, "shard_units", None), agree=everyone, memory_cap_bytes=cap)
+        held.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use
+        figures["device_free_bytes"] = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        return figures
+    return figures, last

@@ -93,7 +93,8 @@ def _probe(request: dict[str, Any], rank: int, group_size: int, store_dir: str) 
     if request.get("evaluates"):
         import distrun.runtime._metrics  # noqa: F401 - torchmetrics, which a rank imports to evaluate
     device = torch.device(request.get("device", "cpu"))
-    measured = measure_recipe(load_module(request["recipe"]), request, rank, group_size, device)
+    _, last = measure_recipe(load_module(request["recipe"]), request, rank, group_size, device)
+    measured = last()
     if group_size > 1:
         dist.destroy_process_group()
     return {**measured, "link": measured["link"] or _loopback_link()}

@@ -153,6 +153,31 @@ def test_a_sharded_cpu_rank_pays_for_the_buffers_it_maps_afresh_where_no_step_of
     assert step(timed, Layout("sharded", 2), rate) == step(timed, Layout("sharded", 2), 0.0)
     gpu = dataclasses.replace(PROFILE, device="cuda")  # a GPU's buffers come from CUDA's caching allocator
     assert step(gpu, Layout("sharded", 2), rate) == step(gpu, Layout("sharded", 2), 0.0)
+    small = dataclasses.replace(PROFILE, largest_unit_bytes=MB // 2)  # its units' buffers stay on the heap
+    assert step(small, Layout("sharded", 2), rate) == step(small, Layout("sharded", 2), 0.0)
+    # HSDP shards inside a host with the same allocator: charged alike.
+    hosts = {"ranks": 4, "hosts": 2, "budget_bytes": 10**10, "within_host": FAST, "between_hosts": FAST}
+    hsdp = Layout("sharded", 4, shard_within="host")
+    assert (predict(PROFILE, Resources(**hosts, fresh_bytes_per_s=rate), hsdp, 64).step_s
+            - predict(PROFILE, Resources(**hosts), hsdp, 64).step_s) == pytest.approx(
+        FRESH_PER_PARAMETER_BYTE * 200 * MB / rate)
+
+
+def test_of_two_near_pipelines_the_one_of_fewer_microbatches_is_chosen():
+    """Each microbatch pays a fixed part whose probe reading is the model's noisiest input: within
+    NEAR, fewer microbatches win, as the other ties go to the simpler layout."""
+    from distrun.planner.choose import _simplicity
+
+    two, eight = (Layout("mirrored", 1, pp=2, microbatches=m) for m in (2, 8))
+    assert _simplicity(two) < _simplicity(eight)
+    # A model whose pipelines are within NEAR of each other and faster than the rest: the fewest microbatches.
+    profile = dataclasses.replace(PROFILE, overhead_s=0.0)
+    decision = decide(profile, _resources(10_000, link=SLOW), 64)
+    chosen = decision.chosen
+    assert chosen.layout.pp == 2, chosen.layout.describe()
+    near_pipes = [p for p, _ in decision.ranked if p.layout.pp == 2 and p.layout.accumulate == 1
+                  and p.layout.activation_checkpointing == "none" and p.step_s <= decision.chosen.step_s * (1 + NEAR)]
+    assert len(near_pipes) >= 2 and chosen.layout.microbatches == min(p.layout.microbatches for p in near_pipes)
 
 
 def test_retime_keeps_the_faster_trial_and_says_the_model_was_overruled():
