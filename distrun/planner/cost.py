@@ -337,6 +337,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
         between = resources.slowest(resources.ranks)
         comm += between.seconds(2 * (h - 1) / h * profile.gradient_bytes / r, 2 * (h - 1))
         fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
+        fixed += _fresh_s(profile, resources, layout)
     elif layout.strategy == "sharded" and layout.offload:
         host = state / replicas
         comm, fixed, compute = _offloaded(profile, resources, layout, micro, parts, compute)
@@ -364,8 +365,7 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
                      + share * profile.gradient_bytes / scatter_rate
                      + (gathers + 1) * profile.units * (n - 1) * link.latency_s)
             fixed += (profile.units + 1) * layout.accumulate * resources.shard_unit_s
-            if n <= resources.ranks_per_host:  # one host's ranks, where the probe had no room to time it
-                fixed += _fresh_s(profile, resources, layout)
+            fixed += _fresh_s(profile, resources, layout)
     else:  # mirrored / multi-worker: DDP
         parts["state"] = state + profile.gradient_bytes  # .grad and DDP's buckets
         parts["activations"] = _activations(profile, micro, layout.activation_checkpointing)
@@ -381,14 +381,11 @@ def predict(profile: ModelProfile, resources: Resources, layout: Layout, global_
 
 
 def _fresh_s(profile: ModelProfile, resources: Resources, layout: Layout) -> float:
-    """A sharded CPU rank's step mapping its buffers afresh, where the probe had no room to time a
-    sharded step on one host's ranks (its step carries it where it had): the gathers come again
-    with each further micro-batch, as in the timed step's share above. Without it, the model put
-    sharded x2 of the 17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84
-    s. The count is the parameters'; activations of a large batch add to it (12.9 at 256 rows a
-    rank, 11.9 at 64). Over several hosts (HSDP too) nothing is added: there the collectives'
-    rates, timed over the links, already read sharded's step high (the same model over two
-    namespace hosts on veth: 1.03 s predicted, 0.89 s run), and no run checked a charge on top."""
+    """A sharded CPU rank's step mapping its buffers afresh, where no sharded step of the model was
+    timed (the probe's step carries it where one was): the gathers come again with each further
+    micro-batch, as in the timed step's share above. Without it, the model put sharded x2 of the
+    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s. The count is
+    the parameters'; activations of a large batch add to it (12.9 at 256 rows a rank, 11.9 at 64)."""
     if (profile.device != "cpu" or resources.fresh_bytes_per_s <= 0
             or profile.largest_unit_bytes < MAPPED_AFRESH_FROM_BYTES):
         return 0.0  # a GPU's caching allocator; not measured; units whose buffers stay on the heap
