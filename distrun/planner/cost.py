@@ -384,8 +384,10 @@ def _fresh_s(profile: ModelProfile, resources: Resources, layout: Layout) -> flo
     """A sharded CPU rank's step mapping its buffers afresh, where no sharded step of the model was
     timed (the probe's step carries it where one was): the gathers come again with each further
     micro-batch, as in the timed step's share above. Without it, the model put sharded x2 of the
-    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s. The count is
-    the parameters'; activations of a large batch add to it (12.9 at 256 rows a rank, 11.9 at 64)."""
+    17M-parameter MLP under a memory cgroup at 1.09 s a step; it ran at 1.74-1.84 s. Over two
+    namespace hosts of one rank (veth), sharded x2 of the 34M one read 1.08 s and ran at 2.13-2.17
+    s (2.35 s with it), the 17M one 1.54 s against 1.87-1.90 s (2.38 s with it). The count is the
+    parameters'; activations of a large batch add to it (12.9 at 256 rows a rank, 11.9 at 64)."""
     if (profile.device != "cpu" or resources.fresh_bytes_per_s <= 0
             or profile.largest_unit_bytes < MAPPED_AFRESH_FROM_BYTES):
         return 0.0  # a GPU's caching allocator; not measured; units whose buffers stay on the heap
