@@ -24,6 +24,7 @@ _FROM_HEAP = textwrap.dedent("""
         libc.malloc.restype = ctypes.c_void_p
         libc.malloc.argtypes = [ctypes.c_size_t]
         libc.free.argtypes = [ctypes.c_void_p]
+        libc.malloc_trim(0)  # the heap's free top given back: a block can only come from growing it
         libc.free(libc.malloc(size))  # mapped; under the dynamic threshold, its free raises the threshold
         block = libc.malloc(size)
         heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
