@@ -8,8 +8,7 @@ its ranks on this host), so the cost model adds measured figures rather than con
 - ``ddp_step_s``: a DDP step of one tiny layer (forward, backward with its all-reduce, step);
 - ``shard_unit_s``: an FSDP2 step of a tiny chain of units, divided by its units and root;
 - ``microbatch_s``: a 1F1B step over two stages, divided by its microbatches;
-- ``tp_pair_s``: a step of a column-then-row pair of layers split over two ranks (``--tp 2``);
-- ``fresh_bytes_per_s`` (CPU): what memory mapped afresh costs beyond memory held, as a rate.
+- ``tp_pair_s``: a step of a column-then-row pair of layers split over two ranks (``--tp 2``).
 
 :func:`collective_rates` times the collectives themselves, on the gradients' size.
 """
@@ -213,7 +212,8 @@ def fresh_bytes_per_s() -> float:
     (bytes/s of the difference), timed on every process of the default group at once: the kernel
     faults in and zeroes each page, and the ranks fault at once. Sharded's CPU ranks map nearly
     every buffer afresh (strategies/sharding/allocator.py); measured here, 64 MiB took 63 ms to
-    write fresh and 8.5 ms held."""
+    write fresh and 8.5 ms held. The cost model reads it only where no sharded step was timed
+    (planner/cost.py), so the probe times it only there."""
     fresh_s = _median_s(lambda: torch.empty(_FRESH_BYTES // 4).fill_(1.0))
     held = torch.empty(_FRESH_BYTES // 4)  # after: a process never holds two (a budget's probe is tight)
     held_s = _median_s(lambda: held.fill_(1.0))
@@ -223,8 +223,6 @@ def fresh_bytes_per_s() -> float:
 def framework_overheads(device: torch.device) -> dict[str, float]:
     """Each layout's fixed costs a step, timed among the ranks of the default group."""
     figures = {"ddp_step_s": _ddp_step_s(device), "shard_unit_s": _shard_unit_s(device)}
-    if device.type == "cpu":
-        figures["fresh_bytes_per_s"] = fresh_bytes_per_s()
     pair = dist.new_group([0, 1])  # every rank makes it; the first two time a pipeline and a --tp pair
     if dist.get_rank() < 2:
         figures["microbatch_s"] = _microbatch_s(device, pair)

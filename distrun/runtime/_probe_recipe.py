@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distrun.planner.overheads import collective_rates, framework_overheads, pcie_bytes_per_s
+from distrun.planner.overheads import collective_rates, framework_overheads, fresh_bytes_per_s, pcie_bytes_per_s
 from distrun.planner.probe import measure, resident_bytes, sharded_step
 from distrun.runtime._loop_probe import loop_step_s
 from distrun.runtime._move import to_device
@@ -82,7 +82,8 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     Returns the figures and ``last``, which every process calls once, after whatever else it times
     (a cluster's links): it times the sharded step, which on CPU fixes the process's allocator as
     sharded's ranks run (planner/overheads.py), so nothing timed for the other layouts runs under
-    it; then it reads the device's free memory, and returns the figures whole."""
+    it, or, on CPU where no such step is timed, what the pages sharded maps afresh cost instead;
+    then it reads the device's free memory, and returns the figures whole."""
     # A rank's floor as its summary counts peaks: on CPU the process (the interpreter, torch, distrun,
     # a process group), on a GPU what CUDA's allocator holds (the context is outside it, and outside
     # the free memory the budget reads).
@@ -95,7 +96,8 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     together = group_size > 1
     everyone = (lambda flag: agree(flag, collective_device(device))) if together else lambda flag: flag
     # A rank's budget (the client's, on CPU) or the GPU's free memory.
-    cap = request.get("memory_cap_bytes") or (int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
+    cap = request.get("memory_cap_bytes") or (
+        int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
     profile = measure(model=model, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
                       batch_of=lambda count: to_device(batch_of(count), device), rows=int(request["rows"]),
                       device=device, base_bytes=base, units_from=getattr(recipe, "shard_units", None),
@@ -120,11 +122,13 @@ def measure_recipe(recipe: ModuleType, request: dict[str, Any], rank: int, group
     held = [model]
 
     def last() -> dict[str, Any]:
-        if together and time_sharded:
-            figures["profile"]["sharded_step_s"] = sharded_step(
-                held[0], profile, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
-                batch=to_device(batch_of(profile.probe_rows), device),
-                units_from=getattr(recipe, "shard_units", None), agree=everyone, memory_cap_bytes=cap)
+        sharded_s = sharded_step(
+            held[0], profile, make_optimizer=recipe.optimizer, loss_fn=recipe.loss, forward=forward,
+            batch=to_device(batch_of(profile.probe_rows), device), units_from=getattr(recipe, "shard_units", None),
+            agree=everyone, memory_cap_bytes=cap) if together and time_sharded else 0.0
+        figures["profile"]["sharded_step_s"] = sharded_s
+        if together and device.type == "cpu" and not sharded_s:  # whether it was timed is agreed among them
+            figures["overheads"]["fresh_bytes_per_s"] = fresh_bytes_per_s()
         held.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()  # what the probe's own tensors left cached is the job's to use
