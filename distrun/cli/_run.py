@@ -252,14 +252,59 @@ def resumed_line(event: Resumed) -> str:
     return line
 
 
-def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:
-    while True:
-        try:
-            for event in job.events():  # a fresh generator after each interrupt
-                handle(event)
+class _Interrupts:
+    """Ctrl-C and SIGTERM while a job is drained, counted, not raised.
+
+    A KeyboardInterrupt is raised wherever the main thread stands when the handler runs. Inside a
+    finalizer (a ``__del__`` the garbage collector runs, paramiko's among them) Python prints it as
+    "Exception ignored" and drops it: a CI run's ``distrun attach`` so outlived its Ctrl-C, still
+    following. A count cannot be dropped; the drain loop reads it after every event, and the feed
+    yields one at least every poll (0.25 s). Only the main thread can take signals; elsewhere (the
+    Python API run from a thread) Ctrl-C stays a KeyboardInterrupt.
+    """
+
+    def __init__(self) -> None:
+        self.taken = 0  # bumped by the handler alone: no lock, which a handler could deadlock on
+        self.acted_on = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.taken += 1
+
+    def pending(self) -> bool:
+        if self.taken == self.acted_on:
+            return False
+        self.acted_on = self.taken
+        return True
+
+    @contextlib.contextmanager
+    def counted(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
             return
-        except KeyboardInterrupt:
-            job.cancel("interrupted", interrupted=True)
+        previous = {signum: signal.signal(signum, self) for signum in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:
+    """Hand every event to ``handle`` until the job ends; Ctrl-C (or SIGTERM) cancels the job, or
+    detaches an attached client, and the draining goes on to the job's end."""
+    interrupts = _Interrupts()
+    with interrupts.counted():
+        while True:
+            try:
+                for event in job.events():  # a fresh generator after each KeyboardInterrupt
+                    handle(event)
+                    if interrupts.pending():
+                        job.cancel("interrupted", interrupted=True)
+                if interrupts.pending():  # one that came as the job ended
+                    job.cancel("interrupted", interrupted=True)
+                return
+            except KeyboardInterrupt:  # off the main thread, or raised by the job's own code
+                job.cancel("interrupted", interrupted=True)
 
 
 def print_json(obj: dict[str, Any]) -> None:

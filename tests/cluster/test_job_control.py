@@ -96,9 +96,9 @@ def _ended(proc: subprocess.Popen, within_s: float) -> tuple[str, str]:
             threads = f"(py-spy could not read them: {exc})"
         finally:
             proc.kill()
-            proc.communicate()
-        raise AssertionError(f"distrun {proc.args[7]} still running {within_s:g} s on; its threads:\n{threads}") \
-            from None
+            _out, err = proc.communicate()
+        raise AssertionError(f"distrun {proc.args[7]} still running {within_s:g} s on; its threads:\n{threads}\n"
+                             f"its stderr's end:\n{err[-2000:]}") from None
 
 
 def _start(lab: Lab, *args: str) -> subprocess.Popen:
