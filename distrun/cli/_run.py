@@ -253,14 +253,18 @@ def resumed_line(event: Resumed) -> str:
 
 
 class _Interrupts:
-    """Ctrl-C and SIGTERM while a job is drained, counted, not raised.
+    """Ctrl-C and SIGTERM while a job is drained, counted rather than raised.
 
-    A KeyboardInterrupt is raised wherever the main thread stands when the handler runs. Inside a
-    finalizer (a ``__del__`` the garbage collector runs, paramiko's among them) Python prints it as
-    "Exception ignored" and drops it: a CI run's ``distrun attach`` so outlived its Ctrl-C, still
-    following. A count cannot be dropped; the drain loop reads it after every event, and the feed
-    yields one at least every poll (0.25 s). Only the main thread can take signals; elsewhere (the
-    Python API run from a thread) Ctrl-C stays a KeyboardInterrupt.
+    A KeyboardInterrupt is raised wherever the main thread stands when the handler runs, and one
+    raised inside a finalizer (a ``__del__`` the garbage collector runs) Python prints as "Exception
+    ignored" and drops. That is the likely end of a CI run's ``distrun attach``, which kept following
+    30 s after its Ctrl-C with no detach begun. A count cannot be dropped: the drain loop reads it
+    after every event, and the feed yields one at least every poll (0.25 s).
+
+    A second signal before the first was acted on raises KeyboardInterrupt as before, so a main
+    thread held elsewhere (a stdout nobody reads, a host slow to stop) can still be broken out of.
+    Only a handler that would have raised is replaced: a SIGINT ignored, or a user's own handler
+    (the Python API), stays as it was.
     """
 
     def __init__(self) -> None:
@@ -269,8 +273,11 @@ class _Interrupts:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.taken += 1
+        if self.taken - self.acted_on >= 2:
+            raise KeyboardInterrupt
 
-    def pending(self) -> bool:
+    def take(self) -> bool:
+        """Whether a signal came since the last call (several count as one)."""
         if self.taken == self.acted_on:
             return False
         self.acted_on = self.taken
@@ -278,10 +285,14 @@ class _Interrupts:
 
     @contextlib.contextmanager
     def counted(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():  # no handler runs there
             yield
             return
-        previous = {signum: signal.signal(signum, self) for signum in (signal.SIGINT, signal.SIGTERM)}
+        raising = (signal.default_int_handler, _raise_interrupt)
+        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+        previous = {signum: handler for signum, handler in previous.items() if handler in raising}
+        for signum in previous:
+            signal.signal(signum, self)
         try:
             yield
         finally:
@@ -291,19 +302,19 @@ class _Interrupts:
 
 def _drain(job: LocalJob | ClusterJob, handle: Any) -> None:
     """Hand every event to ``handle`` until the job ends; Ctrl-C (or SIGTERM) cancels the job, or
-    detaches an attached client, and the draining goes on to the job's end."""
+    detaches an attached client, and the draining goes on to the job's end. A signal that comes as
+    the feed ends finds the job ended: its own outcome stands."""
     interrupts = _Interrupts()
     with interrupts.counted():
         while True:
             try:
                 for event in job.events():  # a fresh generator after each KeyboardInterrupt
                     handle(event)
-                    if interrupts.pending():
+                    if interrupts.take():
                         job.cancel("interrupted", interrupted=True)
-                if interrupts.pending():  # one that came as the job ended
-                    job.cancel("interrupted", interrupted=True)
                 return
-            except KeyboardInterrupt:  # off the main thread, or raised by the job's own code
+            except KeyboardInterrupt:  # a second signal before the first was acted on, or the job's own
+                interrupts.take()
                 job.cancel("interrupted", interrupted=True)
 
 

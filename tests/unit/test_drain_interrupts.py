@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterator
 
-from distrun.cli._run import _drain
+from distrun.cli._run import _drain, _raise_interrupt
 
 
 class _Job:
@@ -54,9 +54,46 @@ def test_ctrl_c_taken_inside_a_finalizer_still_stops_the_job() -> None:
 
 
 def test_sigterm_is_taken_as_ctrl_c_and_the_handlers_are_given_back() -> None:
-    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    assert _drained_with_a_signal_in_a_finalizer(signal.SIGTERM).cancels == [True]
-    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    """``run_job`` turns SIGTERM into a KeyboardInterrupt (a supervisor's stop is Ctrl-C); it is counted too."""
+    term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+        assert _drained_with_a_signal_in_a_finalizer(signal.SIGTERM).cancels == [True]
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    finally:
+        signal.signal(signal.SIGTERM, term)
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    """A script started in the background (``python sweep.py &``) gets SIGINT ignored, and a user's
+    own handler is theirs: only a handler that would have raised is replaced while a job drains."""
+    job, seen = _Job(), []
+
+    def handle(_event: None) -> None:
+        if not seen:
+            seen.append(signal.getsignal(signal.SIGINT))
+            signal.raise_signal(signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _drain(job, handle)  # type: ignore[arg-type]
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.SIG_IGN] and job.cancels == []
+
+
+def test_a_second_ctrl_c_before_the_first_was_acted_on_breaks_out() -> None:
+    """A main thread held outside the loop (a stdout nobody reads) would never act on a count: a
+    second Ctrl-C raises, as every Ctrl-C did before, and the job is cancelled once for both."""
+    job = _Job()
+
+    def handle(_event: None) -> None:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # raises here
+        raise AssertionError("the second Ctrl-C did not break out")
+
+    _drain(job, handle)  # type: ignore[arg-type]
+    assert job.cancels == [True]
 
 
 def test_each_ctrl_c_is_acted_on_once() -> None:
