@@ -5,9 +5,10 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
 - parameter and gradient bytes, from the model; optimizer-state bytes after one real step of the
   recipe's optimizer (Adam's moments exist only then), over the whole model where its state fits
   beside it, else over the largest unit and scaled (the probe holds no more than a layout would);
-- a sample's forward-and-backward time: the median of a few runs at two batch sizes, with the
-  threads one rank gets, as slope (per sample) and intercept (per forward); the optimizer's step
-  apart (once a step, on whatever share of the state a rank holds);
+- a sample's forward-and-backward time: a few runs at two batch sizes, each small one followed by a
+  large one, with the threads one rank gets, as the median slope (per sample) and intercept (per
+  forward) of the pairs; the optimizer's step apart (once a step, on whatever share of the state a
+  rank holds);
 - the activation bytes a sample keeps for backward: every tensor autograd saves, counted once per
   storage, through ``saved_tensors_hooks``; under full checkpointing a unit keeps only its input,
   so the bytes saved inside the units are replaced by the units' inputs;
@@ -37,7 +38,7 @@ from distrun.planner.cost import ModelProfile
 from distrun.planner.overheads import sharded_step_s
 from distrun.strategies.sharding.units import pick_units
 
-__all__ = ["measure", "resident_bytes", "sharded_step"]
+__all__ = ["line_through", "measure", "resident_bytes", "sharded_step"]
 
 _REPEATS = 3
 #: Rows of the first step and of the activation count; the share of the memory cap the timed
@@ -133,6 +134,44 @@ def _timed(step: Callable[[], None], device: torch.device, together: Callable[[]
             torch.cuda.synchronize(device)
         times.append(slowest(time.perf_counter() - start))
     return statistics.median(times)
+
+
+def _timed_pairs(small: Callable[[], None], large: Callable[[], None], device: torch.device,
+                 together: Callable[[], None], slowest: Callable[[float], float]) -> list[tuple[float, float]]:
+    """``_REPEATS`` timed runs of ``small`` each followed at once by one of ``large`` (after one of
+    each that warms them up), as (small s, large s) pairs: a pair is read in one mode of the machine.
+
+    Why pairs: the slope and the fixed part are a difference of the two timings, and this project's
+    2-core machine steps the same batch at one of two paces (``_timed``). Timed in two blocks, a
+    small batch read at the fast pace and a large one at the slow pace put the 34M-parameter MLP's
+    fixed part a microbatch at 0.009-0.010 s against 0.05-0.14 s in other probes, and a pipeline
+    of it 30-43% under its run (docs/performance.md#strategy-auto)."""
+    small()
+    large()
+    pairs = []
+    for _ in range(_REPEATS):
+        pair = []
+        for step in (small, large):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            together()
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            pair.append(slowest(time.perf_counter() - start))
+        pairs.append((pair[0], pair[1]))
+    return pairs
+
+
+def line_through(pairs: list[tuple[float, float]], small_rows: int, large_rows: int) -> tuple[float, float]:
+    """(seconds a sample, seconds a forward's fixed part) of a forward and backward, from timed
+    (small, large) pairs: each pair's line, then the median of their slopes and of their fixed parts,
+    so that one pair read across a change of pace moves neither. Neither is below zero."""
+    span = max(1, large_rows - small_rows)
+    slopes = [max(0.0, (large - small) / span) for small, large in pairs]
+    fixed = [max(0.0, small - slope * small_rows) for (small, _large), slope in zip(pairs, slopes, strict=True)]
+    return statistics.median(slopes), statistics.median(fixed)
 
 
 def _boundary_bytes(chain: list[nn.Module], inputs: Any) -> int:
@@ -311,10 +350,9 @@ def measure(*, model: nn.Module, make_optimizer: Callable[[Any], Any], loss_fn: 
                 forward(model, batch)
         return run
 
-    t_small = _timed(lambda: forward_backward(batch_small), device, together, slowest)
-    t_large = _timed(lambda: forward_backward(batch_large), device, together, slowest)
-    slope = max(0.0, (t_large - t_small) / max(1, rows - small))
-    intercept = max(0.0, t_small - slope * small)
+    pairs = _timed_pairs(lambda: forward_backward(batch_small), lambda: forward_backward(batch_large),
+                         device, together, slowest)
+    slope, intercept = line_through(pairs, small, rows)
     f_large = _timed(forward_only(batch_large), device, together, slowest)
     # The pipeline's chain as --pp takes it: the recipe's pp_chain, or an nn.Sequential's children.
     chain = list(chain_from(model)) if chain_from is not None else (
