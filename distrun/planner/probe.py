@@ -123,17 +123,20 @@ def _timed(step: Callable[[], None], device: torch.device, together: Callable[[]
     ranks train at once, so the high reading is the one a step pays; the slowest process's read
     0.076-0.140 s."""
     step()
-    times = []
-    for _ in range(_REPEATS):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        together()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(slowest(time.perf_counter() - start))
-    return statistics.median(times)
+    return statistics.median(_run_s(step, device, together, slowest) for _ in range(_REPEATS))
+
+
+def _run_s(step: Callable[[], None], device: torch.device, together: Callable[[], None],
+           slowest: Callable[[float], float]) -> float:
+    """One timed run of ``step``, the processes lined up before it, read at the slowest one's pace."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    together()
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return slowest(time.perf_counter() - start)
 
 
 def _timed_pairs(small: Callable[[], None], large: Callable[[], None], device: torch.device,
@@ -150,17 +153,8 @@ def _timed_pairs(small: Callable[[], None], large: Callable[[], None], device: t
     large()
     pairs = []
     for _ in range(_REPEATS):
-        pair = []
-        for step in (small, large):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            together()
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            pair.append(slowest(time.perf_counter() - start))
-        pairs.append((pair[0], pair[1]))
+        small_s = _run_s(small, device, together, slowest)
+        pairs.append((small_s, _run_s(large, device, together, slowest)))
     return pairs
 
 
