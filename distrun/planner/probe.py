@@ -6,8 +6,8 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
   recipe's optimizer (Adam's moments exist only then), over the whole model where its state fits
   beside it, else over the largest unit and scaled (the probe holds no more than a layout would);
 - a sample's forward-and-backward time: a few runs at two batch sizes, each small one followed by a
-  large one, with the threads one rank gets, as the median slope (per sample) and intercept (per
-  forward) of the pairs; the optimizer's step apart (once a step, on whatever share of the state a
+  large one, with the threads one rank gets, as slope (per sample) and intercept (per forward) of
+  the pair whose slope is the median; the optimizer's step apart (once a step, on whatever share of the state a
   rank holds);
 - the activation bytes a sample keeps for backward: every tensor autograd saves, counted once per
   storage, through ``saved_tensors_hooks``; under full checkpointing a unit keeps only its input,
@@ -147,8 +147,9 @@ def _timed_pairs(small: Callable[[], None], large: Callable[[], None], device: t
     Why pairs: the slope and the fixed part are a difference of the two timings, and this project's
     2-core machine steps the same batch at one of two paces (``_timed``). Timed in two blocks, a
     small batch read at the fast pace and a large one at the slow pace put the 34M-parameter MLP's
-    fixed part a microbatch at 0.009-0.010 s against 0.05-0.14 s in other probes, and a pipeline
-    of it 30-43% under its run (docs/performance.md#strategy-auto)."""
+    fixed part a microbatch at 0.0-0.026 s in every budget scenario of four runs, against
+    0.047-0.118 s with memory to spare, and a pipeline of it 30-43% under its run
+    (docs/performance.md#strategy-auto)."""
     small()
     large()
     pairs = []
@@ -160,12 +161,13 @@ def _timed_pairs(small: Callable[[], None], large: Callable[[], None], device: t
 
 def line_through(pairs: list[tuple[float, float]], small_rows: int, large_rows: int) -> tuple[float, float]:
     """(seconds a sample, seconds a forward's fixed part) of a forward and backward, from timed
-    (small, large) pairs: each pair's line, then the median of their slopes and of their fixed parts,
-    so that one pair read across a change of pace moves neither. Neither is below zero."""
+    (small, large) pairs: the line of the pair whose slope is the median, so that both figures come
+    from one pair read at one pace, and a pair read across a change of pace (its slope and fixed
+    part pushed to opposite extremes) is outvoted. Neither is below zero."""
     span = max(1, large_rows - small_rows)
-    slopes = [max(0.0, (large - small) / span) for small, large in pairs]
-    fixed = [max(0.0, small - slope * small_rows) for (small, _large), slope in zip(pairs, slopes, strict=True)]
-    return statistics.median(slopes), statistics.median(fixed)
+    lines = sorted((max(0.0, (large - small) / span), small) for small, large in pairs)
+    slope, small_s = lines[(len(lines) - 1) // 2]
+    return slope, max(0.0, small_s - slope * small_rows)
 
 
 def _boundary_bytes(chain: list[nn.Module], inputs: Any) -> int:

@@ -42,14 +42,15 @@ def test_each_run_is_read_at_the_slowest_processs_pace(tmp_path):
 
 
 class _Machine:
-    """A machine that steps at one pace, then at twice that from its ``flip_at``-th run on: the two
-    paces of this project's 2-core machine. A forward and backward of ``rows`` takes
-    ``fixed + per_row * rows`` at the fast pace; the clock is the machine's own."""
+    """A machine that steps at one pace, then at the other from its ``flip_at``-th run on: the two
+    paces of this project's 2-core machine (``slow_first``: the slow one first). A forward and
+    backward of ``rows`` takes ``fixed + per_row * rows`` at the fast pace, twice that at the slow
+    one; the clock is the machine's own."""
 
     fixed, per_row = 0.05, 0.004
 
-    def __init__(self, flip_at: int) -> None:
-        self.flip_at, self.runs, self.now = flip_at, 0, 0.0
+    def __init__(self, flip_at: int, *, slow_first: bool) -> None:
+        self.flip_at, self.slow_first, self.runs, self.now = flip_at, slow_first, 0, 0.0
 
     def clock(self) -> float:
         return self.now
@@ -57,27 +58,39 @@ class _Machine:
     def step(self, rows: int):
         def run() -> None:
             self.runs += 1
-            pace = 2.0 if self.runs >= self.flip_at else 1.0
-            self.now += pace * (self.fixed + self.per_row * rows)
+            slow = (self.runs >= self.flip_at) != self.slow_first
+            self.now += (2.0 if slow else 1.0) * (self.fixed + self.per_row * rows)
         return run
 
 
 def test_a_change_of_pace_never_reads_as_a_small_fixed_part(monkeypatch) -> None:
     """Timed in two blocks, a small batch read at the fast pace and a large one at the slow pace gave
-    the 34M model's fixed part at 0.009 s against 0.05-0.14 s: each (small, large) pair is now read
-    back to back, and a pair that straddles the change is outvoted. Wherever the pace changes, the
-    fixed part read is one of the two paces' (0.05 s or 0.10 s), never a fraction of it."""
+    the 34M model's fixed part at 0.0-0.026 s against 0.047-0.118 s: each (small, large) pair is now
+    read back to back, and a pair that straddles the change is outvoted. Wherever the pace changes,
+    either way, the line read is one pace's own (its slope and its fixed part alike), never a
+    fraction of it; every process lines up and reads the slowest once a timed run (6 runs)."""
+    from types import SimpleNamespace
+
     import torch
 
     from distrun.planner import probe
 
-    for flip_at in range(1, 10):
-        machine = _Machine(flip_at)
-        monkeypatch.setattr(probe.time, "perf_counter", machine.clock)
-        pairs = probe._timed_pairs(machine.step(2), machine.step(8), torch.device("cpu"), lambda: None,
-                                   lambda seconds: seconds)
-        monkeypatch.undo()
-        per_sample, fixed = probe.line_through(pairs, 2, 8)
-        assert any(abs(fixed - pace * machine.fixed) < 1e-9 for pace in (1.0, 2.0)), (flip_at, pairs, fixed)
-        assert any(abs(per_sample - pace * machine.per_row) < 1e-9 for pace in (1.0, 2.0)), (flip_at, pairs)
+    for slow_first in (False, True):
+        for flip_at in range(1, 10):
+            machine, calls = _Machine(flip_at, slow_first=slow_first), {"together": 0, "slowest": 0}
 
+            def together() -> None:
+                calls["together"] += 1
+
+            def slowest(seconds: float) -> float:
+                calls["slowest"] += 1
+                return seconds
+
+            with monkeypatch.context() as patch:
+                patch.setattr(probe, "time", SimpleNamespace(perf_counter=machine.clock))
+                pairs = probe._timed_pairs(machine.step(2), machine.step(8), torch.device("cpu"), together, slowest)
+            per_sample, fixed = probe.line_through(pairs, 2, 8)
+            paces = [pace for pace in (1.0, 2.0) if abs(fixed - pace * machine.fixed) < 1e-9
+                     and abs(per_sample - pace * machine.per_row) < 1e-9]
+            assert paces, (slow_first, flip_at, pairs, per_sample, fixed)
+            assert calls == {"together": 6, "slowest": 6}, calls
