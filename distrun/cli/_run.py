@@ -289,8 +289,8 @@ class _Interrupts:
             yield
             return
         raising = (signal.default_int_handler, _raise_interrupt)
-        previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-        previous = {signum: handler for signum, handler in previous.items() if handler in raising}
+        previous = {signum: handler for signum in (signal.SIGINT, signal.SIGTERM)
+                    if (handler := signal.getsignal(signum)) in raising}
         for signum in previous:
             signal.signal(signum, self)
         try:

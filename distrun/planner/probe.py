@@ -7,8 +7,8 @@ What it measures, and how, so the cost model's inputs are figures and not guesse
   beside it, else over the largest unit and scaled (the probe holds no more than a layout would);
 - a sample's forward-and-backward time: a few runs at two batch sizes, each small one followed by a
   large one, with the threads one rank gets, as slope (per sample) and intercept (per forward) of
-  the pair whose slope is the median; the optimizer's step apart (once a step, on whatever share of the state a
-  rank holds);
+  the pair whose slope is the median; the optimizer's step apart (once a step, on whatever share
+  of the state a rank holds);
 - the activation bytes a sample keeps for backward: every tensor autograd saves, counted once per
   storage, through ``saved_tensors_hooks``; under full checkpointing a unit keeps only its input,
   so the bytes saved inside the units are replaced by the units' inputs;
