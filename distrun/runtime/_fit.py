@@ -203,24 +203,25 @@ def fit(recipe: ModuleType, strategy: Strategy, spec: JobSpec, reporter: EventRe
 
     def run_eval(epoch: int) -> dict[str, float]:
         nonlocal evaluated_at
-        # Imported here: torchmetrics costs ~1 s to import, and the first step should not wait for it.
-        from distrun.runtime._metrics import evaluate
+        with reporter.outside_steps():  # not training: left out of samples/s and the step's time
+            # Imported here: torchmetrics costs 1-3 s to import, and the first step should not wait for it.
+            from distrun.runtime._metrics import evaluate
 
-        result = evaluate(
-            strategy,
-            eval_source,
-            forward=forward,
-            loss_fn=loss_fn,
-            metrics=metrics,
-            per_replica_batch_size=ctx.per_replica_batch_size,
-        )
-        if strategy.is_chief:
-            emit_eval(strategy.step, epoch, result)
-        evaluated_at = strategy.step
-        if schedule is not None:  # ReduceLROnPlateau: stepped with the monitored metric
-            schedule.after_eval(result)
-        if callbacks is not None:
-            callbacks.eval_end(result)
+            result = evaluate(
+                strategy,
+                eval_source,
+                forward=forward,
+                loss_fn=loss_fn,
+                metrics=metrics,
+                per_replica_batch_size=ctx.per_replica_batch_size,
+            )
+            if strategy.is_chief:
+                emit_eval(strategy.step, epoch, result)
+            evaluated_at = strategy.step
+            if schedule is not None:  # ReduceLROnPlateau: stepped with the monitored metric
+                schedule.after_eval(result)
+            if callbacks is not None:
+                callbacks.eval_end(result)
         return result
 
     def end_of_run(epoch: int) -> None:
