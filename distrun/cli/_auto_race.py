@@ -11,8 +11,8 @@ beside the exact layout, from the same seed on the same batches, evaluating as i
 - an approximate layout runs the steps its predicted step fits into the same seconds (at most
   ``MAX_STEPS_FACTOR`` times the exact run's), evaluating as often (diloco: right after a sync);
 - each layout's time to the target is its steps to it (interpolated between evaluations) times
-  its measured step (from the chief's Step events, the windows an evaluation falls in left out),
-  so a start-up or an evaluation costs neither side;
+  its measured mean step (from the chief's Step events, which leave the evaluations out), so a
+  start-up or an evaluation costs neither side;
 - the whole race stays within :data:`RACE_BUDGET_S`, beyond the exact decision's 30 s; a run
   still going then is stopped and its layout is not chosen.
 
@@ -27,14 +27,14 @@ import math
 import time
 from collections.abc import Callable
 
-from distrun.cli._auto_trials import OverBudget
+from distrun.cli._auto_trials import OverBudget, StepWindows
 from distrun.client.planning import Plan
 from distrun.config import JobSpec
 from distrun.errors import DistrunError
 from distrun.planner.approximate import RACE_MARGIN, Curve, Verdict, approximate_layouts, judge, race_steps
 from distrun.planner.choose import Decision
 from distrun.planner.cost import Layout, Prediction
-from distrun.protocol import Eval, Event, Step
+from distrun.protocol import Eval, Event
 
 __all__ = ["RACE_BUDGET_S", "RACE_S", "race"]
 
@@ -69,26 +69,19 @@ def _approximate_steps(layout: Layout, steps: int, exact_step_s: float, expected
 
 
 def _run(run: Runner, spec: JobSpec, deadline: float, layout: Layout) -> Curve:
-    """A race run's curve: its finite eval losses by step, and its step from the chief's Step events
-    (each a window of steps' wall time), leaving out every window a step after an evaluation falls
-    in, so the evaluations' time counts on neither side; the summary's where no window is left."""
+    """A race run's curve: its finite eval losses by step, and its mean step from the chief's Step
+    events (each a window of steps' wall time; the reporter leaves the evaluations out, and a
+    diloco sync is inside its step's); the summary's where no window came."""
     points: list[tuple[int, float]] = []
-    windows: list[tuple[int, float]] = []
+    windows = StepWindows()
 
     def seen(event: Event | None) -> None:
         if isinstance(event, Eval) and math.isfinite(float(event.metrics.get("loss", math.nan))):
             points.append((event.step, float(event.metrics["loss"])))
-        elif isinstance(event, Step) and event.rank == 0 and event.step_ms is not None:
-            windows.append((event.step, event.step_ms))
+        windows.see(event)
     step_s = run(spec, deadline, seen)
-    evaluated = {step for step, _ in points}
-    total_ms, counted, before = 0.0, 0, None
-    for step, ms in windows:
-        if before is not None and step > before and not any(before < e + 1 <= step for e in evaluated):
-            total_ms, counted = total_ms + ms * (step - before), counted + step - before
-        before = step
     last = {step: loss for step, loss in points}  # a final evaluation may repeat the last interval's
-    return Curve(layout, total_ms / counted / 1e3 if counted else step_s, tuple(sorted(last.items())))
+    return Curve(layout, windows.mean_s() or step_s, tuple(sorted(last.items())))
 
 
 def race(plan: Plan, make_spec: Callable[[Layout, int, int], JobSpec], run: Runner, *,

@@ -13,10 +13,10 @@ each other, and wider, as far as the model's own error reaches:
   :data:`SHORT_STEP_S`; a ``--tp`` layout (a GPU's only) is timed last, where the model puts it
   near or ahead, and is chosen only on its trial's time;
 - a trial is a real job of that layout, local or on the cluster's hosts (the same processes, loop
-  and reporting a run has)
-  for enough steps to fill about :data:`TRIAL_S` seconds, from the end of step 1, its figure the
-  median step of the chief's Step events (:class:`StepWindows`), started only while the decision stays within :data:`DECIDE_BUDGET_S` (the issue's
-  30 s);
+  and reporting a run has) for enough steps to fill about :data:`TRIAL_S` seconds, from the end of
+  step 1, its figure the mean step of the chief's Step events after their first window
+  (:class:`StepWindows`), started only while the decision stays within :data:`DECIDE_BUDGET_S`
+  (the issue's 30 s);
 - where a trial finds the best slower than the model said, the next kind is timed too while the
   budget lasts, if the model puts it within :data:`TRIAL_NEAR` of the measured best;
 - the fastest trial is kept, and its measured step becomes the plan's predicted one.
@@ -202,26 +202,29 @@ class StepWindows:
             self.windows.append((event.step - self._before, event.step_ms / 1e3))
         self._before = event.step
 
-    def median_s(self) -> float | None:
-        """The median step's seconds (each window's mean stands for its steps), None without a window.
+    def steady_s(self) -> float | None:
+        """The mean step's seconds over the windows after the first (all of them where there is one),
+        None without a window: what a trial's layout costs a step once warm.
 
-        A median, not the mean: a trial times 3 steps of a long step, and one of them slow reads the
-        mean far off (a 17M model's 3-step trial on the lab's two hosts read 2.25 s a step, 63% over
-        the run's 1.38 and the model's 1.39), while a short step's first windows still warm up."""
-        if not self.windows:
-            return None
-        ordered = sorted(self.windows, key=lambda window: window[1])
-        half, seen = sum(steps for steps, _ in ordered) / 2, 0
-        for steps, step_s in ordered:
-            seen += steps
-            if seen >= half:
-                return step_s
-        return ordered[-1][1]
+        The first window after step 1 still warms up: 40 steps of a 15 ms step timed it at twice a
+        long run's, and a 17M model's steps 2, 3 and 4 took 1.02, 0.96 and 0.75 s here. A median of
+        the windows was tried instead (2026-11-28): on the lab's two hosts the small model's trial then
+        read 20-22 ms a step and its runs 44-64 ms (51-68% under; 19% with a mean the run before), as
+        a median leaves out the slow steps a run pays for."""
+        steady = self.windows[1:] or self.windows
+        steps = sum(count for count, _ in steady)
+        return sum(count * step_s for count, step_s in steady) / steps if steps else None
+
+    def mean_s(self) -> float | None:
+        """The mean step's seconds over every window, None without a window: what a layout whose
+        steps differ by design (diloco's sync every H steps) costs a step."""
+        steps = sum(count for count, _ in self.windows)
+        return sum(count * step_s for count, step_s in self.windows) / steps if steps else None
 
 
 def _step_s(job: Any, spec: JobSpec, deadline: float, on_event: Callable[[Event | None], None]) -> float:
-    """Follow a started trial ``job`` to its end within ``deadline``; its median seconds a step (the
-    summary's mean where no Step event carried a window)."""
+    """Follow a started trial ``job`` to its end within ``deadline``; its steady seconds a step
+    (:meth:`StepWindows.steady_s`; the summary's mean where no Step event carried a window)."""
     windows = StepWindows()
 
     def seen(event: Event | None) -> None:
@@ -235,7 +238,7 @@ def _step_s(job: Any, spec: JobSpec, deadline: float, on_event: Callable[[Event 
         raise DistrunError(exc.message.splitlines()[0]) from None
     if summary.status != "succeeded" or summary.samples_per_s <= 0:
         raise DistrunError(summary.error or f"ended {summary.status}")
-    return windows.median_s() or spec.training.global_batch_size / summary.samples_per_s
+    return windows.steady_s() or spec.training.global_batch_size / summary.samples_per_s
 
 
 def trial_flags(base: dict[str, Any], layout: Layout, steps: int) -> dict[str, Any]:

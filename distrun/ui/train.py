@@ -160,8 +160,8 @@ def render_summary(summary: JobSummary) -> RenderableType:
                                       f"pushed, {summary.dense_grad_bytes_per_step or 0:,.0f} B of dense gradients "
                                       "all-reduced (each replica)")
     table.add_row("final loss", fmt_loss(summary.final_loss))
-    table.add_row("samples/s (mean)",
-                  fmt_rate(summary.samples_per_s) + " from the end of step 1 to the last, evaluations left out")
+    table.add_row("samples/s (mean)", fmt_rate(summary.samples_per_s) + " from the end of step 1 to the last"
+                  + (", evaluations left out" if summary.recipe_kind == "fit" else ""))
     if summary.tokens_per_s is not None:
         table.add_row("tokens/s", fmt_rate(summary.tokens_per_s)
                       + (f" (MFU {summary.mfu:.1%})" if summary.mfu is not None else ""))

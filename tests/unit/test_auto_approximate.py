@@ -139,21 +139,22 @@ def _plan(resources: Resources) -> Plan:
     return plan
 
 
-def _runner(curves: dict[str, tuple[float, list[float]]], seen: list):
+def _runner(curves: dict[str, tuple[float, list[float]]], seen: list, sync_s: float = 0.0):
     """A race run as its events: the layout's (step_s, eval losses by evaluation), each evaluation at
-    its interval, the chief's Step windows of one step each, an evaluation's window 10 s long."""
+    its interval, the chief's Step windows of one step each (the reporter leaves evaluations out);
+    diloco's step before each evaluation also syncs, ``sync_s`` longer."""
     def run(spec, deadline, on_event):
         layout, steps, every = spec
         seen.append((layout.describe(), steps, every))
         step_s, losses = curves[layout.strategy + layout.compression]
         for step in range(1, steps + 1):
-            after_eval = step > 1 and (step - 1) % every == 0
+            syncs = layout.strategy == "diloco" and step % every == 0
             on_event(Step(rank=0, time=0.0, step=step, epoch=0, loss=1.0, samples_per_s=1.0, mem_mb=1.0,
-                          step_ms=None if step == 1 else (10_000.0 if after_eval else step_s * 1e3)))
+                          step_ms=None if step == 1 else (step_s + (sync_s if syncs else 0.0)) * 1e3))
             if step % every == 0:
                 loss = losses[min(step // every, len(losses)) - 1]
                 on_event(Eval(rank=0, time=0.0, step=step, epoch=0, metrics={"loss": loss}))
-        return 99.0  # the summary's (evaluations included): never the race's figure
+        return 99.0  # the trial's figure (a median): never the race's, which is the windows' mean
     return run
 
 
@@ -163,17 +164,22 @@ def test_a_race_chooses_by_its_curves_and_the_plan_says_why():
     seen: list = []
     run = _runner({exact.layout.strategy + "none": (exact.step_s, [2.0, 1.8, 1.6, 1.4, 1.2, 1.0]),
                    "diloco" + "none": (exact.step_s / 20, [1.5, 0.9, 0.8, 0.7, 0.6, 0.5]),
-                   "mirrored" + "bf16": (exact.step_s / 1.5, [2.5, 2.4, 2.3, 2.2, 2.1, 2.0])}, seen)
+                   "mirrored" + "bf16": (exact.step_s / 1.5, [2.5, 2.4, 2.3, 2.2, 2.1, 2.0])}, seen,
+                  sync_s=exact.step_s / 4)
     raced = race(plan, lambda layout, steps, every: (layout, steps, every), run)
     exact_run, *runs = seen
     assert exact_run == (exact.layout.describe(), 12, 2)  # 12 steps (the least), 6 evaluations
     assert [name.split(" x2")[0] for name, _, _ in runs] == ["diloco", "mirrored"]
     figures = raced.race
-    assert figures["target"] == 1.0 and figures["exact"]["step_s"] == pytest.approx(exact.step_s)  # no eval windows
+    assert figures["target"] == 1.0 and figures["exact"]["step_s"] == pytest.approx(exact.step_s)
     chosen = raced.decision.chosen.layout
     assert chosen.strategy == "diloco" and figures["raced"][0]["chosen"] and not figures["raced"][1]["chosen"]
     assert figures["raced"][1]["seconds_to_target"] is None  # bf16 never got to 1.0
-    assert raced.decision.chosen.timed_step_s == pytest.approx(exact.step_s / 20)
+    # diloco's step is its windows' mean: its syncs (the steps before its evaluations) counted in.
+    _, n, every = runs[0]
+    syncs = sum(1 for step in range(2, n + 1) if step % every == 0)
+    assert raced.decision.chosen.timed_step_s == pytest.approx(exact.step_s / 20 + exact.step_s / 4 * syncs / (n - 1))
+    assert raced.decision.chosen.timed_step_s > exact.step_s / 20 * 1.25  # a median would have read 1/20
     assert raced.decision.ranked[1] == (exact, raced.decision.ranked[1][1])
     assert raced.decision.ranked[1][1].startswith("exact, reached its own eval_loss 1 ")
     lines = raced.lines()

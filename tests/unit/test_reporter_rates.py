@@ -93,3 +93,22 @@ def test_time_outside_the_steps_before_step_1_is_not_subtracted_from_the_span(cl
     _steps(reporter, clock, 1, 3, step_s=2.0)
     assert reporter.samples_per_s == pytest.approx(2 * SAMPLES * WORLD / 4.0)
 
+
+
+def test_a_window_of_unsent_steps_and_a_nested_block_leave_the_evaluation_out_once(clock: _Clock) -> None:
+    """Step events every 5 s: the window holding the evaluation holds several steps too; an
+    evaluation inside another block of time outside (its metrics' import) is counted once."""
+    events = _Events()
+    reporter = EventReporter(events, rank=0, world_size=WORLD, interval_s=5.0, device_type="cpu")  # type: ignore[arg-type]
+    reporter.total_steps = 12
+    _steps(reporter, clock, 1, 3)
+    with reporter.outside_steps():
+        clock.now += 2.0
+        with reporter.outside_steps():
+            clock.now += 8.0
+    _steps(reporter, clock, 4, 12)
+    sent = [event for event in events.sent if isinstance(event, Step)]
+    assert [event.step for event in sent][0] == 1 and sent[-1].step == 12 and len(sent) < 12
+    for event in sent[1:]:
+        assert event.step_ms == pytest.approx(1000.0) and event.samples_per_s == pytest.approx(SAMPLES), event
+    assert reporter.samples_per_s == pytest.approx(11 * SAMPLES * WORLD / 11.0)

@@ -1,5 +1,5 @@
-"""A trial's step time: the median step of the chief's Step events, so that one slow step of a short
-trial does not become the plan's predicted step."""
+"""A trial's step time: the mean step of the chief's Step events once warm (after their first
+window), and the race's: the mean of every window, diloco's syncs included."""
 
 from __future__ import annotations
 
@@ -21,21 +21,26 @@ def _windows(*events: Step | None) -> StepWindows:
     return windows
 
 
-def test_one_slow_step_of_three_does_not_move_the_figure() -> None:
-    """A long step is its own window: steps 2-4 at 4.0, 1.4 and 1.3 s read 1.4, where their mean is 2.23."""
-    windows = _windows(_step(1, None), _step(2, 4000.0), None, _step(3, 1400.0), _step(4, 1300.0))
-    assert windows.median_s() == pytest.approx(1.4)
+def test_the_first_window_warms_up_and_is_left_out_of_a_trials_figure() -> None:
+    """A long step is its own window: steps 2-4 at 4.0, 1.4 and 1.2 s read 1.3, where all three read 2.2."""
+    windows = _windows(_step(1, None), _step(2, 4000.0), None, _step(3, 1400.0), _step(4, 1200.0))
+    assert windows.steady_s() == pytest.approx(1.3)
+    assert windows.mean_s() == pytest.approx(6.6 / 3)
 
 
 def test_windows_stand_for_their_steps_and_other_ranks_are_not_read() -> None:
-    """A short step's windows hold many steps: the first window after warm-up holds 2 slow steps, the
-    next two 10 each; a window of rank 1 (slower, or not) is not the chief's."""
+    """A short step's windows hold many steps (the mean weighs each window by them), slow steps inside
+    a later window count (a run pays for them); a window of rank 1 is not the chief's."""
     windows = _windows(_step(1, None), _step(3, 80.0), _step(1, None, rank=1), _step(13, 20.0),
-                       _step(13, 900.0, rank=1), _step(23, 22.0))
-    assert windows.windows == [(2, 0.08), (10, 0.02), (10, 0.022)]
-    assert windows.median_s() == pytest.approx(0.022)  # the median step: the 11th of 22 lies in a 22 ms window
+                       _step(13, 900.0, rank=1), _step(16, 100.0))
+    assert windows.windows == [(2, 0.08), (10, 0.02), (3, 0.1)]
+    assert windows.steady_s() == pytest.approx((10 * 0.02 + 3 * 0.1) / 13)
+    assert windows.mean_s() == pytest.approx((2 * 0.08 + 10 * 0.02 + 3 * 0.1) / 15)
 
 
-def test_no_window_is_no_figure() -> None:
-    """Only step 1 was sent (a trial of one step): the caller falls back to the summary's mean."""
-    assert _windows(_step(1, None), None).median_s() is None
+def test_one_window_is_its_own_figure_and_none_is_no_figure() -> None:
+    """A trial whose steps all fell in one window reads it; one that sent only step 1 falls back
+    to the summary's mean (the caller's)."""
+    assert _windows(_step(1, None), _step(9, 30.0)).steady_s() == pytest.approx(0.03)
+    assert _windows(_step(1, None), None).steady_s() is None
+    assert _windows(_step(1, None)).mean_s() is None
