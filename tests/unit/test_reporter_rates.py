@@ -4,6 +4,7 @@ count training only, on a clock the test moves."""
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 
@@ -41,9 +42,10 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     return clock
 
 
-def _reporter_on(events: _Events) -> EventReporter:
-    reporter = EventReporter(events, rank=0, world_size=WORLD, interval_s=0.0, device_type="cpu")  # type: ignore[arg-type]
-    reporter.total_steps = 6
+def _reporter_on(events: _Events, interval_s: float = 0.0, total_steps: int = 6) -> EventReporter:
+    writer: Any = events  # the reporter only calls emit()
+    reporter = EventReporter(writer, rank=0, world_size=WORLD, interval_s=interval_s, device_type="cpu")
+    reporter.total_steps = total_steps
     return reporter
 
 
@@ -99,8 +101,7 @@ def test_a_window_of_unsent_steps_and_a_nested_block_leave_the_evaluation_out_on
     """Step events every 5 s: the window holding the evaluation holds several steps too; an
     evaluation inside another block of time outside (its metrics' import) is counted once."""
     events = _Events()
-    reporter = EventReporter(events, rank=0, world_size=WORLD, interval_s=5.0, device_type="cpu")  # type: ignore[arg-type]
-    reporter.total_steps = 12
+    reporter = _reporter_on(events, interval_s=5.0, total_steps=12)
     _steps(reporter, clock, 1, 3)
     with reporter.outside_steps():
         clock.now += 2.0
