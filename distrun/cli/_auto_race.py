@@ -11,8 +11,9 @@ beside the exact layout, from the same seed on the same batches, evaluating as i
 - an approximate layout runs the steps its predicted step fits into the same seconds (at most
   ``MAX_STEPS_FACTOR`` times the exact run's), evaluating as often (diloco: right after a sync);
 - each layout's time to the target is its steps to it (interpolated between evaluations) times
-  its measured mean step (from the chief's Step events, which leave the evaluations out), so a
-  start-up or an evaluation costs neither side;
+  its measured mean step (from the chief's Step events after step 1, which leave the evaluations
+  out), so neither the start nor an evaluation is charged to either side (the warm-up steps after
+  step 1 are: the same ones for every layout);
 - the whole race stays within :data:`RACE_BUDGET_S`, beyond the exact decision's 30 s; a run
   still going then is stopped and its layout is not chosen.
 

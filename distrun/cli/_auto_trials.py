@@ -203,15 +203,17 @@ class StepWindows:
         self._before = event.step
 
     def steady_s(self) -> float | None:
-        """The mean step's seconds over the windows after the first (all of them where there is one),
-        None without a window: what a trial's layout costs a step once warm.
+        """The mean step's seconds over the windows after the first (all of them where those hold fewer
+        than 2 steps), None without a window: what a trial's layout costs a step once warm.
 
         The first window after step 1 still warms up: 40 steps of a 15 ms step timed it at twice a
         long run's, and a 17M model's steps 2, 3 and 4 took 1.02, 0.96 and 0.75 s here. A median of
         the windows was tried instead (2026-11-28): on the lab's two hosts the small model's trial then
         read 20-22 ms a step and its runs 44-64 ms (51-68% under; 19% with a mean the run before), as
         a median leaves out the slow steps a run pays for."""
-        steady = self.windows[1:] or self.windows
+        rest = self.windows[1:]
+        # Steps much faster than predicted can leave all but one step in the first window: then all.
+        steady = rest if sum(count for count, _ in rest) >= 2 else self.windows
         steps = sum(count for count, _ in steady)
         return sum(count * step_s for count, step_s in steady) / steps if steps else None
 

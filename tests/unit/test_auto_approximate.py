@@ -154,7 +154,7 @@ def _runner(curves: dict[str, tuple[float, list[float]]], seen: list, sync_s: fl
             if step % every == 0:
                 loss = losses[min(step // every, len(losses)) - 1]
                 on_event(Eval(rank=0, time=0.0, step=step, epoch=0, metrics={"loss": loss}))
-        return 99.0  # the trial's figure (a median): never the race's, which is the windows' mean
+        return 99.0  # the trial's figure (steady_s): never the race's, which is the windows' mean
     return run
 
 

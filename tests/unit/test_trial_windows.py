@@ -3,9 +3,13 @@ window), and the race's: the mean of every window, diloco's syncs included."""
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
-from distrun.cli._auto_trials import StepWindows
+from distrun.cli._auto_trials import StepWindows, _step_s
 from distrun.protocol import Step
 
 
@@ -44,3 +48,36 @@ def test_one_window_is_its_own_figure_and_none_is_no_figure() -> None:
     assert _windows(_step(1, None), _step(9, 30.0)).steady_s() == pytest.approx(0.03)
     assert _windows(_step(1, None), None).steady_s() is None
     assert _windows(_step(1, None)).mean_s() is None
+
+
+class _Job:
+    """A finished trial as its events and outcome (the client's job objects give both)."""
+
+    def __init__(self, events: list[Step | None], samples_per_s: float) -> None:
+        self._events = events
+        self._summary = SimpleNamespace(status="succeeded", samples_per_s=samples_per_s, error=None)
+
+    def events(self) -> list[Step | None]:
+        return self._events
+
+    def cancel(self, reason: str) -> None:
+        raise AssertionError(f"a trial within its deadline is not cancelled ({reason})")
+
+    def outcome(self) -> SimpleNamespace:
+        return SimpleNamespace(summary=self._summary)
+
+
+def test_a_trials_figure_is_its_steady_windows_else_the_summarys_and_every_event_is_handed_on() -> None:
+    spec: Any = SimpleNamespace(training=SimpleNamespace(global_batch_size=64))
+    events = [_step(1, None), None, _step(2, 4000.0), _step(3, 1400.0), _step(4, 1200.0)]
+    seen: list[Step | None] = []
+    assert _step_s(_Job(events, samples_per_s=29.0), spec, time.perf_counter() + 60, seen.append) == pytest.approx(1.3)
+    assert seen == events
+    only_step_1 = _Job([_step(1, None)], samples_per_s=32.0)  # no window: the summary's 64 / 32
+    assert _step_s(only_step_1, spec, time.perf_counter() + 60, lambda _: None) == pytest.approx(2.0)
+
+
+def test_steps_far_faster_than_predicted_leave_one_step_after_the_first_window_and_all_are_read() -> None:
+    """Steps 2-4 in one window (a throttled interval), step 5 alone: one step is no steady figure."""
+    windows = _windows(_step(1, None), _step(4, 120.0), _step(5, 90.0))
+    assert windows.steady_s() == pytest.approx((3 * 0.12 + 0.09) / 4)
