@@ -4,41 +4,20 @@ evaluations take seconds and whose steps take milliseconds reads its steps' rate
 from __future__ import annotations
 
 from tests.conftest import run_cli
+from tests.integration._recipes import _TINY
 
-_SLOW_EVAL = """
-import time
-import torch
-from torch import nn
-from torch.utils.data import Dataset, TensorDataset
-
+# The tiny recipe with an evaluation of 0.5 s a rank: 10 rows of 0.05 s each.
+_SLOW_EVAL = _TINY.format(samples=4096, loss_body="") + """
 defaults = {"global_batch_size": 16}
 
 
-class _SlowRows(Dataset):
-    # An evaluation of 0.5 s a rank: 10 rows of 0.05 s each.
+class _SlowRows(torch.utils.data.Dataset):
     def __len__(self):
         return 20
 
     def __getitem__(self, index):
         time.sleep(0.05)
         return torch.ones(2), torch.ones(1)
-
-
-def model():
-    return nn.Linear(2, 1)
-
-
-def optimizer(params):
-    return torch.optim.SGD(params, lr=0.01)
-
-
-def loss(outputs, batch):
-    return nn.functional.mse_loss(outputs, batch[1])
-
-
-def train_data(ctx):
-    x = torch.randn(4096, 2, generator=torch.Generator().manual_seed(0))
-    return TensorDataset(x, x.sum(dim=1, keepdim=True))
 
 
 def eval_data(ctx):
