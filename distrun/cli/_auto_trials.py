@@ -213,15 +213,18 @@ class StepWindows:
         a median leaves out the slow steps a run pays for."""
         rest = self.windows[1:]
         # Steps much faster than predicted can leave all but one step in the first window: then all.
-        steady = rest if sum(count for count, _ in rest) >= 2 else self.windows
-        steps = sum(count for count, _ in steady)
-        return sum(count * step_s for count, step_s in steady) / steps if steps else None
+        return _mean_step_s(rest if sum(count for count, _ in rest) >= 2 else self.windows)
 
     def mean_s(self) -> float | None:
         """The mean step's seconds over every window, None without a window: what a layout whose
         steps differ by design (diloco's sync every H steps) costs a step."""
-        steps = sum(count for count, _ in self.windows)
-        return sum(count * step_s for count, step_s in self.windows) / steps if steps else None
+        return _mean_step_s(self.windows)
+
+
+def _mean_step_s(windows: list[tuple[int, float]]) -> float | None:
+    """The mean of (steps, mean seconds a step) windows, each weighed by its steps; None for none."""
+    steps = sum(count for count, _ in windows)
+    return sum(count * step_s for count, step_s in windows) / steps if steps else None
 
 
 def _step_s(job: Any, spec: JobSpec, deadline: float, on_event: Callable[[Event | None], None]) -> float:

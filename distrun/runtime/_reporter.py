@@ -60,10 +60,9 @@ class EventReporter:
         self._samples_after_first = 0
         # Time outside the steps (evaluation) is left out of every rate, as Lightning and Keras leave it
         # out of theirs: pending until the next step ends, then charged to the summary's span (a final
-        # evaluation after the last step is never charged); and to the current window's.
+        # evaluation after the last step is never charged); the window's start moves past it at once.
         self._outside_pending_s = 0.0
         self._outside_in_span_s = 0.0
-        self._outside_in_window_s = 0.0
         self._outside_depth = 0
         self._window_start = time.monotonic()
         self._window_samples = 0
@@ -133,17 +132,13 @@ class EventReporter:
 
         A rank's first evaluation imports torchmetrics (with scipy and matplotlib: 2.5-3 s on a 2-core
         host); counted, it read an 88-step run of a small model at twice the step time of the same
-        layout over 201 steps (0.043 against 0.021 s), and ``--strategy auto``'s measured step with it. Only the fit loop marks its evaluations
-        (a custom loop's or a script's are theirs to time). Streaming diloco's exchange in flight goes on
-        meanwhile, so the step after an evaluation may wait for it a little less."""
+        layout over 201 steps (0.043 against 0.021 s), and ``--strategy auto``'s measured step with
+        it. Only the fit loop marks its evaluations (a custom loop's or a script's are theirs to time).
+        Streaming diloco's exchange in flight goes on meanwhile, so the step after an evaluation may
+        wait for it a little less. A block inside another counts once, in the outer one."""
+        outermost = self._outside_depth == 0
         self._outside_depth += 1
-        if self._outside_depth > 1:  # inside another: the outer one counts the time once
-            try:
-                yield
-            finally:
-                self._outside_depth -= 1
-            return
-        if self._cuda:  # the last step's queued kernels are the step's, not the evaluation's
+        if outermost and self._cuda:  # the last step's queued kernels are the step's, not the evaluation's
             import torch
 
             torch.cuda.synchronize()
@@ -152,9 +147,10 @@ class EventReporter:
             yield
         finally:
             self._outside_depth -= 1
-            spent = time.monotonic() - start
-            self._outside_pending_s += spent
-            self._outside_in_window_s += spent
+            if outermost:
+                spent = time.monotonic() - start
+                self._outside_pending_s += spent
+                self._window_start += spent  # the window's rate: its span starts that much later
 
     def worker_progress(self, pushes: int, staleness: int) -> None:
         """parameter-server workers: own pushes and the last push's staleness (sent with the next Step)."""
@@ -229,10 +225,9 @@ class EventReporter:
         return self._samples_after_first * self._world / span if span > 0 else 0.0
 
     def _emit_step(self, now: float) -> None:
-        span = now - self._window_start - self._outside_in_window_s
+        span = now - self._window_start
         rate = self._window_samples / span if span > 0 else 0.0
         self._window_start, self._window_samples, self._last_emit = now, 0, now
-        self._outside_in_window_s = 0.0
         steps, step_s, wait_s, known = self._timed_steps, self._step_s, self._wait_s, self._wait_known
         self._timed_steps, self._step_s, self._wait_s, self._wait_known = 0, 0.0, 0.0, True
         gpu_util, mem_mb = self._device_figures()
